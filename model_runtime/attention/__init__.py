@@ -1,0 +1,1 @@
+"""Attention backends: the torch reference (any device) and Triton paged attention (CUDA)."""

@@ -1,0 +1,91 @@
+"""The attention-backend seam. Runs inside the engine thread of every worker.
+
+The model runner flattens a step's sequences into one token dimension ``T`` and describes them
+with an `AttentionMetadata`. For every layer the backend's `forward`:
+
+1. writes the step's new K/V into the paged cache at `slot_mapping` (so the cache holds every
+   token of every sequence up to `seq_lens[i]` once `forward` returns — the KV transfer relies
+   on this to send a layer as soon as its forward is done);
+2. computes causal attention of each new query over its sequence's whole context.
+
+`prepare` is called once per step (before layer 0) to build whatever index tensors the backend
+shares across layers. Backends do no I/O and keep no per-request state between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens come from and go to. Sequences appear in batch order.
+
+    Sequence i's new tokens are rows ``query_start_loc[i] : query_start_loc[i+1]`` of the
+    flattened batch; they sit at positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: list[int]  # [B+1] cumulative new-token offsets
+    query_lens: list[int]  # [B] new tokens this step
+    seq_lens: list[int]  # [B] tokens in context after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    seq_lens_tensor: torch.Tensor  # [B] int32, same values as seq_lens
+    decode_indices: list[int]  # sequences with query_len == 1 (batched together)
+    prefill_indices: list[int]  # the others
+
+
+class AttentionBackend(Protocol):
+    """One attention implementation. See the module docstring for the contract."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-step state shared by all layers (called once per step)."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v into the caches at meta.slot_mapping, then attend (causal, paged)."""
+        ...
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`torch`, `triton` or `auto` (Triton on CUDA when importable, else torch)."""
+    from model_runtime.attention.torch_ref import TorchAttentionBackend
+
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    try:
+        from model_runtime.attention.triton_backend import TritonAttentionBackend
+    except ImportError as exc:
+        if name == "triton":
+            raise ValueError(f"attention backend 'triton' unavailable: {exc}") from exc
+        return TorchAttentionBackend()
+    return TritonAttentionBackend()

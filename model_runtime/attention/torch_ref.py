@@ -1,0 +1,111 @@
+"""Reference attention in plain torch: correct on any device, the oracle for the Triton kernels.
+
+Decode sequences (one new token each) are batched into one padded gather over their block
+tables; prefill sequences (several new tokens, possibly after a cached prefix or an earlier
+chunk) are handled one by one with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_runtime.attention.base import AttentionMetadata, write_kv
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    seq_lens: torch.Tensor,  # [B] int
+    scale: float,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    """One query token per sequence attending over its first seq_lens[b] cached tokens."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    bt = block_tables.long()
+    keys = key_cache[bt].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    values = value_cache[bt].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    qg = q.view(batch, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
+    positions = torch.arange(max_blocks * block_size, device=q.device)
+    mask = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [B, L]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [n, num_heads, head_dim] new queries at positions seq_len-n .. seq_len-1
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [n, num_heads, head_dim]
+    """Causal attention of n new tokens over the sequence's whole cached context."""
+    n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_blocks = -(-seq_len // block_size)
+    bt = block_table[:num_blocks].long()
+    keys = key_cache[bt].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    values = value_cache[bt].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    start = seq_len - n
+    q_pos = torch.arange(start, seq_len, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [n, seq_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+class TorchAttentionBackend:
+    """`AttentionBackend` in plain torch (see `model_runtime.attention.base`)."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._decode_rows = torch.as_tensor(
+            [meta.query_start_loc[i] for i in meta.decode_indices], dtype=torch.long
+        ).to(meta.block_tables.device)
+        idx = torch.as_tensor(meta.decode_indices, dtype=torch.long).to(meta.block_tables.device)
+        self._decode_tables = meta.block_tables.index_select(0, idx)
+        self._decode_lens = meta.seq_lens_tensor.index_select(0, idx)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_indices:
+            out[self._decode_rows] = paged_decode_attention(
+                q.index_select(0, self._decode_rows),
+                key_cache,
+                value_cache,
+                self._decode_tables,
+                self._decode_lens,
+                scale,
+            )
+        for i in meta.prefill_indices:
+            lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[lo:hi] = prefill_attention(
+                q[lo:hi], key_cache, value_cache, meta.block_tables[i], meta.seq_lens[i], scale
+            )
+        return out

@@ -1,0 +1,116 @@
+"""Paged KV cache storage for one worker process (owned by its engine thread).
+
+Layout — one tensor for the whole cache, so a layer's blocks are one strided view::
+
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                     ^ 0 = key, 1 = value
+
+A token at position p of a sequence with block table `bt` lives in block `bt[p // block_size]`
+at offset `p % block_size`; its *slot* is `block_id * block_size + offset`.
+
+The KV transfer moves one layer of one request as a single contiguous tensor
+`[2, n_blocks, block_size, num_kv_heads, head_dim]` (`gather_layer` / `scatter_layer`).
+Which blocks are free or cached is the `BlockPool`'s business, not this class's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_runtime.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything two workers must agree on before KV can move between them."""
+
+    model_name: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def mismatches(self, other: KVLayout) -> list[str]:
+        """Human-readable differences, e.g. ``"block_size: 16 (here) != 32 (peer)"``."""
+        out = []
+        for name in self.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                out.append(f"{name}: {mine!r} (here) != {theirs!r} (peer)")
+        return out
+
+
+class KVCache:
+    """The paged K/V tensors of one worker. Not thread-safe: one owner (the engine thread)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        model_name: str = "",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv = torch.zeros(
+            (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+        self.layout = KVLayout(
+            model_name=model_name,
+            dtype=str(dtype).removeprefix("torch."),
+            block_size=block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Memory one block takes across all layers (K and V)."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return (
+            2 * config.num_hidden_layers * block_size * config.num_key_value_heads
+            * config.head_dim * elem
+        )
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) views of one layer, each [num_blocks, block_size, H, D]."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def gather_layer(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy one layer's blocks out: a new contiguous [2, len(block_ids), bs, H, D] tensor."""
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return self.kv[layer_idx].index_select(1, idx)
+
+    def scatter_layer(
+        self, layer_idx: int, block_ids: Sequence[int], data: torch.Tensor
+    ) -> None:
+        """Write a `gather_layer`-shaped tensor into this cache's `block_ids` of one layer."""
+        expected = (2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"scatter_layer: got shape {tuple(data.shape)}, want {expected}")
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.kv[layer_idx].index_copy_(1, idx, data.to(self.kv.device, self.kv.dtype))
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole blocks (all layers) src[i] -> dst[i] inside this cache."""
+        s = torch.as_tensor(list(src), dtype=torch.long, device=self.device)
+        d = torch.as_tensor(list(dst), dtype=torch.long, device=self.device)
+        self.kv.index_copy_(2, d, self.kv.index_select(2, s))
