@@ -90,7 +90,13 @@ class ModelConfig(BaseModel):
                 f"config.json: torch_dtype={dtype!r} is not supported; use one of "
                 f"{list(SUPPORTED_DTYPES)}"
             )
+        # transformers v5 writes `rope_parameters` (theta inside); v4 `rope_theta` + `rope_scaling`.
+        rope_params = raw.get("rope_parameters")
+        rope_theta = raw.get("rope_theta", 10000.0)
         rope_scaling = raw.get("rope_scaling")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind == "default":
@@ -128,7 +134,7 @@ class ModelConfig(BaseModel):
                 head_dim=head_dim,
                 max_position_embeddings=max_pos,
                 rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                rope_theta=raw.get("rope_theta", 10000.0),
+                rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=raw.get("tie_word_embeddings", False),
                 attention_bias=raw.get("attention_bias", arch == "qwen2"),

@@ -1,0 +1,155 @@
+"""Model runner: turns a step's sequences into one flat forward pass. Runs in the engine thread.
+
+The runner owns the model and the paged KV cache of its worker. It knows nothing of requests,
+scheduling or sampling: callers hand it `StepInput`s (new tokens, where they start, which blocks
+hold them) and get back the logits of each item's last new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata, get_backend
+from model_runtime.config import ModelConfig
+from model_runtime.kv_cache import KVCache
+from model_runtime.model import LlamaModel
+from model_runtime.weights import load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None, config: ModelConfig) -> torch.dtype:
+    """'auto'/None -> the checkpoint's dtype; else one of float32, bfloat16, float16."""
+    if name in (None, "auto"):
+        return _DTYPES[config.torch_dtype]
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass
+class StepInput:
+    """One sequence's share of one forward step.
+
+    `token_ids` are the new tokens (a whole prompt, a prefill chunk, or one decode token) at
+    positions `start_pos .. start_pos + len(token_ids) - 1`; the first `start_pos` tokens are
+    already in the KV cache. `block_table` lists the blocks for positions
+    `[0, start_pos + len(token_ids))` in order (it may list more).
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+
+
+class ModelRunner:
+    """Runs forward steps of one model over one paged KV cache (single owner thread)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = kv_cache.device
+        self.block_size = kv_cache.block_size
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        num_blocks: int,
+        block_size: int,
+        device: str | torch.device = "cpu",
+        dtype: str | None = None,
+        attention_backend: str = "auto",
+    ) -> ModelRunner:
+        """Load config and weights from an HF folder and allocate `num_blocks` KV blocks."""
+        config = ModelConfig.from_model_dir(model_dir)
+        device = torch.device(device)
+        torch_dtype = resolve_dtype(dtype, config)
+        model = load_model(model_dir, config, torch_dtype, device)
+        kv_cache = KVCache(
+            config, num_blocks, block_size, torch_dtype, device, model_name=Path(model_dir).name
+        )
+        return cls(config, model, kv_cache, get_backend(attention_backend, device))
+
+    def build_metadata(
+        self, items: Sequence[StepInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, metadata, index of each item's last token) for a step."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        max_blocks = 1
+        for item in items:
+            n = len(item.token_ids)
+            end = item.start_pos + n
+            assert n > 0, "StepInput with no tokens"
+            assert end <= self.config.max_position_embeddings, (
+                f"position {end} beyond max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+            needed = -(-end // bs)
+            assert len(item.block_table) >= needed, (
+                f"block_table has {len(item.block_table)} blocks, {needed} needed for {end} tokens"
+            )
+            input_ids.extend(item.token_ids)
+            for pos in range(item.start_pos, end):
+                positions.append(pos)
+                slots.append(item.block_table[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + n)
+            query_lens.append(n)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, needed)
+        tables = torch.zeros((len(items), max_blocks), dtype=torch.long)
+        for i, item in enumerate(items):
+            needed = -(-seq_lens[i] // bs)
+            tables[i, :needed] = torch.as_tensor(list(item.block_table[:needed]))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.as_tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=query_start_loc,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=tables.to(dev),
+            seq_lens_tensor=torch.as_tensor(seq_lens, dtype=torch.int32, device=dev),
+            decode_indices=[i for i, n in enumerate(query_lens) if n == 1],
+            prefill_indices=[i for i, n in enumerate(query_lens) if n > 1],
+        )
+        last = torch.as_tensor([q - 1 for q in query_start_loc[1:]], dtype=torch.long, device=dev)
+        return (
+            torch.as_tensor(input_ids, dtype=torch.long, device=dev),
+            torch.as_tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            last,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        items: Sequence[StepInput],
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one step; float32 logits [len(items), vocab] of each item's last new token.
+
+        `on_layer_done(l)` is called after layer `l`'s K/V for every item is in the cache.
+        """
+        if not items:
+            return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
+        input_ids, positions, meta, last = self.build_metadata(items)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, on_layer_done)
+        return self.model.compute_logits(hidden.index_select(0, last))
