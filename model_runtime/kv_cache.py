@@ -86,8 +86,12 @@ class KVCache:
         """Memory one block takes across all layers (K and V)."""
         elem = torch.tensor([], dtype=dtype).element_size()
         return (
-            2 * config.num_hidden_layers * block_size * config.num_key_value_heads
-            * config.head_dim * elem
+            2
+            * config.num_hidden_layers
+            * block_size
+            * config.num_key_value_heads
+            * config.head_dim
+            * elem
         )
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +103,7 @@ class KVCache:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         return self.kv[layer_idx].index_select(1, idx)
 
-    def scatter_layer(
-        self, layer_idx: int, block_ids: Sequence[int], data: torch.Tensor
-    ) -> None:
+    def scatter_layer(self, layer_idx: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write a `gather_layer`-shaped tensor into this cache's `block_ids` of one layer."""
         expected = (2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
         if tuple(data.shape) != expected:

@@ -131,7 +131,7 @@ def test_bad_checkpoint_names_the_tensor(tmp_path: Path) -> None:
         ModelRunner.from_model_dir(tmp_path, num_blocks=8, block_size=8)
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="missing tensors.*up_proj"):
+    with pytest.raises(ValueError, match=r"missing tensors.*up_proj"):
         ModelRunner.from_model_dir(tmp_path, num_blocks=8, block_size=8)
 
 
