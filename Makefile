@@ -1,0 +1,37 @@
+# One target per action. `make demo` and `make test` set everything up themselves.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+MODEL_DIR ?= models/small
+RUN_DIR ?= runs/demo
+
+.PHONY: setup demo test test-fast lint typecheck proto bench clean
+
+setup:  ## install pdserve and its test tools (CPU torch 2.13.0 pinned first: no CUDA download)
+	$(PIP) install --quiet "torch==2.13.0"
+	$(PIP) install --quiet -e ".[test]"
+
+demo: setup  ## make the small random model if missing, run a batch through the engine
+	$(PYTHON) -m deploy.cli demo --model $(MODEL_DIR) --out $(RUN_DIR)
+
+test: setup  ## the whole test suite (what CI runs)
+	$(PYTHON) -m pytest -q
+
+test-fast:  ## unit tests only, no setup
+	$(PYTHON) -m pytest -q tests/unit
+
+lint:
+	ruff check .
+	ruff format --check .
+
+typecheck:
+	mypy router kvtransfer model_runtime/config.py model_runtime/hashing.py model_runtime/sampling_params.py
+
+proto:  ## regenerate the gRPC stubs from proto/pdserve/v1/*.proto
+	$(PYTHON) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/pdserve/v1/inference.proto proto/pdserve/v1/worker.proto
+
+bench: setup  ## engine throughput benchmark on the small preset (JSON + table in benchmarks/results/)
+	$(PYTHON) -m benchmarks.bench_engine --model $(MODEL_DIR) --out benchmarks/results/engine.json
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
