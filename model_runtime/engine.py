@@ -1,0 +1,274 @@
+"""Colocated LLM engine: one process runs prefill and decode with continuous batching.
+
+Runs in the engine thread of a colocated worker (and in tests and `pdserve batch` directly).
+It is the baseline every disaggregated goodput report compares against. One `step()` is three
+calls — the policy lives in the `Scheduler`, the math in the `ModelRunner`::
+
+    scheduler.schedule()  ->  runner.execute() + sampler.sample()  ->  scheduler.update()
+
+The engine owns the runner (model + KV cache), the block pool, the scheduler and one
+`torch.Generator` per sampled request: seeded from the request's `seed`, or else from the
+engine's own RNG (`EngineConfig.seed`), so a seeded request draws the same tokens whatever else
+shares its batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from model_runtime.block_pool import BlockPool, KVCacheEventListener
+from model_runtime.config import ModelConfig
+from model_runtime.kv_cache import KVCache
+from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
+from model_runtime.request import Request, RequestOutput
+from model_runtime.sampler import Sampler
+from model_runtime.sampling_params import SamplingParams
+from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineConfig(BaseModel):
+    """How a colocated engine is sized and batched. Frozen; discovered values (the resolved
+    number of KV blocks, the model's EOS ids) live on the engine, not here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = Field(default=16, gt=0, description="Tokens per KV block.")
+    num_kv_blocks: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV blocks to allocate; None derives it from kv_cache_memory_mb.",
+    )
+    kv_cache_memory_mb: float = Field(
+        default=256.0,
+        gt=0,
+        description="KV cache size in MiB, used only when num_kv_blocks is None "
+        "(blocks = memory // KVCache.bytes_per_block).",
+    )
+    max_num_batched_tokens: int = Field(
+        default=512, gt=0, description="Token budget of one step (decode tokens + prefill chunks)."
+    )
+    max_num_seqs: int = Field(default=64, gt=0, description="Most requests running at once.")
+    enable_chunked_prefill: bool = Field(
+        default=True,
+        description="Split prompts into chunks that fill the step budget; off: a prompt "
+        "runs whole in one step or waits.",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="Reuse the KV of full prompt blocks already computed (hash chain).",
+    )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto", description="'auto' = Triton on CUDA when importable, else torch."
+    )
+    device: str = Field(
+        default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weights/KV dtype; 'auto' = the checkpoint's torch_dtype."
+    )
+    seed: int = Field(
+        default=0, ge=0, description="Seeds the generators of sampled requests that carry no seed."
+    )
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> EngineConfig:
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running request decodes each step"
+            )
+        return self
+
+
+def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig) -> int:
+    """`config.num_kv_blocks`, or as many blocks as `kv_cache_memory_mb` holds (at least 1)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    dtype = resolve_dtype(config.dtype, model_config)
+    per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
+    return max(1, int(config.kv_cache_memory_mb * 2**20) // per_block)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one `ModelRunner`. Not thread-safe: one owner thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        kv_event_listener: KVCacheEventListener | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.model_config: ModelConfig = runner.config
+        self.num_kv_blocks: int = runner.kv_cache.num_blocks
+        if runner.kv_cache.block_size != config.block_size:
+            raise ValueError(
+                f"runner block_size {runner.kv_cache.block_size} != config block_size "
+                f"{config.block_size}"
+            )
+        self.block_pool = BlockPool(
+            self.num_kv_blocks, config.enable_prefix_caching, kv_event_listener
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.model_config.max_position_embeddings,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_pool,
+        )
+        self.sampler = Sampler()
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        kv_event_listener: KVCacheEventListener | None = None,
+    ) -> LLMEngine:
+        """Load an HF model folder and size the KV cache from `config` (default config if
+        None). Logs the effective config and the resolved block count."""
+        config = config or EngineConfig()
+        model_config = ModelConfig.from_model_dir(model_dir)
+        num_blocks = num_kv_blocks_for(config, model_config)
+        logger.info(
+            "engine config %s; %d KV blocks of %d tokens",
+            config.model_dump_json(),
+            num_blocks,
+            config.block_size,
+        )
+        runner = ModelRunner.from_model_dir(
+            model_dir,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=config.device,
+            dtype=config.dtype,
+            attention_backend=config.attention_backend,
+        )
+        return cls(runner, config, kv_event_listener)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. Raise ValueError for a duplicate id, bad params, token ids outside
+        the vocabulary, or a request that can never fit (context length, KV capacity)."""
+        vocab = self.model_config.vocab_size
+        params.validate(vocab)
+        tokens = list(prompt_token_ids)
+        bad = [
+            t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: prompt token ids must be ints in [0, {vocab}), "
+                f"got {bad[0]!r}"
+            )
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            generator=generator,
+        )
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Finish an unfinished request now ('abort') and free its blocks; return its final
+        output. Raise KeyError for an unknown or already finished id."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that got a token this step."""
+        scheduled = self.scheduler.schedule()
+        assert scheduled.items or not self.has_unfinished(), (
+            f"no progress: {len(self.scheduler.waiting)} waiting, "
+            f"{len(self.scheduler.running)} running, {self.block_pool.num_free} free blocks"
+        )
+        token_ids, logprobs = self._run(scheduled)
+        return self.scheduler.update(scheduled, token_ids, logprobs)
+
+    def _run(self, scheduled: SchedulerOutput) -> tuple[list[int | None], list[float]]:
+        """Forward the step, then sample the rows whose chunk reaches the last known token."""
+        items = scheduled.items
+        if not items:
+            return [], []
+        logits = self.runner.execute(
+            [StepInput(it.token_ids, it.start_pos, it.block_table) for it in items]
+        )
+        rows = [i for i, it in enumerate(items) if it.samples]
+        tokens: list[int | None] = [None] * len(items)
+        logprobs = [0.0] * len(items)
+        if rows:
+            requests = [self.scheduler.requests[items[i].request_id] for i in rows]
+            out = self.sampler.sample(
+                logits[rows],
+                [r.params for r in requests],
+                [r.generator for r in requests],
+            )
+            for i, token, logprob in zip(rows, out.token_ids, out.logprobs, strict=True):
+                tokens[i] = token
+                logprobs[i] = logprob
+        return tokens, logprobs
+
+    # ------------------------------------------------------------------ offline use
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion; final outputs in input order.
+
+        `params` is shared, or one per prompt. The engine must be idle (RuntimeError
+        otherwise), since other requests' outputs would have nowhere to go.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; it has unfinished requests")
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+                self.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                if rid in self.scheduler.requests:
+                    self.scheduler.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`)."""
+        self.scheduler.check_integrity()

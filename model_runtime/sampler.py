@@ -1,0 +1,98 @@
+"""Token sampler: picks one next token per row of a logits batch. Runs in the engine thread.
+
+Greedy rows (temperature 0) take the exact argmax of the float32 logits (the lowest index on
+an exact tie, as `torch.argmax`). Sampled rows are processed one by one, each with its own
+`torch.Generator`, so a seeded request draws the same tokens whatever else shares its batch:
+
+1. divide the row by its temperature;
+2. top-k (k > 0): mask every logit below the k-th largest (exact ties with it survive);
+3. top-p (p < 1): keep the smallest set of highest-probability tokens whose mass reaches p
+   (the most likely token always survives);
+4. draw with the exponential-race trick: argmax(probs / E), E ~ Exp(1) i.i.d. over the whole
+   vocabulary — equivalent to sampling from `probs`, and it consumes a fixed amount of
+   randomness per step whatever the cut, so a generator's stream stays aligned.
+
+Alongside each token the sampler returns its log-probability under the *unprocessed* logits
+(the model's own distribution), which tests use to tell a numerical near-tie from a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One entry per logits row: the chosen token and its model log-probability."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Sampler:
+    """Stateless; all randomness comes from the per-row generators the caller passes."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        """Pick a token for each row of float32 `logits` [B, V].
+
+        `params[i]` and `generators[i]` belong to row i. A sampled row (temperature > 0) with
+        no generator uses torch's global RNG (not reproducible); the engine always passes one.
+        Greedy rows ignore their generator.
+        """
+        assert logits.dim() == 2, f"logits must be [B, V], got shape {tuple(logits.shape)}"
+        batch = logits.shape[0]
+        assert len(params) == batch and len(generators) == batch, (
+            f"{batch} rows, {len(params)} params, {len(generators)} generators"
+        )
+        if batch == 0:
+            return SamplerOutput([], [])
+        logits = logits.float()
+        tokens = torch.argmax(logits, dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            tokens = tokens.clone()
+            for i in sampled_rows:
+                tokens[i] = self._sample_row(logits[i], params[i], generators[i])
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(tokens.tolist(), logprobs.tolist())
+
+    @staticmethod
+    def _sample_row(
+        row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """Steps 1-4 of the module docstring for one [V] row; returns a 0-d index tensor."""
+        scaled = apply_top_k_top_p(row / params.temperature, params.top_k, params.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        return torch.argmax(probs / race)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Return a copy of the [V] `logits` with tokens outside the top-k / top-p set at -inf.
+
+    `top_k` 0 (or >= V) and `top_p` 1.0 are no-ops.
+    """
+    vocab = logits.shape[-1]
+    out = logits
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out

@@ -1,0 +1,355 @@
+"""Colocated continuous-batching scheduler (Sarathi-style chunked prefill). Pure: no torch, no I/O.
+
+Runs in the engine thread of a colocated worker. Each `schedule()` builds one step:
+
+1. **Decodes first.** Every running request whose prefill is done gets its one pending token.
+   If its next position needs a block and none is free, the most recently admitted request not
+   yet scheduled this step is preempted by recompute (possibly the request itself): its blocks
+   are freed (their cached hashes survive as evictable blocks), its generated tokens are kept,
+   and it goes back to the front of the waiting queue to re-prefill prompt + output later.
+2. **Unfinished prefills.** Running requests still prefilling get the next chunk of the
+   remaining token budget (`max_num_batched_tokens`), oldest first.
+3. **Admission.** If nothing was preempted, waiting requests are admitted in FIFO order while
+   budget, `max_num_seqs` and free blocks allow (the head blocks the queue: no skipping ahead).
+   Admission reuses prefix-cached blocks — only full blocks, and never the block holding the
+   last token, since at least one token must run to produce logits — and allocates blocks for
+   *all* of the request's remaining known tokens at once, so a prefill never stalls for blocks.
+   With chunked prefill off, a request is admitted only if its whole prefill fits the budget.
+
+`update()` advances each scheduled request by its tokens, registers newly computed full blocks
+with the pool's prefix cache (prompt and generated tokens alike), appends the sampled tokens,
+and frees the blocks of finished requests (tail first, so their heads stay cached longest).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from model_runtime.block_pool import BlockPool
+from model_runtime.request import Request, RequestOutput, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one colocated scheduler; validated by the engine's config."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running request decodes each step"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: run `token_ids` at positions `start_pos ..`.
+
+    `block_table` covers at least positions `[0, start_pos + len(token_ids))`. `samples` is
+    True when the chunk ends at the request's last known token, so its logits give the next
+    token; partial prefill chunks have `samples=False` and their logits are ignored.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    samples: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step: the items to run, in batch order, and the requests preempted to make room."""
+
+    items: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items)
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch of one engine; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+        self.config = config
+        self.block_pool = block_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raise ValueError if it could never run to completion: duplicate
+        id, empty prompt, prompt or prompt + max_tokens beyond `max_model_len`, more KV blocks
+        than the pool has, or (chunked prefill off) a re-prefill larger than the budget."""
+        cfg = self.config
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        n_prompt = request.num_prompt_tokens
+        max_tokens = request.params.max_tokens
+        if n_prompt == 0:
+            raise ValueError(f"request {rid!r}: prompt is empty")
+        if n_prompt > cfg.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt length {n_prompt} exceeds the model's "
+                f"max_position_embeddings {cfg.max_model_len}"
+            )
+        if n_prompt + max_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} = "
+                f"{n_prompt + max_tokens} exceeds the model's context {cfg.max_model_len}"
+            )
+        # The last generated token is never run, so the KV holds at most this many tokens.
+        kv_tokens = n_prompt + max_tokens - 1
+        need = _blocks_for(kv_tokens, cfg.block_size)
+        if need > self.block_pool.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} needs "
+                f"{need} KV blocks of {cfg.block_size} tokens, but the KV cache has only "
+                f"{self.block_pool.num_blocks}"
+            )
+        if not cfg.enable_chunked_prefill and kv_tokens > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} - 1 = "
+                f"{kv_tokens} exceeds max_num_batched_tokens {cfg.max_num_batched_tokens}; "
+                "with chunked prefill off a (re-)prefill must fit one step"
+            )
+        request.status = RequestStatus.WAITING
+        request.update_block_hashes(cfg.block_size)
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Finish an unfinished request with reason 'abort', freeing its blocks.
+
+        Raises KeyError for an id that is unknown or already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release_blocks(request)
+        else:
+            self.waiting.remove(request)
+        request.finish("abort")
+        del self.requests[request_id]
+        return request.make_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work (see the module docstring, steps 1-3)."""
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledRequest] = []
+        scheduled: set[str] = set()
+        preempted: list[str] = []
+
+        # 1. one token for every decoding request
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or not request.is_decoding:
+                continue
+            if not self._ensure_blocks(request, request.num_tokens, scheduled, preempted):
+                continue
+            items.append(self._item(request, 1))
+            scheduled.add(request.request_id)
+            budget -= 1
+
+        # 2. next chunk of every unfinished prefill (blocks were allocated at admission)
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.request_id in scheduled:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            items.append(self._item(request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+
+        # 3. admission, unless this step had to preempt
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                admitted = self._admit(self.waiting[0], budget)
+                if admitted is None:
+                    break
+                request = self.waiting.popleft()
+                items.append(self._item(request, admitted))
+                budget -= admitted
+        return SchedulerOutput(items, preempted)
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Sequence[int | None],
+        logprobs: Sequence[float] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply a step's results; return an output for every request that got a new token.
+
+        `sampled_token_ids[i]` (and `logprobs[i]`, if given) belong to `output.items[i]`: a
+        token for items with `samples=True`, None for partial prefill chunks.
+        """
+        assert len(sampled_token_ids) == len(output.items), (
+            f"{len(sampled_token_ids)} sampled tokens for {len(output.items)} items"
+        )
+        results: list[RequestOutput] = []
+        for i, item in enumerate(output.items):
+            token = sampled_token_ids[i]
+            assert (token is not None) == item.samples, (item.request_id, item.samples, token)
+            request = self.requests.get(item.request_id)
+            if request is None:  # aborted between schedule() and update()
+                continue
+            assert request.num_computed_tokens == item.start_pos, (
+                request.request_id,
+                request.num_computed_tokens,
+                item.start_pos,
+            )
+            request.num_computed_tokens += len(item.token_ids)
+            self._register_full_blocks(request)
+            if token is None:
+                continue
+            finished = request.append_token(token, logprobs[i] if logprobs is not None else 0.0)
+            if finished:
+                self.running.remove(request)
+                self._release_blocks(request)
+                del self.requests[request.request_id]
+            else:
+                request.update_block_hashes(self.config.block_size)
+            results.append(request.make_output())
+        return results
+
+    # ------------------------------------------------------------------ helpers
+
+    def _item(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + n
+        assert n > 0 and end <= request.num_tokens, (request.request_id, start, n)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_table=list(request.block_ids),
+            samples=end == request.num_tokens,
+        )
+
+    def _ensure_blocks(
+        self, request: Request, num_tokens: int, scheduled: set[str], preempted: list[str]
+    ) -> bool:
+        """Give `request` blocks for `num_tokens` positions, preempting the most recently
+        admitted unscheduled requests as needed. False if `request` itself was preempted."""
+        need = _blocks_for(num_tokens, self.config.block_size) - len(request.block_ids)
+        while need > 0:
+            new = self.block_pool.allocate(need)
+            if new is not None:
+                request.block_ids.extend(new)
+                return True
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_blocks(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Try to admit the waiting `request` with `budget` tokens left: take its prefix-cache
+        hits and blocks for all its tokens, mark it RUNNING. Returns the number of tokens to
+        run this step, or None (nothing changed) if the budget or the free blocks fall short."""
+        bs = self.config.block_size
+        pool = self.block_pool
+        # Never reuse the block holding the last token: it must run to produce logits.
+        reusable = (request.num_tokens - 1) // bs
+        hits = pool.lookup(request.block_hashes[:reusable])
+        num_new = request.num_tokens - len(hits) * bs
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        to_allocate = _blocks_for(request.num_tokens, bs) - len(hits)
+        revived = sum(1 for b in hits if pool.ref_count(b) == 0)
+        if to_allocate + revived > pool.num_free:
+            return None
+        pool.acquire(hits)
+        new = pool.allocate(to_allocate)
+        assert new is not None, (to_allocate, pool.num_free)
+        request.block_ids = hits + new
+        request.num_computed_tokens = len(hits) * bs
+        request.num_registered_blocks = len(hits)
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = len(hits) * bs
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return min(num_new, budget)
+
+    def _register_full_blocks(self, request: Request) -> None:
+        full = min(request.num_computed_tokens // self.config.block_size, len(request.block_hashes))
+        start = request.num_registered_blocks
+        if full > start:
+            self.block_pool.cache_blocks(
+                request.block_ids[start:full], request.block_hashes[start:full]
+            )
+            request.num_registered_blocks = full
+
+    def _release_blocks(self, request: Request) -> None:
+        self.block_pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
+    def check_integrity(self) -> None:
+        """Assert that queues, request states and pool ref counts agree (with the values)."""
+        bs = self.config.block_size
+        held: dict[int, int] = {}
+        assert len(self.running) <= self.config.max_num_seqs, len(self.running)
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING, (request.request_id, request.status)
+            assert len(request.block_ids) * bs >= request.num_computed_tokens, (
+                request.request_id,
+                len(request.block_ids),
+                request.num_computed_tokens,
+            )
+            for b in request.block_ids:
+                held[b] = held.get(b, 0) + 1
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+                request.request_id,
+                request.status,
+            )
+            assert not request.block_ids and request.num_computed_tokens == 0, (
+                request.request_id,
+                request.block_ids,
+                request.num_computed_tokens,
+            )
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert sorted(ids) == sorted(self.requests), (ids, sorted(self.requests))
+        pool = self.block_pool
+        for b in range(pool.num_blocks):
+            assert pool.ref_count(b) == held.get(b, 0), (
+                f"block {b}: pool ref count {pool.ref_count(b)}, held by {held.get(b, 0)}"
+            )
+        pool.check_integrity()
