@@ -8,9 +8,16 @@ Tests must treat the folder as read-only; a test that needs a modified model bui
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+
+# Triton kernels run under its CPU interpreter when no GPU is visible. The variable is read when
+# `triton` is first imported, so it must be set here, before any test module imports it.
+if shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
