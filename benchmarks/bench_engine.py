@@ -1,0 +1,222 @@
+"""Engine throughput on the `small` preset vs HF transformers, with MBU and MFU. Standalone.
+
+    python -m benchmarks.bench_engine --model models/small --out benchmarks/results/engine.json
+
+Measures, in one run and interleaved per batch size so machine drift hits both sides:
+
+- prefill tokens/s: B prompts of `--prompt-len` tokens, one step each (max_tokens=1);
+- decode tokens/s: B requests decoding `--decode-steps` tokens after their prefill, timing only
+  the decode steps;
+- the same through HF `generate` (greedy, KV cache on): prefill = generate(max_new_tokens=1),
+  decode = (generate(1 + steps) - generate(1)) per token;
+- the machine's memory bandwidth and fp32 matmul FLOP/s (`benchmarks.machine`), giving decode
+  MBU = bytes read per step / step time / bandwidth (weights except the embedding table, plus
+  the KV read), and prefill MFU = model FLOPs / time / matmul FLOP/s.
+
+Writes JSON and a Markdown table next to it (`.md`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.machine import measure_machine
+from model_runtime.config import ModelConfig
+from model_runtime.engine import EngineConfig, LLMEngine
+from model_runtime.sampling_params import SamplingParams
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def _weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of every weight a decode step reads (the embedding table is only gathered)."""
+    model = engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return total
+
+
+def _model_flops_per_token(cfg: ModelConfig, context: int) -> float:
+    """2 * matmul params + attention (QK^T and PV) for one token at a given context length."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    matmul = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h
+    attn = cfg.num_hidden_layers * 2 * cfg.num_attention_heads * d * context
+    return 2.0 * matmul + 2.0 * attn
+
+
+def bench_ours_prefill(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.block_pool.reset_prefix_cache()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    return time.perf_counter() - t0
+
+
+def bench_ours_decode(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
+    """Seconds per decode step with len(prompts) sequences running."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    engine.block_pool.reset_prefix_cache()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{i}", p, params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in _live(engine)):
+        engine.step()
+    t0 = time.perf_counter()
+    n = 0
+    while engine.has_unfinished():
+        engine.step()
+        n += 1
+    return (time.perf_counter() - t0) / max(n, 1)
+
+
+def _live(engine: LLMEngine) -> list[Any]:
+    return [r for r in engine.scheduler.requests.values() if r.finish_reason is None]
+
+
+def bench_hf(hf: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) through HF generate."""
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "attention_mask": mask}
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
+        t_all = time.perf_counter() - t0
+    return t_prefill, max(t_all - t_prefill, 1e-9) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="models/small")
+    ap.add_argument("--out", default="benchmarks/results/engine.json")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode-prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if not (Path(args.model) / "config.json").is_file():
+        from model_runtime.random_model import make_random_model
+
+        say(f"making the small model in {args.model} ...")
+        make_random_model(args.model, "small", seed=0)
+    say("measuring the machine ...")
+    machine = measure_machine()
+    say(f"  {machine}")
+    max_b = max(batches)
+    tokens = max_b * max(args.prompt_len, args.decode_prompt_len + args.decode_steps + 1)
+    config = EngineConfig(
+        num_kv_blocks=tokens // 16 + 2 * max_b + 8,
+        max_num_batched_tokens=max(max_b * args.prompt_len, 512),
+        max_num_seqs=max_b,
+    )
+    engine = LLMEngine.from_model_dir(args.model, config)
+    cfg = engine.model_config
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    weight_bytes = _weight_bytes(engine)
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    rows: list[dict[str, Any]] = []
+    for b in batches:
+        say(f"batch {b}: prefill ...")
+        pre = _prompts(b, args.prompt_len, cfg.vocab_size, seed=b)
+        dec = _prompts(b, args.decode_prompt_len, cfg.vocab_size, seed=100 + b)
+        bench_ours_prefill(engine, pre[:1])  # warm-up
+        t_pre = bench_ours_prefill(engine, pre)
+        say(f"batch {b}: decode ...")
+        t_step = bench_ours_decode(engine, dec, args.decode_steps)
+        row: dict[str, Any] = {
+            "batch": b,
+            "prefill_tokens_per_s": b * args.prompt_len / t_pre,
+            "decode_tokens_per_s": b / t_step,
+            "decode_step_ms": t_step * 1e3,
+        }
+        ctx = args.decode_prompt_len + args.decode_steps // 2
+        step_bytes = weight_bytes + b * ctx * kv_bytes_per_token
+        row["decode_mbu"] = step_bytes / t_step / (machine.memory_bandwidth_gbs * 1e9)
+        flops = b * sum(_model_flops_per_token(cfg, c) for c in range(1, args.prompt_len + 1))
+        row["prefill_mfu"] = flops / t_pre / (machine.matmul_gflops * 1e9)
+        if hf is not None:
+            say(f"batch {b}: HF transformers ...")
+            hf_pre, hf_step = bench_hf(hf, pre, 2)
+            _, hf_step = bench_hf(hf, dec, args.decode_steps)
+            row |= {
+                "hf_prefill_tokens_per_s": b * args.prompt_len / hf_pre,
+                "hf_decode_tokens_per_s": b / hf_step,
+                "decode_speedup_vs_hf": row["decode_tokens_per_s"] * hf_step / b,
+                "prefill_speedup_vs_hf": row["prefill_tokens_per_s"]
+                * hf_pre
+                / (b * args.prompt_len),
+            }
+        rows.append(row)
+        say(f"  {json.dumps({k: round(v, 3) for k, v in row.items()})}")
+    engine.check_integrity()
+    assert engine.block_pool.num_free == engine.num_kv_blocks
+    result = {
+        "benchmark": "engine",
+        "model": str(args.model),
+        "params": sum(p.numel() for p in engine.runner.model.parameters()),
+        "prompt_len": args.prompt_len,
+        "decode_prompt_len": args.decode_prompt_len,
+        "decode_steps": args.decode_steps,
+        "machine": machine.to_json(),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    table = render_table(result)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+def render_table(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        f"# Engine throughput — {result['model']} ({result['params'] / 1e6:.0f} M params, fp32)",
+        "",
+        f"Machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} "
+        f"threads; memory bandwidth {m['memory_bandwidth_gbs']:.1f} GB/s, fp32 matmul "
+        f"{m['matmul_gflops']:.0f} GFLOP/s (measured in this run).",
+        "",
+        "| batch | prefill tok/s | MFU | HF prefill tok/s | decode tok/s | step ms | MBU "
+        "| HF decode tok/s | decode vs HF |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_mfu']:.0%} "
+            f"| {r.get('hf_prefill_tokens_per_s', float('nan')):.0f} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['decode_step_ms']:.1f} | {r['decode_mbu']:.0%} "
+            f"| {r.get('hf_decode_tokens_per_s', float('nan')):.1f} "
+            f"| {r.get('decode_speedup_vs_hf', float('nan')):.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
