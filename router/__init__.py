@@ -1,0 +1,20 @@
+"""pdserve router: the cluster's front door (public `Inference` gRPC API).
+
+Runs in the router process only. It validates and tokenizes requests, admits them into a bounded
+queue, picks workers with a routing policy, runs the prefill -> decode hand-off (or a colocated
+worker's `Generate`) and streams tokens back. It must never import torch: only the torch-free
+parts of `model_runtime` (config, tokenizer, hashing, sampling params) are used here.
+
+Module map:
+
+- `config`      `RouterConfig` (pydantic, frozen)
+- `validation`  `GenerateRequest` -> `ValidatedRequest` or `RequestValidationError`
+- `policy`      `RoutingPolicy` seam, `WorkerView`, round-robin and least-load policies
+- `registry`    `WorkerRegistry` seam (membership + last status) and its in-memory version
+- `pool`        channels/stubs to workers, the status poller, router-side in-flight counts
+- `admission`   bounded FIFO admission (max_inflight running, max_queued waiting)
+- `textstream`  text deltas with stop-string matching
+- `errors`      `RouterError` (a request's final status) and worker-error mapping
+- `flow`        one request's worker calls (disagg and colocated) and cleanup aborts
+- `server`      the `Inference` servicer; `app` wires everything (`start_router`)
+"""

@@ -1,0 +1,92 @@
+"""`python -m router`: run a router process until SIGINT/SIGTERM.
+
+Prints one line ``pdserve-router ready host=<host> port=<port>`` on stdout once it serves (the
+port is the bound one, useful with ``--port 0``). Exit status 2 on a bad argument or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from router.app import start_router
+from router.config import RouterConfig
+from router.policy import POLICIES
+
+
+def _addrs(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated flags and comma-separated lists both work: `-a h:1 -a h:2` == `-a h:1,h:2`."""
+    return tuple(a.strip() for v in values or [] for a in v.split(",") if a.strip())
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
+    """Command line -> validated `RouterConfig` (exits with status 2 on errors)."""
+    p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    p.add_argument("--model", required=True, help="HF model folder (config.json, tokenizer.json)")
+    p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
+    p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="least_load")
+    p.add_argument("--prefill-addr", action="append", help="prefill worker host:port")
+    p.add_argument("--decode-addr", action="append", help="decode worker host:port")
+    p.add_argument("--colocated-addr", action="append", help="colocated worker host:port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--max-inflight", type=int, default=64)
+    p.add_argument("--max-queued", type=int, default=256)
+    p.add_argument("--default-timeout-s", type=float, default=120.0)
+    p.add_argument("--status-poll-interval-s", type=float, default=0.5)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return RouterConfig(
+            model_dir=args.model,
+            model_name=args.model_name,
+            mode=args.mode,
+            policy=args.policy,
+            prefill_addrs=_addrs(args.prefill_addr),
+            decode_addrs=_addrs(args.decode_addr),
+            colocated_addrs=_addrs(args.colocated_addr),
+            host=args.host,
+            port=args.port,
+            max_inflight=args.max_inflight,
+            max_queued=args.max_queued,
+            default_timeout_s=args.default_timeout_s,
+            status_poll_interval_s=args.status_poll_interval_s,
+        )
+    except ValidationError as exc:
+        p.error(str(exc))
+
+
+async def serve(config: RouterConfig) -> None:
+    """Start the router, announce the port, run until a stop signal."""
+    handle = await start_router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"pdserve-router ready host={config.host} port={handle.port}", flush=True)
+    await stop.wait()
+    await handle.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:  # e.g. an unusable model folder
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

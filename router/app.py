@@ -1,0 +1,135 @@
+"""Router assembly: `start_router(config) -> RouterHandle`. Runs in the router process.
+
+Start-up order: read the model's config and tokenizer (torch-free) -> register the configured
+workers and poll each once (so health is right from the first call) -> start the grpc.aio server
+with the `Inference` service and the standard `grpc.health.v1.Health` service.
+
+Health: both the overall service ("") and `pdserve.v1.Inference` report SERVING while at least
+one usable route exists (disagg: a usable prefill *and* a usable decode worker; colocated: a
+usable colocated worker), NOT_SERVING otherwise; recomputed after every status poll and every
+worker failure the request path reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from model_runtime.config import ModelConfig
+from model_runtime.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.policy import Role, WorkerView, make_policy
+from router.pool import WorkerPool
+from router.registry import InMemoryWorkerRegistry, WorkerRegistry
+from router.server import SERVICE_NAME, InferenceService
+from router.validation import ModelLimits
+
+log = logging.getLogger(__name__)
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def has_usable_route(mode: str, views: list[WorkerView]) -> bool:
+    """True when a request could be routed now (ignoring capacity)."""
+    usable = {v.role for v in views if v.usable}
+    if mode == "colocated":
+        return "colocated" in usable
+    return "prefill" in usable and "decode" in usable
+
+
+class _HealthUpdater:
+    """Pushes SERVING / NOT_SERVING into the health servicer when routability changes."""
+
+    def __init__(self, mode: str, servicer: health.aio.HealthServicer) -> None:
+        self._mode = mode
+        self._servicer = servicer
+        self.serving: bool | None = None
+
+    async def __call__(self, views: list[WorkerView]) -> None:
+        serving = has_usable_route(self._mode, views)
+        if serving == self.serving:
+            return
+        self.serving = serving
+        status = _SERVING if serving else _NOT_SERVING
+        log.info("router health -> %s", "SERVING" if serving else "NOT_SERVING")
+        for name in ("", SERVICE_NAME):
+            await self._servicer.set(name, status)
+
+
+@dataclass
+class RouterHandle:
+    """A running router. `port` is the bound public port; `stop()` shuts everything down."""
+
+    config: RouterConfig
+    port: int
+    server: grpc.aio.Server
+    pool: WorkerPool
+    service: InferenceService
+    health: health.aio.HealthServicer
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial."""
+        return f"{self.config.host}:{self.port}"
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """NOT_SERVING, stop taking calls (in-flight ones get `grace_s`), send pending aborts,
+        stop polling and close the worker channels."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
+        await self.pool.stop()
+
+    async def wait_for_termination(self) -> None:
+        """Block until the server stops."""
+        await self.server.wait_for_termination()
+
+
+async def start_router(
+    config: RouterConfig, registry: WorkerRegistry | None = None
+) -> RouterHandle:
+    """Start a router for `config`; return once it is listening and workers were polled once.
+
+    Raises ValueError for an unusable model folder, RuntimeError if the port cannot be bound.
+    `registry` defaults to an `InMemoryWorkerRegistry`.
+    """
+    log.info("router config: %s", config.model_dump_json())
+    model = ModelConfig.from_model_dir(config.model_dir)
+    tokenizer = Tokenizer.from_model_dir(config.model_dir)
+    limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)
+    health_servicer = health.aio.HealthServicer()
+    updater = _HealthUpdater(config.mode, health_servicer)
+    await updater([])  # NOT_SERVING until the first poll says otherwise
+    pool = WorkerPool(
+        registry
+        if registry is not None
+        else InMemoryWorkerRegistry(ttl_s=max(5.0, 10 * config.status_poll_interval_s)),
+        poll_interval_s=config.status_poll_interval_s,
+        poll_timeout_s=config.status_poll_timeout_s,
+        on_change=updater,
+    )
+    roles: list[tuple[Role, tuple[str, ...]]] = [
+        ("prefill", config.prefill_addrs),
+        ("decode", config.decode_addrs),
+        ("colocated", config.colocated_addrs),
+    ]
+    for role, addrs in roles:
+        for addr in addrs:
+            await pool.add(addr, role)
+    await pool.start()
+    service = InferenceService(config, tokenizer, limits, pool, make_policy(config.policy))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((service.rpc_handlers(),))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        await pool.stop()
+        raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
+    await server.start()
+    log.info("router listening on %s:%d (mode=%s)", config.host, port, config.mode)
+    return RouterHandle(config, port, server, pool, service, health_servicer)

@@ -1,0 +1,114 @@
+"""Router configuration (`RouterConfig`). Runs in the router process and in the CLI.
+
+Frozen pydantic v2 model; every field described and defaulted where a default makes sense.
+Values discovered at start-up (vocab size, context length) live in `app.ModelLimits`, never here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from router.policy import POLICIES
+
+Mode = Literal["disagg", "colocated"]
+
+
+def _check_address(addr: str) -> str:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address must be 'host:port' with port 1..65535, got {addr!r}")
+    return addr
+
+
+class RouterConfig(BaseModel):
+    """Everything the router needs to start. Invalid combinations fail here, naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: Path = Field(description="HF model folder (config.json + tokenizer.json).")
+    model_name: str | None = Field(
+        default=None, description="Name reported by GetModelInfo; defaults to the folder's name."
+    )
+    mode: Mode = Field(
+        default="disagg", description="'disagg' (prefill + decode workers) or 'colocated'."
+    )
+    policy: str = Field(
+        default="least_load", description=f"Routing policy, one of {sorted(POLICIES)}."
+    )
+    prefill_addrs: tuple[str, ...] = Field(
+        default=(), description="Prefill workers' host:port (disagg)."
+    )
+    decode_addrs: tuple[str, ...] = Field(
+        default=(), description="Decode workers' host:port (disagg)."
+    )
+    colocated_addrs: tuple[str, ...] = Field(
+        default=(), description="Colocated workers' host:port (colocated mode)."
+    )
+    host: str = Field(default="127.0.0.1", description="Interface the public gRPC server binds.")
+    port: int = Field(default=0, ge=0, le=65535, description="Public port; 0 picks a free one.")
+    max_inflight: int = Field(
+        default=64, ge=1, description="Requests running worker calls at once."
+    )
+    max_queued: int = Field(
+        default=256,
+        ge=0,
+        description="Requests waiting for a running slot; beyond it RESOURCE_EXHAUSTED.",
+    )
+    default_timeout_s: float = Field(
+        default=120.0, gt=0, description="Request deadline when the client sets none."
+    )
+    status_poll_interval_s: float = Field(
+        default=0.5, gt=0, description="Period of the Worker.GetStatus poll."
+    )
+    status_poll_timeout_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Timeout of one GetStatus call; a miss marks the worker unhealthy.",
+    )
+    abort_timeout_s: float = Field(default=2.0, gt=0, description="Timeout of cleanup Abort calls.")
+    max_route_attempts: int = Field(
+        default=2,
+        ge=1,
+        description="Tries (different workers) while nothing was sent to the client.",
+    )
+
+    @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")
+    @classmethod
+    def _addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for addr in value:
+            _check_address(addr)
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate worker address in {list(value)}")
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _mode_workers(self) -> RouterConfig:
+        if self.mode == "disagg":
+            if not self.prefill_addrs or not self.decode_addrs:
+                raise ValueError("mode 'disagg' needs prefill_addrs and decode_addrs (>= 1 each)")
+            if self.colocated_addrs:
+                raise ValueError("colocated_addrs must be empty in mode 'disagg'")
+            both = set(self.prefill_addrs) & set(self.decode_addrs)
+            if both:
+                raise ValueError(f"addresses listed as prefill and decode: {sorted(both)}")
+        else:
+            if not self.colocated_addrs:
+                raise ValueError("mode 'colocated' needs colocated_addrs (>= 1)")
+            if self.prefill_addrs or self.decode_addrs:
+                raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        """`model_name`, or the model folder's name."""
+        return self.model_name or self.model_dir.resolve().name

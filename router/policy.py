@@ -1,0 +1,201 @@
+"""Routing-policy seam: which prefill and decode worker (or colocated worker) serves a request.
+
+Runs in the router process, on the event loop, once per routing attempt. Policies are pure and
+synchronous: they see frozen `WorkerView` snapshots (the last polled `WorkerStatus` plus the
+router's own in-flight count) and do no I/O. Returning `None` means "no capacity now"; the caller
+turns that into RESOURCE_EXHAUSTED (or UNAVAILABLE when no worker of a role is usable at all).
+
+Implementations are registered by name in `POLICIES`; `make_policy(name)` builds one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A snapshot of one worker as the router sees it.
+
+    Everything but `in_flight` comes from the worker's last `GetStatus` answer; `in_flight` is
+    the number of this router's requests currently routed to the worker (fresher than the poll).
+    A worker never polled successfully is `healthy=False` with zero counters.
+    """
+
+    worker_id: str
+    address: str
+    role: Role
+    healthy: bool
+    draining: bool
+    num_waiting: int = 0
+    num_running: int = 0
+    waiting_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 1
+    in_flight: int = 0
+
+    @property
+    def usable(self) -> bool:
+        """Healthy and not draining: may take new work."""
+        return self.healthy and not self.draining
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """KV blocks this worker needs to hold `num_tokens` tokens."""
+        return math.ceil(num_tokens / max(self.block_size, 1))
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about a request (no token ids: policies stay cheap)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    colocated: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus the most tokens it can generate: the KV it may need."""
+        return self.num_prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Disagg: `prefill` and `decode` set. Colocated: only `colocated` set."""
+
+    prefill: WorkerView | None = None
+    decode: WorkerView | None = None
+    colocated: WorkerView | None = None
+
+    def __post_init__(self) -> None:
+        disagg = self.prefill is not None and self.decode is not None
+        assert disagg != (self.colocated is not None), f"inconsistent decision: {self}"
+        assert self.colocated is None or (self.prefill is None and self.decode is None), self
+
+
+class RoutingPolicy(Protocol):
+    """Chooses workers for one request. Pure, synchronous, no I/O; may keep counters.
+
+    Disagg (`request.colocated` false): choose one of `prefill_views` and one of `decode_views`.
+    Colocated: `prefill_views` holds the colocated workers, `decode_views` is empty; the decision
+    sets `colocated`. Views that are not `usable` must never be chosen. Return `None` when no
+    choice has capacity (the views are hints: the worker still checks, e.g. `Reserve`).
+    """
+
+    name: str
+
+    def choose(
+        self,
+        request: RouteRequest,
+        prefill_views: Sequence[WorkerView],
+        decode_views: Sequence[WorkerView],
+    ) -> RoutingDecision | None: ...
+
+
+class RoundRobinPolicy:
+    """Next usable worker in address order, per role; ignores load and free blocks."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
+
+    def _pick(self, key: str, views: Sequence[WorkerView]) -> WorkerView | None:
+        usable = sorted((v for v in views if v.usable), key=lambda v: v.address)
+        if not usable:
+            return None
+        chosen = usable[self._next[key] % len(usable)]
+        self._next[key] += 1
+        return chosen
+
+    def choose(
+        self,
+        request: RouteRequest,
+        prefill_views: Sequence[WorkerView],
+        decode_views: Sequence[WorkerView],
+    ) -> RoutingDecision | None:
+        if request.colocated:
+            worker = self._pick("colocated", prefill_views)
+            return None if worker is None else RoutingDecision(colocated=worker)
+        if not any(v.usable for v in prefill_views) or not any(v.usable for v in decode_views):
+            return None  # do not advance one role's counter when the other has no worker
+        prefill = self._pick("prefill", prefill_views)
+        decode = self._pick("decode", decode_views)
+        assert prefill is not None and decode is not None
+        return RoutingDecision(prefill=prefill, decode=decode)
+
+
+def _prefill_load(view: WorkerView, request: RouteRequest) -> int:
+    """Queued prompt tokens, counting each router in-flight request as one more such prompt."""
+    return view.waiting_tokens + view.in_flight * request.num_prompt_tokens
+
+
+class LeastLoadPolicy:
+    """Load-aware choice (ties broken by address, so results are deterministic).
+
+    - prefill: fewest `waiting_tokens + in_flight * prompt_tokens`, then fewest running;
+    - decode: only workers with free blocks for prompt + max_tokens; among them the fewest
+      `num_running + num_waiting + in_flight`, then the most free blocks;
+    - colocated: free blocks as for decode, then the prefill rule, then the most free blocks.
+    """
+
+    name = "least_load"
+
+    def choose(
+        self,
+        request: RouteRequest,
+        prefill_views: Sequence[WorkerView],
+        decode_views: Sequence[WorkerView],
+    ) -> RoutingDecision | None:
+        if request.colocated:
+            fits = self._with_room(request, prefill_views)
+            if not fits:
+                return None
+            best = min(
+                fits,
+                key=lambda v: (
+                    _prefill_load(v, request),
+                    v.num_running + v.in_flight,
+                    -v.free_blocks,
+                    v.address,
+                ),
+            )
+            return RoutingDecision(colocated=best)
+        prefills = [v for v in prefill_views if v.usable]
+        decodes = self._with_room(request, decode_views)
+        if not prefills or not decodes:
+            return None
+        prefill = min(prefills, key=lambda v: (_prefill_load(v, request), v.num_running, v.address))
+        decode = min(
+            decodes,
+            key=lambda v: (v.num_running + v.num_waiting + v.in_flight, -v.free_blocks, v.address),
+        )
+        return RoutingDecision(prefill=prefill, decode=decode)
+
+    @staticmethod
+    def _with_room(request: RouteRequest, views: Sequence[WorkerView]) -> list[WorkerView]:
+        return [
+            v for v in views if v.usable and v.free_blocks >= v.blocks_needed(request.total_tokens)
+        ]
+
+
+POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    LeastLoadPolicy.name: LeastLoadPolicy,
+}
+"""Policy registry: name -> factory. `RouterConfig.policy` must be one of these names."""
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    """Build the policy registered as `name`; ValueError lists the known names."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None

@@ -1,0 +1,180 @@
+"""Connections to workers: grpc.aio channels and stubs, the status poller, in-flight counts.
+
+Runs in the router process, on its event loop. One channel per worker address, opened at
+`add` and closed at `stop`. A background task calls `Worker.GetStatus` on every registered
+worker each `poll_interval_s` (each call bounded by `poll_timeout_s`) and reports the result to
+the `WorkerRegistry`; a request path that sees a worker fail calls `report_failure`, which marks
+it unhealthy at once (the next good poll makes it healthy again). `views(role)` builds the
+`WorkerView` snapshots policies choose from, adding this router's live in-flight counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
+
+import grpc
+
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.policy import Role, WorkerView
+from router.registry import WorkerRecord, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    # Reconnect quickly to a worker that comes back (defaults back off for up to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_http_proxy", 0),
+]
+
+
+class WorkerPool:
+    """Owns one channel + stub per worker and keeps the registry's health up to date.
+
+    `await on_change(views)` runs after every registry update with the views of every role, so
+    the app can recompute its health status.
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        poll_interval_s: float,
+        poll_timeout_s: float,
+        on_change: Callable[[list[WorkerView]], Awaitable[None]] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._interval = poll_interval_s
+        self._timeout = poll_timeout_s
+        self._on_change = on_change
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._records: dict[str, WorkerRecord] = {}
+        self._in_flight: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def add(self, address: str, role: Role) -> None:
+        """Register `address` and open its channel (no I/O until the first call)."""
+        await self._registry.register(address, role)
+        if address not in self._channels:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+            self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)  # type: ignore[no-untyped-call]
+            self._in_flight[address] = 0
+        await self._refresh()
+
+    async def remove(self, address: str) -> bool:
+        """Deregister `address` and close its channel; False if it was unknown."""
+        known = await self._registry.deregister(address)
+        channel = self._channels.pop(address, None)
+        self._stubs.pop(address, None)
+        self._in_flight.pop(address, None)
+        if channel is not None:
+            await channel.close()
+        await self._refresh()
+        return known
+
+    async def start(self) -> None:
+        """Poll every worker once (so health is known on return), then keep polling."""
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_loop(), name="worker-status-poll")
+
+    async def stop(self) -> None:
+        """Stop polling and close every channel."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The stub of a registered worker; KeyError for an unknown address."""
+        return self._stubs[address]
+
+    def views(self, role: Role | None = None) -> list[WorkerView]:
+        """Snapshots of the workers now in `role` (all roles when None), by address."""
+        out = []
+        for rec in self._records.values():
+            if role is not None and rec.role != role:
+                continue
+            st = rec.status
+            in_flight = self._in_flight.get(rec.address, 0)
+            if st is None:
+                view = WorkerView(rec.address, rec.address, rec.role, False, False)
+                out.append(replace(view, in_flight=in_flight))
+                continue
+            out.append(
+                WorkerView(
+                    worker_id=st.worker_id or rec.address,
+                    address=rec.address,
+                    role=rec.role,
+                    healthy=rec.healthy,
+                    draining=st.draining,
+                    num_waiting=st.num_waiting,
+                    num_running=st.num_running,
+                    waiting_tokens=st.waiting_tokens,
+                    free_blocks=st.free_blocks,
+                    total_blocks=st.total_blocks,
+                    block_size=max(st.block_size, 1),
+                    in_flight=in_flight,
+                )
+            )
+        return out
+
+    @contextlib.contextmanager
+    def track(self, address: str) -> Iterator[None]:
+        """Count one router request as in flight on `address` for the `with` body."""
+        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+        try:
+            yield
+        finally:
+            if address in self._in_flight:  # absent if the worker was removed meanwhile
+                self._in_flight[address] = max(0, self._in_flight[address] - 1)
+
+    async def report_failure(self, address: str, error: str) -> None:
+        """A call to `address` failed as unreachable: mark it unhealthy until a good poll."""
+        if address in self._channels:
+            log.warning("worker %s marked unhealthy: %s", address, error)
+            await self._registry.heartbeat(address, None, error)
+            await self._refresh()
+
+    async def poll_once(self) -> None:
+        """One `GetStatus` round over every registered worker, concurrently."""
+        records = await self._registry.list()
+        await asyncio.gather(*(self._poll(rec.address) for rec in records))
+        await self._refresh()
+
+    async def _poll(self, address: str) -> None:
+        stub = self._stubs.get(address)
+        if stub is None:
+            return
+        try:
+            status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            await self._registry.heartbeat(address, None, f"{exc.code().name}: {exc.details()}")
+            return
+        await self._registry.heartbeat(address, status)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.poll_once()
+            except KeyError:
+                # A worker removed between list() and heartbeat(); the next round is consistent.
+                log.debug("worker set changed during a poll round")
+            except Exception:  # keep polling: a dead poller would freeze every worker's health
+                log.exception("worker status poll round failed")
+
+    async def _refresh(self) -> None:
+        self._records = {rec.address: rec for rec in await self._registry.list()}
+        if self._on_change is not None:
+            await self._on_change(self.views())

@@ -1,0 +1,331 @@
+"""Validation of public `GenerateRequest`s. Runs in the router process, before any worker call.
+
+`decode_generate_request(bytes)` is the gRPC request deserializer: it never raises, so a request
+that protobuf refuses (a proto3 `string` with invalid UTF-8 raises `DecodeError` at parse time;
+grpc's default deserializer would answer INTERNAL) still reaches the handler, which answers
+INVALID_ARGUMENT naming the field. `validate_request` turns a decoded request into a
+`ValidatedRequest` or raises `RequestValidationError` (a ValueError) whose message starts with
+the offending field's path, e.g. ``sampling.top_p: must be in (0, 1], got 1.5``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from model_runtime.sampling_params import SamplingParams
+from proto.pdserve.v1 import inference_pb2, worker_pb2
+
+DEFAULT_MAX_TOKENS = 16
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63 - 1  # SamplingParams / torch generators take signed 64-bit seeds
+
+
+class RequestValidationError(ValueError):
+    """Bad client input. `field` is the offending field's path (`sampling.top_p`)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model allows; read once at router start-up."""
+
+    vocab_size: int
+    context_length: int
+
+
+@dataclass(frozen=True)
+class DecodedRequest:
+    """The deserializer's result: a parsed message, or the error that stopped parsing.
+
+    `prompt_fields` counts the top-level `text`/`token_ids` fields on the wire: protobuf keeps
+    only the last member of a oneof, so "both prompt kinds set" is visible only here.
+    """
+
+    message: inference_pb2.GenerateRequest | None
+    error: RequestValidationError | None = None
+    prompt_fields: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request the router may route: prompt tokenized, every limit checked."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+
+    def worker_sampling(self) -> worker_pb2.WorkerSampling:
+        """The sampling params in the worker API's form (stop strings stay in the router)."""
+        s = self.sampling
+        return worker_pb2.WorkerSampling(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            has_seed=s.seed is not None,
+            seed=s.seed or 0,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+
+
+def _top_level_fields(data: bytes) -> frozenset[int]:
+    """Field numbers present at the top level of a serialized message (bounded scan)."""
+    seen: set[int] = set()
+    i, n = 0, len(data)
+
+    def varint() -> int:
+        nonlocal i
+        shift = result = 0
+        while i < n and shift < 64:
+            byte = data[i]
+            i += 1
+            result |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return result
+            shift += 7
+        raise ValueError("truncated varint")
+
+    try:
+        while i < n:
+            tag = varint()
+            seen.add(tag >> 3)
+            wire = tag & 7
+            if wire == 0:
+                varint()
+            elif wire == 1:
+                i += 8
+            elif wire == 2:
+                length = varint()  # not `i += varint()`: that reads i before varint moves it
+                i += length
+            elif wire == 5:
+                i += 4
+            else:
+                break  # groups: protobuf itself reports anything malformed
+    except ValueError:
+        pass
+    return frozenset(seen)
+
+
+@cache
+def _bytes_twin() -> type[message.Message]:
+    """`GenerateRequest` rebuilt with every `string` field as `bytes` (parses any UTF-8)."""
+    fdp = descriptor_pb2.FileDescriptorProto()
+    inference_pb2.DESCRIPTOR.CopyToProto(fdp)
+    fdp.name = "pdserve/v1/inference_bytes_twin.proto"
+    fdp.package = "pdserve.v1.bytestwin"
+    fdp.ClearField("service")
+    for msg in fdp.message_type:
+        for fld in msg.field:
+            if fld.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                fld.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+            if fld.type_name.startswith(".pdserve.v1."):
+                fld.type_name = fld.type_name.replace(".pdserve.v1.", ".pdserve.v1.bytestwin.", 1)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    desc = pool.FindMessageTypeByName("pdserve.v1.bytestwin.GenerateRequest")
+    return message_factory.GetMessageClass(desc)
+
+
+def _utf8_culprit(data: bytes) -> str | None:
+    """The path of the first string field holding invalid UTF-8, or None if none does."""
+    twin: Any = _bytes_twin()()
+    try:
+        twin.ParseFromString(data)
+    except message.DecodeError:
+        return None
+    candidates: list[tuple[str, bytes]] = [("request_id", twin.request_id), ("text", twin.text)]
+    candidates += [(f"sampling.stop[{i}]", s) for i, s in enumerate(twin.sampling.stop)]
+    for path, raw in candidates:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return path
+    return None
+
+
+def decode_generate_request(data: bytes) -> DecodedRequest:
+    """gRPC request deserializer for `Generate`; never raises (errors travel in the result)."""
+    prompt_fields = _top_level_fields(data) & {2, 3}
+    try:
+        msg = inference_pb2.GenerateRequest.FromString(data)
+    except message.DecodeError as exc:
+        culprit = _utf8_culprit(data)
+        if culprit is not None:
+            err = RequestValidationError(culprit, "must be valid UTF-8")
+        else:
+            err = RequestValidationError("request", f"malformed protobuf message ({exc})")
+        return DecodedRequest(None, err, prompt_fields)
+    return DecodedRequest(msg, None, prompt_fields)
+
+
+def _check_unknown_fields(msg: message.Message, path: str) -> None:
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
+        raise RequestValidationError(
+            path or "request",
+            f"unknown field number(s) {numbers} (client and server protos differ)",
+        )
+
+
+def _check_request_id(request_id: str, in_flight: Container[str]) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestValidationError(
+            "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+        )
+    if not request_id.isprintable():
+        raise RequestValidationError("request_id", "must be printable characters only")
+    if request_id and request_id in in_flight:
+        raise RequestValidationError("request_id", f"{request_id!r} is already in flight")
+
+
+def _prompt_ids(
+    req: inference_pb2.GenerateRequest,
+    prompt_fields: frozenset[int],
+    encode: Callable[[str], list[int]],
+    limits: ModelLimits,
+) -> list[int]:
+    if len(prompt_fields) > 1:
+        raise RequestValidationError("prompt", "set exactly one of text or token_ids, got both")
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise RequestValidationError("prompt", "set exactly one of text or token_ids, got neither")
+    if kind == "text":
+        if not req.text:
+            raise RequestValidationError("text", "prompt text must not be empty")
+        ids = encode(req.text)
+        field = "text"
+    else:
+        _check_unknown_fields(req.token_ids, "token_ids")
+        ids = list(req.token_ids.ids)
+        field = "token_ids"
+        if not ids:
+            raise RequestValidationError("token_ids.ids", "prompt token ids must not be empty")
+        for i, tok in enumerate(ids):
+            if not 0 <= tok < limits.vocab_size:
+                raise RequestValidationError(
+                    f"token_ids.ids[{i}]", f"must be in [0, {limits.vocab_size}), got {tok}"
+                )
+    if len(ids) >= limits.context_length:
+        raise RequestValidationError(
+            field,
+            f"prompt is {len(ids)} tokens; the context length {limits.context_length} allows at "
+            f"most {limits.context_length - 1} (one generated token must fit)",
+        )
+    return ids
+
+
+def _check_stops(sp: inference_pb2.SamplingParams, limits: ModelLimits) -> None:
+    if len(sp.stop) > MAX_STOP_STRINGS:
+        raise RequestValidationError(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}"
+        )
+    for i, stop in enumerate(sp.stop):
+        if not stop:
+            raise RequestValidationError(f"sampling.stop[{i}]", "stop strings must not be empty")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise RequestValidationError(
+                f"sampling.stop[{i}]",
+                f"at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}",
+            )
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestValidationError(
+            "sampling.stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}",
+        )
+    for i, tok in enumerate(sp.stop_token_ids):
+        if not 0 <= tok < limits.vocab_size:
+            raise RequestValidationError(
+                f"sampling.stop_token_ids[{i}]", f"must be in [0, {limits.vocab_size}), got {tok}"
+            )
+
+
+def _sampling(
+    sp: inference_pb2.SamplingParams, num_prompt: int, limits: ModelLimits
+) -> SamplingParams:
+    room = limits.context_length - num_prompt  # >= 1, checked with the prompt
+    if sp.HasField("max_tokens"):
+        max_tokens = sp.max_tokens
+        if max_tokens <= 0:
+            raise RequestValidationError("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+        if max_tokens > room:
+            raise RequestValidationError(
+                "sampling.max_tokens",
+                f"prompt ({num_prompt}) + max_tokens ({max_tokens}) exceeds the context length "
+                f"{limits.context_length}; at most {room}",
+            )
+    else:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    temperature = sp.temperature if sp.HasField("temperature") else 0.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise RequestValidationError(
+            "sampling.temperature", f"must be finite and >= 0 (0 = greedy), got {temperature}"
+        )
+    top_p = sp.top_p if sp.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise RequestValidationError("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = sp.top_k if sp.HasField("top_k") else 0
+    if top_k < 0:
+        raise RequestValidationError("sampling.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    seed = sp.seed if sp.HasField("seed") else None
+    if seed is not None and seed > MAX_SEED:
+        raise RequestValidationError("sampling.seed", f"must be in [0, 2^63 - 1], got {seed}")
+    _check_stops(sp, limits)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
+    params.validate(limits.vocab_size)  # the runtime's own rules; must agree with the above
+    return params
+
+
+def validate_request(
+    request: DecodedRequest | inference_pb2.GenerateRequest,
+    limits: ModelLimits,
+    encode: Callable[[str], list[int]],
+    in_flight: Container[str] = (),
+) -> ValidatedRequest:
+    """Check everything about a request; tokenize a text prompt with `encode`.
+
+    `in_flight` holds the request ids now running (a duplicate is refused). An empty request_id
+    stays empty here; the caller assigns one. Raises `RequestValidationError` on the first
+    problem found. Pure apart from calling `encode`.
+    """
+    if isinstance(request, inference_pb2.GenerateRequest):
+        request = DecodedRequest(request)  # already parsed: "both prompt kinds" is not visible
+    if request.error is not None:
+        raise request.error
+    req = request.message
+    assert req is not None, "DecodedRequest without message or error"
+    _check_unknown_fields(req, "")
+    if req.HasField("sampling"):
+        _check_unknown_fields(req.sampling, "sampling")
+    _check_request_id(req.request_id, in_flight)
+    ids = _prompt_ids(req, request.prompt_fields, encode, limits)
+    sampling = _sampling(req.sampling, len(ids), limits)
+    return ValidatedRequest(
+        request_id=req.request_id,
+        prompt_token_ids=tuple(ids),
+        sampling=sampling,
+        stop=tuple(req.sampling.stop),
+    )

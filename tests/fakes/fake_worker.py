@@ -1,0 +1,328 @@
+"""A model-free `pdserve.v1.Worker` gRPC server for router tests and benchmarks.
+
+Runs in the test process (`FakeWorker`, on the test's event loop) or as its own process
+(`python -m tests.fakes.fake_worker --role decode --port 0` prints ``fake-worker port=<port>``).
+
+Behaviour (deterministic, no torch):
+
+- tokens: the token after `t` is `(t + 1) % vocab_size`; the first token follows the last
+  prompt token;
+- KV blocks: `Reserve` / colocated `Generate` take `ceil((prompt + max_tokens) / block_size)`
+  blocks, `Prefill` takes `ceil(prompt / block_size)` while it runs; a request's blocks are
+  returned when it finishes or on `Abort` — and, unless `release_on_cancel`, *not* when the
+  router merely cancels the call, so tests can tell that the router's Abort freed them;
+- faults: `fail[method] = StatusCode` answers that status; `hang` holds calls of those methods
+  until they are cancelled; `token_delay_s` / `prefill_delay_s` slow the work down;
+- records: `calls[method]` counts, `aborts` lists aborted request ids, `held` maps request
+  ids to their blocks; `free_blocks == total_blocks` again means nothing leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+
+@dataclass
+class FakeWorkerConfig:
+    """Knobs of one fake worker."""
+
+    role: str = "decode"
+    vocab_size: int = 1024
+    total_blocks: int = 64
+    block_size: int = 16
+    token_delay_s: float = 0.0
+    prefill_delay_s: float = 0.0
+    eos_ids: tuple[int, ...] = ()
+    release_on_cancel: bool = False
+    worker_id: str = ""
+
+
+@dataclass
+class _Held:
+    blocks: int
+    transfer_id: str = ""
+
+
+@dataclass
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """The servicer and its server; `await start()` -> address, `await stop()` kills it."""
+
+    config: FakeWorkerConfig = field(default_factory=FakeWorkerConfig)
+    fail: dict[str, grpc.StatusCode] = field(default_factory=dict)
+    hang: set[str] = field(default_factory=set)
+    calls: Counter[str] = field(default_factory=Counter)
+    aborts: list[str] = field(default_factory=list)
+    held: dict[str, _Held] = field(default_factory=dict)
+    draining: bool = False
+    address: str = ""
+    _server: grpc.aio.Server | None = None
+    _next_transfer: int = 0
+    _epoch: int = field(default_factory=lambda: time.monotonic_ns())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on host:port (0 = pick); return the bound address."""
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        await self._server.start()
+        self.address = f"{host}:{bound}"
+        if not self.config.worker_id:
+            self.config.worker_id = f"fake-{self.config.role}-{bound}"
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop at once, cancelling every in-flight call (a crash, as the router sees it)."""
+        if self._server is not None:
+            await self._server.stop(None)
+            self._server = None
+
+    @property
+    def free_blocks(self) -> int:
+        return self.config.total_blocks - sum(h.blocks for h in self.held.values())
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.config.block_size)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _enter(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.calls[method] += 1
+        if method in self.fail:
+            await context.abort(self.fail[method], f"fake {method} failure")
+        if method in self.hang:
+            await asyncio.Event().wait()  # until the caller's deadline or cancel
+
+    def _take(self, request_id: str, blocks: int, transfer_id: str = "") -> bool:
+        if request_id in self.held or blocks > self.free_blocks:
+            return False
+        self.held[request_id] = _Held(blocks, transfer_id)
+        return True
+
+    def _release_if(self, request_id: str, release: bool) -> None:
+        if release:
+            self.held.pop(request_id, None)
+
+    def _finish_reason(self, token: int, produced: int, s: worker_pb2.WorkerSampling) -> str:
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.config.eos_ids):
+            return "stop"
+        return "length" if produced >= s.max_tokens else ""
+
+    async def _stream(
+        self,
+        request_id: str,
+        last: int,
+        produced: int,
+        s: worker_pb2.WorkerSampling,
+        first_chunk: list[int],
+        admission_ms: float,
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """Tokens after `last` until max_tokens/stop; `first_chunk` goes out first."""
+        reason = self._finish_reason(first_chunk[-1], produced, s) if first_chunk else ""
+        if first_chunk or produced >= s.max_tokens:
+            yield worker_pb2.TokenChunk(
+                token_ids=first_chunk,
+                finished=bool(reason) or produced >= s.max_tokens,
+                finish_reason=reason or ("length" if produced >= s.max_tokens else ""),
+                admission_ms=admission_ms,
+                first_step_ms=0.1,
+            )
+            if reason or produced >= s.max_tokens:
+                self.held.pop(request_id, None)
+                return
+        first = not first_chunk
+        while True:
+            if self.config.token_delay_s:
+                await asyncio.sleep(self.config.token_delay_s)
+            if request_id not in self.held:
+                raise _Aborted()
+            last = (last + 1) % self.config.vocab_size
+            produced += 1
+            reason = self._finish_reason(last, produced, s)
+            chunk = worker_pb2.TokenChunk(
+                token_ids=[last], finished=bool(reason), finish_reason=reason
+            )
+            if first:
+                chunk.admission_ms, chunk.first_step_ms, first = admission_ms, 0.1, False
+            if reason:
+                self.held.pop(request_id, None)
+                yield chunk
+                return
+            yield chunk
+
+    # -- Worker service ----------------------------------------------------------------------
+
+    async def GetStatus(
+        self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        await self._enter("GetStatus", context)
+        return worker_pb2.WorkerStatus(
+            worker_id=self.config.worker_id,
+            role=self.config.role,
+            draining=self.draining,
+            num_waiting=0,
+            num_running=len(self.held),
+            waiting_tokens=0,
+            free_blocks=self.free_blocks,
+            total_blocks=self.config.total_blocks,
+            block_size=self.config.block_size,
+            kv_endpoint="",
+            epoch=self._epoch,
+        )
+
+    async def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReserveResponse:
+        await self._enter("Reserve", context)
+        need = self.blocks_for(request.num_prompt_tokens + request.max_tokens)
+        self._next_transfer += 1
+        transfer_id = f"{self.config.worker_id}-t{self._next_transfer}"
+        if request.request_id in self.held:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "request id already reserved")
+        if not self._take(request.request_id, need, transfer_id):
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} blocks, {self.free_blocks} free"
+            )
+        first = self.config.total_blocks - self.free_blocks - need
+        return worker_pb2.ReserveResponse(
+            ticket=worker_pb2.TransferTicket(
+                transfer_id=transfer_id,
+                epoch=self._epoch,
+                block_ids=list(range(first, first + need)),
+                decode_worker_id=self.config.worker_id,
+                num_tokens=request.num_prompt_tokens,
+            )
+        )
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        await self._enter("Prefill", context)
+        rid = request.request_id
+        if not self._take(rid, self.blocks_for(len(request.prompt_token_ids))):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no prefill blocks")
+        release = True
+        try:
+            if self.config.prefill_delay_s:
+                await asyncio.sleep(self.config.prefill_delay_s)
+            if rid not in self.held:
+                await context.abort(grpc.StatusCode.ABORTED, "aborted during prefill")
+        except asyncio.CancelledError:
+            release = self.config.release_on_cancel
+            raise
+        finally:
+            self._release_if(rid, release)
+        first = (request.prompt_token_ids[-1] + 1) % self.config.vocab_size
+        reason = self._finish_reason(first, 1, request.sampling)
+        return worker_pb2.PrefillResponse(
+            first_token=first,
+            cached_tokens=0,
+            queue_ms=0.2,
+            compute_ms=1.0,
+            transfer_ms=0.3,
+            finished=bool(reason),
+            finish_reason=reason,
+        )
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        await self._enter("Decode", context)
+        rid = request.request_id
+        held = self.held.get(rid)
+        if held is None or held.transfer_id != request.transfer_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for {rid}")
+        async for chunk in self._guarded(
+            rid, self._stream(rid, request.first_token, 1, request.sampling, [], 0.5), context
+        ):
+            yield chunk
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        await self._enter("Generate", context)
+        rid, s = request.request_id, request.sampling
+        if not self._take(rid, self.blocks_for(len(request.prompt_token_ids) + s.max_tokens)):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no blocks")
+        try:
+            if self.config.prefill_delay_s:
+                await asyncio.sleep(self.config.prefill_delay_s)
+        except asyncio.CancelledError:
+            self._release_if(rid, self.config.release_on_cancel)
+            raise
+        first = (request.prompt_token_ids[-1] + 1) % self.config.vocab_size
+        async for chunk in self._guarded(
+            rid, self._stream(rid, first, 1, s, [first], 0.2), context
+        ):
+            yield chunk
+
+    async def _guarded(
+        self,
+        rid: str,
+        chunks: AsyncIterator[worker_pb2.TokenChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except _Aborted:
+            await context.abort(grpc.StatusCode.ABORTED, f"{rid} aborted")
+        except asyncio.CancelledError:
+            self._release_if(rid, self.config.release_on_cancel)
+            raise
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        await self._enter("Abort", context)
+        self.aborts.append(request.request_id)
+        return worker_pb2.AbortResponse(found=self.held.pop(request.request_id, None) is not None)
+
+    async def SetRole(
+        self, request: worker_pb2.SetRoleRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        await self._enter("SetRole", context)
+        self.config.role = request.role
+        return await self.GetStatus(worker_pb2.GetStatusRequest(), context)
+
+
+class _Aborted(Exception):
+    """The request was aborted while its stream ran."""
+
+
+async def _main() -> None:
+    p = argparse.ArgumentParser(description="model-free fake pdserve worker")
+    p.add_argument("--role", default="decode")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--total-blocks", type=int, default=64)
+    p.add_argument("--token-delay-s", type=float, default=0.0)
+    args = p.parse_args()
+    worker = FakeWorker(
+        FakeWorkerConfig(
+            role=args.role,
+            vocab_size=args.vocab_size,
+            total_blocks=args.total_blocks,
+            token_delay_s=args.token_delay_s,
+        )
+    )
+    addr = await worker.start(port=args.port)
+    print(f"fake-worker port={addr.rsplit(':', 1)[1]}", flush=True)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())
