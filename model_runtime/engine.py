@@ -10,6 +10,12 @@ The engine owns the runner (model + KV cache), the block pool, the scheduler and
 `torch.Generator` per sampled request: seeded from the request's `seed`, or else from the
 engine's own RNG (`EngineConfig.seed`), so a seeded request draws the same tokens whatever else
 shares its batches.
+
+Disaggregated workers drive the same engine through three extra paths: `add_request(...,
+hold_blocks=True)` + `release_held` (prefill: a finished request keeps its blocks while its KV
+is being transferred), `add_prefilled_request` (decode: a request whose prompt KV arrived in
+blocks the worker reserved), and `step(before_forward=...)` (prefill: open KV transfers before
+the forward and push each layer from the runner's `on_layer_done`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -28,10 +34,15 @@ from model_runtime.block_pool import BlockPool, KVCacheEventListener
 from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
-from model_runtime.request import Request, RequestOutput
+from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampler import Sampler
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+LayerCallback = Callable[[int], None]
+BeforeForward = Callable[[SchedulerOutput], LayerCallback | None]
+"""Called with a step's schedule just before its forward; may return the step's
+`on_layer_done(layer)` callback (see `ModelRunner.execute`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +131,16 @@ class LLMEngine:
         self.block_pool = BlockPool(
             self.num_kv_blocks, config.enable_prefix_caching, kv_event_listener
         )
-        self.scheduler = Scheduler(
+        self.scheduler = self._new_scheduler()
+        self.sampler = Sampler()
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.last_step_size = 0
+        """Items run by the latest `step()` (0: nothing could run, e.g. blocks all held)."""
+
+    def _new_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(
             SchedulerConfig(
                 block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -130,9 +150,17 @@ class LLMEngine:
             ),
             self.block_pool,
         )
-        self.sampler = Sampler()
-        self._rng = random.Random(config.seed)
-        self._ids = itertools.count()
+
+    def reset_scheduler(self) -> None:
+        """Start over with an empty scheduler on the same runner, KV cache and block pool (the
+        prefix cache is kept). RuntimeError if any request is unfinished or holds blocks."""
+        sched = self.scheduler
+        if sched.requests or sched.held:
+            raise RuntimeError(
+                f"reset_scheduler needs an idle engine: {len(sched.requests)} unfinished, "
+                f"{len(sched.held)} holding blocks"
+            )
+        self.scheduler = self._new_scheduler()
 
     @classmethod
     def from_model_dir(
@@ -165,10 +193,62 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_blocks: bool = False,
     ) -> None:
         """Queue a request. Raise ValueError for a duplicate id, bad params, token ids outside
-        the vocabulary, or a request that can never fit (context length, KV capacity)."""
+        the vocabulary, or a request that can never fit (context length, KV capacity).
+
+        `hold_blocks=True`: when the request finishes its blocks stay allocated (and unchanged)
+        until `release_held(request_id)`; an abort still frees them at once.
+        """
+        request = self._make_request(request_id, prompt_token_ids, params)
+        request.hold_blocks = hold_blocks
+        self.scheduler.add(request)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        block_ids: Sequence[int],
+    ) -> RequestOutput | None:
+        """Admit a request whose prompt KV is already in `block_ids` (allocated by the caller
+        from `block_pool`, one reference each, covering at least the prompt) and whose first
+        output token `first_token` was sampled elsewhere. The engine takes the blocks over and
+        frees them exactly once, when the request finishes or is aborted.
+
+        Returns the final output if `first_token` already ends the request (its blocks are
+        freed then), else None; later outputs never repeat `first_token`. Raises ValueError
+        (nothing taken over) for a duplicate id, bad params or tokens, or a prompt +
+        max_tokens beyond the model's context.
+        """
+        request = self._make_request(request_id, prompt_token_ids, params)
+        vocab = self.model_config.vocab_size
+        if isinstance(first_token, bool) or not 0 <= first_token < vocab:
+            raise ValueError(f"request {request_id!r}: first_token must be in [0, {vocab})")
+        limit = self.model_config.max_position_embeddings
+        if request.num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(
+                f"request {request_id!r}: prompt length {request.num_prompt_tokens} + max_tokens "
+                f"{params.max_tokens} exceeds the model's context {limit}"
+            )
+        request.block_ids = list(block_ids)
+        request.status = RequestStatus.RUNNING
+        return self.scheduler.add_prefilled(request, first_token)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished `hold_blocks` request (KeyError if none held)."""
+        self.scheduler.release(request_id)
+
+    def _make_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Request:
         vocab = self.model_config.vocab_size
         params.validate(vocab)
         tokens = list(prompt_token_ids)
@@ -180,18 +260,19 @@ class LLMEngine:
                 f"request {request_id!r}: prompt token ids must be ints in [0, {vocab}), "
                 f"got {bad[0]!r}"
             )
+        if not tokens:
+            raise ValueError(f"request {request_id!r}: prompt is empty")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=tokens,
             params=params,
             eos_token_ids=self.model_config.eos_token_ids,
             generator=generator,
         )
-        self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Finish an unfinished request now ('abort') and free its blocks; return its final
@@ -203,23 +284,36 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that got a token this step."""
+    def step(self, before_forward: BeforeForward | None = None) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that got a token this step.
+
+        `before_forward(scheduled)`, if given, runs after scheduling and before the forward
+        (not at all for an empty step); the callback it returns, if any, is passed to
+        `ModelRunner.execute` as `on_layer_done`. A step can be empty while requests wait if
+        finished `hold_blocks` requests hold the blocks they need.
+        """
         scheduled = self.scheduler.schedule()
-        assert scheduled.items or not self.has_unfinished(), (
+        # An empty step with work left is a deadlock, unless finished requests hold blocks
+        # (prefill worker: they come back when their KV transfers end).
+        assert scheduled.items or not self.has_unfinished() or self.scheduler.held, (
             f"no progress: {len(self.scheduler.waiting)} waiting, "
             f"{len(self.scheduler.running)} running, {self.block_pool.num_free} free blocks"
         )
-        token_ids, logprobs = self._run(scheduled)
+        self.last_step_size = len(scheduled.items)
+        on_layer_done = before_forward(scheduled) if before_forward and scheduled.items else None
+        token_ids, logprobs = self._run(scheduled, on_layer_done)
         return self.scheduler.update(scheduled, token_ids, logprobs)
 
-    def _run(self, scheduled: SchedulerOutput) -> tuple[list[int | None], list[float]]:
+    def _run(
+        self, scheduled: SchedulerOutput, on_layer_done: LayerCallback | None = None
+    ) -> tuple[list[int | None], list[float]]:
         """Forward the step, then sample the rows whose chunk reaches the last known token."""
         items = scheduled.items
         if not items:
             return [], []
         logits = self.runner.execute(
-            [StepInput(it.token_ids, it.start_pos, it.block_table) for it in items]
+            [StepInput(it.token_ids, it.start_pos, it.block_table) for it in items],
+            on_layer_done,
         )
         rows = [i for i, it in enumerate(items) if it.samples]
         tokens: list[int | None] = [None] * len(items)
@@ -269,6 +363,7 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
-    def check_integrity(self) -> None:
-        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`)."""
-        self.scheduler.check_integrity()
+    def check_integrity(self, external: dict[int, int] | None = None) -> None:
+        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`); `external`
+        counts block references held outside the scheduler (block id -> references)."""
+        self.scheduler.check_integrity(external)

@@ -7,6 +7,11 @@ mutated only by the scheduler (tokens computed, blocks, status) and dropped when
        ^                  │  └──────abort───────> FINISHED ('abort', also from WAITING)
        └─────preempt──────┘  (status PREEMPTED while back in the waiting queue)
 
+Two worker paths enter and leave this machine differently: a *prefilled* request (decode
+worker: prompt KV arrived by transfer, first token given) starts RUNNING with
+`num_computed_tokens = len(prompt)`; a request with `hold_blocks` (prefill worker) keeps its
+`block_ids` after FINISHED until the scheduler is told to release them.
+
 Token bookkeeping: `all_token_ids = prompt_token_ids + output_token_ids`; the first
 `num_computed_tokens` of them have their K/V in the blocks `block_ids` (block i holds positions
 `i*block_size .. (i+1)*block_size - 1`). The newest output token is not computed until the next
@@ -34,6 +39,22 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+def stop_reason(
+    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: tuple[int, ...]
+) -> FinishReason | None:
+    """Why a request whose `num_output_tokens`-th output token is `token_id` ends, or None.
+
+    EOS (unless `params.ignore_eos`) or a `params.stop_token_ids` member → 'stop';
+    `params.max_tokens` reached → 'length'. Used by `Request.append_token` and by the prefill
+    worker, which samples only the first token but must say whether it ends the request.
+    """
+    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+        return "stop"
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    return None
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,8 @@ class Request:
     """Leading blocks already offered to the pool's prefix cache."""
     num_reported_tokens: int = 0
     """Output tokens already reported by `make_output`."""
+    hold_blocks: bool = False
+    """Keep `block_ids` when the request finishes (not on abort) until `Scheduler.release`."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,13 +145,7 @@ class Request:
         assert not self.is_finished, f"request {self.request_id} is already finished"
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
-        reason: FinishReason | None = None
-        if (
-            not self.params.ignore_eos and token_id in self.eos_token_ids
-        ) or token_id in self.params.stop_token_ids:
-            reason = "stop"
-        elif self.num_output_tokens >= self.params.max_tokens:
-            reason = "length"
+        reason = stop_reason(token_id, self.num_output_tokens, self.params, self.eos_token_ids)
         if reason is not None:
             self.finish(reason)
         return reason is not None

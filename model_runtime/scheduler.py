@@ -19,6 +19,16 @@ Runs in the engine thread of a colocated worker. Each `schedule()` builds one st
 `update()` advances each scheduled request by its tokens, registers newly computed full blocks
 with the pool's prefix cache (prompt and generated tokens alike), appends the sampled tokens,
 and frees the blocks of finished requests (tail first, so their heads stay cached longest).
+
+Two entry/exit paths serve disaggregated workers:
+
+- **Prefilled requests** (`add_prefilled`, decode worker): the prompt's KV is already in blocks
+  the caller allocated and hands over, and the first token is known. The request waits in
+  `ready` (holding its blocks) until `max_num_seqs` allows, then joins `running` as a decoding
+  request (step 0 of `schedule()`, before the decodes).
+- **Held blocks** (`Request.hold_blocks`, prefill worker): when such a request finishes, its
+  blocks are not freed but parked in `held` until `release(request_id)` — the KV transfer still
+  reads them. `abort` never parks: an aborted request's blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -93,6 +103,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.ready: deque[Request] = deque()  # prefilled, holding blocks, waiting for a slot
+        self.held: dict[str, Request] = {}  # finished with hold_blocks, blocks not yet freed
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -102,7 +114,7 @@ class Scheduler:
         than the pool has, or (chunked prefill off) a re-prefill larger than the budget."""
         cfg = self.config
         rid = request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.held:
             raise ValueError(f"request id {rid!r} is already in use")
         n_prompt = request.num_prompt_tokens
         max_tokens = request.params.max_tokens
@@ -138,16 +150,60 @@ class Scheduler:
         self.requests[rid] = request
         self.waiting.append(request)
 
+    def add_prefilled(self, request: Request, first_token: int) -> RequestOutput | None:
+        """Take over a request whose prompt KV is already in `request.block_ids` and whose first
+        output token is `first_token` (sampled elsewhere).
+
+        The caller allocated the blocks (ref count 1 each) and hands them over: from now on the
+        scheduler frees them. They must cover at least the prompt. If `first_token` already ends
+        the request, its blocks are freed and its final output returned; else the request waits
+        in `ready` for a running slot and None is returned. The first token is never reported
+        again (`new_token_ids` of later outputs start after it).
+        Raises ValueError for a duplicate id or too few blocks (nothing is taken over then).
+        """
+        rid = request.request_id
+        bs = self.config.block_size
+        if rid in self.requests or rid in self.held:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if len(request.block_ids) * bs < request.num_prompt_tokens:
+            raise ValueError(
+                f"request {rid!r}: {len(request.block_ids)} blocks of {bs} tokens cannot hold "
+                f"its {request.num_prompt_tokens} prompt tokens"
+            )
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_registered_blocks = 0  # registered by the next update(): KV is valid now
+        finished = request.append_token(first_token)
+        request.num_reported_tokens = request.num_output_tokens
+        if finished:
+            self._release_blocks(request)
+            return request.make_output()
+        request.status = RequestStatus.WAITING
+        request.update_block_hashes(bs)
+        self.requests[rid] = request
+        self.ready.append(request)
+        return None
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished `hold_blocks` request. KeyError if none is held."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"no finished request holding blocks with id {request_id!r}")
+        self._release_blocks(request)
+
     def abort(self, request_id: str) -> RequestOutput:
         """Finish an unfinished request with reason 'abort', freeing its blocks.
 
-        Raises KeyError for an id that is unknown or already finished.
+        Raises KeyError for an id that is unknown or already finished (a held request is
+        finished: use `release`).
         """
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_blocks(request)
+        elif request in self.ready:
+            self.ready.remove(request)
             self._release_blocks(request)
         else:
             self.waiting.remove(request)
@@ -166,6 +222,12 @@ class Scheduler:
         items: list[ScheduledRequest] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
+
+        # 0. prefilled requests take free running slots (their blocks are already held)
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            request = self.ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
         # 1. one token for every decoding request
         for request in list(self.running):
@@ -232,7 +294,10 @@ class Scheduler:
             finished = request.append_token(token, logprobs[i] if logprobs is not None else 0.0)
             if finished:
                 self.running.remove(request)
-                self._release_blocks(request)
+                if request.hold_blocks:
+                    self.held[request.request_id] = request
+                else:
+                    self._release_blocks(request)
                 del self.requests[request.request_id]
             else:
                 request.update_block_hashes(self.config.block_size)
@@ -321,11 +386,27 @@ class Scheduler:
         request.block_ids = []
         request.num_registered_blocks = 0
 
-    def check_integrity(self) -> None:
-        """Assert that queues, request states and pool ref counts agree (with the values)."""
+    def check_integrity(self, external: dict[int, int] | None = None) -> None:
+        """Assert that queues, request states and pool ref counts agree (with the values).
+
+        `external` maps block id -> references held outside this scheduler (a decode worker's
+        reservations), which the pool's ref counts must include.
+        """
         bs = self.config.block_size
-        held: dict[int, int] = {}
+        held: dict[int, int] = dict(external or {})
         assert len(self.running) <= self.config.max_num_seqs, len(self.running)
+        for request in [*self.ready, *self.held.values()]:
+            assert request.block_ids, (request.request_id, "ready/held without blocks")
+            for b in request.block_ids:
+                held[b] = held.get(b, 0) + 1
+        for request in self.held.values():
+            assert request.status is RequestStatus.FINISHED, (request.request_id, request.status)
+        for request in self.ready:
+            assert request.status is RequestStatus.WAITING and request.is_decoding, (
+                request.request_id,
+                request.status,
+                request.num_computed_tokens,
+            )
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, (request.request_id, request.status)
             assert len(request.block_ids) * bs >= request.num_computed_tokens, (
@@ -345,7 +426,7 @@ class Scheduler:
                 request.block_ids,
                 request.num_computed_tokens,
             )
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        ids = [r.request_id for r in [*self.running, *self.waiting, *self.ready]]
         assert sorted(ids) == sorted(self.requests), (ids, sorted(self.requests))
         pool = self.block_pool
         for b in range(pool.num_blocks):

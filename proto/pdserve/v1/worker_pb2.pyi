@@ -53,7 +53,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("transfer_id", "epoch", "block_ids", "layout", "kv_endpoint", "decode_worker_id", "num_tokens")
+    __slots__ = ("transfer_id", "epoch", "block_ids", "layout", "kv_endpoint", "decode_worker_id", "num_tokens", "timeout_ms", "request_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,8 @@ class TransferTicket(_message.Message):
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     epoch: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -68,7 +70,9 @@ class TransferTicket(_message.Message):
     kv_endpoint: str
     decode_worker_id: str
     num_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    timeout_ms: int
+    request_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "timeout_s")

@@ -1,0 +1,310 @@
+"""The engine thread of a worker process: the one owner of model, KV cache, block pool and KV
+transport, driving the current role.
+
+Runs in every worker process, in its own thread; the gRPC handlers on the asyncio loop reach it
+only through `submit` / `cancel` / `abort` / `set_role` / `stop` (thread-safe: they enqueue a
+command) and read `snapshot` (an immutable object swapped each iteration). One iteration:
+
+1. wait for commands — up to 50 ms when idle, 2 ms while KV transfers are in flight, not at
+   all while the engine has work — and run every queued one (RPCs in, aborts, role changes);
+2. `role.expire(now)`: deadlines and reservation lifetimes;
+3. one engine step if any request is unfinished (`role.before_forward` opens KV transfers,
+   `role.on_outputs` delivers tokens);
+4. ``transport.poll()`` -> `role.on_transfer_results` (arrived layers, acks, failures);
+5. drain progress (below), then publish a new `Snapshot`.
+
+Draining (SetRole, stop): new work (the role's `new_work` RPCs) is answered UNAVAILABLE at
+once; work in flight — including Decode calls for existing reservations — runs on. When the
+role holds nothing (`num_active() == 0`) the role switches: same engine, runner, KV cache and
+block pool (prefix cache kept), fresh scheduler. At the drain timeout whatever is left is
+aborted (UNAVAILABLE); the switch then waits only for cancelled transfers' results, so every
+block is released exactly once, by the role that took it.
+A `drain_timeout_s` <= 0 means no drain limit (every request is still bounded by its own
+deadline). SetRole to the current role answers at once; SetRole while draining is refused
+(FAILED_PRECONDITION); `stop` overrides a role switch in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from decode_worker.colocated import ColocatedRole
+from decode_worker.decode import DecodeRole
+from decode_worker.roles import Role, RoleContext
+from decode_worker.sinks import Sink, UnarySink, WorkerError
+from prefill_worker.prefill import PrefillRole
+
+log = logging.getLogger(__name__)
+
+ROLES: dict[str, type[Role]] = {r.name: r for r in (PrefillRole, DecodeRole, ColocatedRole)}
+SERVED_BY = {m: r.name for r in ROLES.values() for m in r.methods}
+IDLE_WAIT_S = 0.05
+TRANSFER_POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What GetStatus reports; published by the engine thread after every iteration."""
+
+    role: str
+    draining: bool
+    num_waiting: int
+    num_running: int
+    waiting_tokens: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+
+
+@dataclass
+class _Drain:
+    target: str | None  # None: stopping
+    deadline: float
+    sink: UnarySink | None
+    aborted: bool = False
+
+
+class EngineThread:
+    """Runs the loop in the module docstring on a daemon thread (`start`, `stop`)."""
+
+    def __init__(self, ctx: RoleContext, role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.role: Role = ROLES[role](ctx)
+        # (command, the sink it answers or None): the sink is failed if the thread has ended
+        self._commands: queue.SimpleQueue[tuple[Callable[[], object], Sink | None]] = (
+            queue.SimpleQueue()
+        )
+        self._drain: _Drain | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.snapshot = self._make_snapshot()
+
+    # ---- thread-safe API ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
+        """Run RPC `method` on the engine thread; its answer goes to `sink`."""
+        self._put(lambda: self._on_rpc(method, request, sink, timeout_s), sink)
+
+    def cancel(self, request_id: str, sink: Sink) -> None:
+        """The RPC that owns `sink` was cancelled: abort what it started (if still there)."""
+        error = WorkerError(grpc.StatusCode.CANCELLED, "the RPC was cancelled by the client")
+        self._put(lambda: self.role.abort(request_id, sink, error), None)
+
+    def abort(self, request_id: str, sink: UnarySink) -> None:
+        """The Abort RPC: `sink` gets whether the request was found."""
+
+        def run() -> None:
+            error = WorkerError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
+            sink.set(self.role.abort(request_id, None, error))
+
+        self._put(run, sink)
+
+    def set_role(self, role: str, drain_timeout_s: float, sink: UnarySink) -> None:
+        """Drain, then switch to `role`; `sink` gets None when done (WorkerError if refused)."""
+        self._put(lambda: self._on_set_role(role, drain_timeout_s, sink), sink)
+
+    def stop(self, grace_s: float) -> None:
+        """Drain for up to `grace_s` (then abort the rest), close the transport, end the
+        thread. Blocks (call it off the event loop)."""
+        deadline = time.monotonic() + grace_s
+        self._put(lambda: self._begin_drain(None, deadline, None), None)
+        self._thread.join(grace_s + 30.0)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.1f s", grace_s + 30.0)
+
+    def _put(self, command: Callable[[], object], sink: Sink | None) -> None:
+        self._commands.put((command, sink))
+        if self._stopped.is_set():  # the thread may be gone: answer what is left ourselves
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        error = WorkerError(grpc.StatusCode.UNAVAILABLE, f"worker {self.ctx.worker_id} stopped")
+        while True:
+            try:
+                _, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if sink is not None:
+                sink.fail(error)
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                try:
+                    self._iterate()
+                except Exception as exc:  # a bug: fail what is in flight, keep serving
+                    log.exception("engine loop iteration failed")
+                    self.role.abort_all(WorkerError(grpc.StatusCode.INTERNAL, f"engine: {exc!r}"))
+        finally:
+            self._shutdown()
+
+    def _iterate(self) -> None:
+        if self.engine.has_unfinished() and self.engine.last_step_size > 0:
+            wait = 0.0
+        elif self.engine.has_unfinished() or self.role.transfers_in_flight():
+            wait = TRANSFER_POLL_S
+        else:
+            wait = IDLE_WAIT_S
+        self._run_commands(wait)
+        self.role.expire(time.monotonic())
+        if self.engine.has_unfinished():
+            self._step()
+        results = self.ctx.transport.poll()
+        if results:
+            self.role.on_transfer_results(results)
+        self._drain_progress()
+        self.snapshot = self._make_snapshot()
+
+    def _run_commands(self, wait: float) -> None:
+        try:
+            command, sink = (
+                self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            try:
+                command()
+            except Exception as exc:  # a bug: answer INTERNAL, keep serving the others
+                log.exception("engine-thread command failed")
+                if sink is not None:
+                    sink.fail(WorkerError(grpc.StatusCode.INTERNAL, f"{exc!r}"))
+            try:
+                command, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_rpc(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
+        try:
+            if self._drain is not None and (
+                method in self.role.new_work or method not in self.role.methods
+            ):
+                doing = (
+                    "stopping"
+                    if self._drain.target is None
+                    else f"draining to switch role to '{self._drain.target}'"
+                )
+                raise WorkerError(
+                    grpc.StatusCode.UNAVAILABLE, f"worker {self.ctx.worker_id} is {doing}"
+                )
+            if method not in self.role.methods:
+                raise WorkerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{method} needs a worker in role '{SERVED_BY.get(method, '?')}'; worker "
+                    f"{self.ctx.worker_id} is in role '{self.role.name}'",
+                )
+            self.role.handle(method, request, sink, timeout_s)
+        except WorkerError as err:
+            sink.fail(err)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        outputs = self.engine.step(self.role.before_forward)
+        self.role.on_outputs(outputs, started, time.monotonic())
+
+    # ---- draining and role switch ------------------------------------------------------------
+
+    def _on_set_role(self, role: str, drain_timeout_s: float, sink: UnarySink) -> None:
+        if role not in ROLES:
+            sink.fail(
+                WorkerError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"role must be one of {sorted(ROLES)}, got {role!r}",
+                )
+            )
+        elif self._drain is not None:
+            sink.fail(
+                WorkerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"worker {self.ctx.worker_id} is already draining",
+                )
+            )
+        elif role == self.role.name:
+            sink.set(None)
+        else:
+            timeout = drain_timeout_s if drain_timeout_s > 0 else math.inf
+            self._begin_drain(role, time.monotonic() + timeout, sink)
+
+    def _begin_drain(self, target: str | None, deadline: float, sink: UnarySink | None) -> None:
+        if self._drain is not None:
+            if target is None:  # stop overrides a role switch in progress
+                if self._drain.sink is not None:
+                    self._drain.sink.fail(
+                        WorkerError(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
+                    )
+                self._drain = _Drain(None, min(deadline, self._drain.deadline), None)
+            return
+        log.info("draining (target role %s)", target)
+        self._drain = _Drain(target, deadline, sink)
+        self.snapshot = self._make_snapshot()
+
+    def _drain_progress(self) -> None:
+        drain = self._drain
+        if drain is None:
+            return
+        if self.role.num_active() > 0:
+            if time.monotonic() >= drain.deadline and not drain.aborted:
+                what = "stopping" if drain.target is None else f"switching to '{drain.target}'"
+                self.role.abort_all(
+                    WorkerError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"worker {self.ctx.worker_id} is {what} and its drain timeout passed",
+                    )
+                )
+                drain.aborted = True
+            return
+        if drain.target is None:
+            self._stopped.set()
+            return
+        self.engine.check_integrity(self.role.external_blocks())
+        self.engine.reset_scheduler()
+        self.role = ROLES[drain.target](self.ctx)
+        self._drain = None
+        log.info("role is now %s", drain.target)
+        self.snapshot = self._make_snapshot()
+        if drain.sink is not None:
+            drain.sink.set(None)
+
+    def _shutdown(self) -> None:
+        """Close the transport; results of transfers it fails release their blocks."""
+        self._stopped.set()
+        self.ctx.transport.close()
+        results = self.ctx.transport.poll()
+        if results:
+            self.role.on_transfer_results(results)
+        self.snapshot = self._make_snapshot()
+        self._fail_queued()
+
+    def _make_snapshot(self) -> Snapshot:
+        sched = self.engine.scheduler
+        waiting_tokens = sum(r.num_tokens for r in sched.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens for r in sched.running if not r.is_decoding
+        )
+        pool = self.engine.block_pool
+        return Snapshot(
+            role=self.role.name,
+            draining=self._drain is not None,
+            num_waiting=len(sched.waiting) + len(sched.ready) + self.role.num_pending(),
+            num_running=len(sched.running) + len(sched.held),
+            waiting_tokens=waiting_tokens,
+            free_blocks=pool.num_free,
+            total_blocks=pool.num_blocks,
+            block_size=self.engine.config.block_size,
+        )

@@ -1,0 +1,179 @@
+"""The `pdserve.v1.Worker` gRPC service and the grpc.health.v1 status of a worker process.
+
+Runs on the asyncio loop of every worker process. Handlers never block: each hands its request
+to the engine thread (`EngineThread.submit`) with a sink and awaits the sink. Timeouts: a
+request's deadline is the smaller of its `timeout_s` and the RPC's own gRPC deadline (for
+`Reserve`, `timeout_s` is the reservation's lifetime and the gRPC deadline only bounds the
+call). A handler cancelled before its answer (client disconnect, gRPC deadline) tells the
+engine thread to abort the request it started — only that one, matched by its sink.
+
+Health: SERVING while accepting work; NOT_SERVING while a role switch drains and from the start
+of `stop` on (for the overall service "" and for ``pdserve.v1.Worker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from decode_worker.engine_thread import EngineThread
+from decode_worker.sinks import StreamSink, UnarySink, WorkerError
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+SERVICE_NAME = "pdserve.v1.Worker"
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """One worker's `Worker` service over its `EngineThread`."""
+
+    def __init__(
+        self,
+        engine: EngineThread,
+        health_servicer: health.aio.HealthServicer,
+        worker_id: str,
+        kv_endpoint: str,
+        epoch: int,
+    ) -> None:
+        self._engine = engine
+        self._health = health_servicer
+        self._worker_id = worker_id
+        self._kv_endpoint = kv_endpoint
+        self._epoch = epoch
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    def status(self) -> worker_pb2.WorkerStatus:
+        s = self._engine.snapshot
+        return worker_pb2.WorkerStatus(
+            worker_id=self._worker_id,
+            role=s.role,
+            draining=s.draining,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            waiting_tokens=s.waiting_tokens,
+            free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks,
+            block_size=s.block_size,
+            kv_endpoint=self._kv_endpoint,
+            epoch=self._epoch,
+        )
+
+    # ---- RPCs ------------------------------------------------------------------------------
+
+    async def GetStatus(
+        self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        return self.status()
+
+    async def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReserveResponse:
+        timeout = request.timeout_s if request.timeout_s > 0 else None
+        response: worker_pb2.ReserveResponse = await self._unary(
+            "Reserve", request, context, timeout
+        )
+        return response
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        timeout = _timeout(request, context)
+        response: worker_pb2.PrefillResponse = await self._unary(
+            "Prefill", request, context, timeout
+        )
+        return response
+
+    # grpc.aio serves a streaming method only if it is itself an async generator function.
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        async for chunk in self._stream("Decode", request, context):
+            yield chunk
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        async for chunk in self._stream("Generate", request, context):
+            yield chunk
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        sink = UnarySink(asyncio.get_running_loop())
+        self._engine.abort(request.request_id, sink)
+        found = await self._await(sink, context, None)
+        return worker_pb2.AbortResponse(found=found)
+
+    async def SetRole(
+        self, request: worker_pb2.SetRoleRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        sink = UnarySink(asyncio.get_running_loop())
+        await self.set_serving(False)
+        self._engine.set_role(request.role, request.drain_timeout_s, sink)
+        try:
+            await self._await(sink, context, None)
+        finally:
+            if not self._engine.snapshot.draining:
+                await self.set_serving(True)
+        return self.status()
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    async def _unary(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, timeout: float | None
+    ) -> Any:
+        sink = UnarySink(asyncio.get_running_loop())
+        self._engine.submit(method, request, sink, timeout)
+        return await self._await(sink, context, request.request_id)
+
+    async def _await(
+        self, sink: UnarySink, context: grpc.aio.ServicerContext, request_id: str | None
+    ) -> Any:
+        answered = False
+        try:
+            value = await sink.wait()
+            answered = True
+            return value
+        except WorkerError as err:
+            answered = True
+            await context.abort(err.code, err.message)
+        finally:
+            if not answered and request_id is not None:
+                self._engine.cancel(request_id, sink)
+
+    async def _stream(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        sink = StreamSink(asyncio.get_running_loop())
+        self._engine.submit(method, request, sink, _timeout(request, context))
+        ended = False
+        try:
+            async for chunk in sink:
+                ended = chunk.finished
+                yield chunk
+        except WorkerError as err:
+            ended = True
+            await context.abort(err.code, err.message)
+        finally:
+            if not ended:
+                self._engine.cancel(request.request_id, sink)
+
+
+def _timeout(request: Any, context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds the request may take: min of its timeout_s (if > 0) and the gRPC deadline."""
+    candidates = [request.timeout_s] if request.timeout_s > 0 else []
+    remaining = context.time_remaining()
+    if remaining is not None:
+        candidates.append(max(remaining, 0.001))
+    return min(candidates) if candidates else None

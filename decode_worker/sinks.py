@@ -1,0 +1,106 @@
+"""Where the engine thread puts an RPC's answer and the asyncio handler picks it up.
+
+Runs in every worker process. The engine thread calls `set` / `put` / `fail` (each returns at
+once: it only schedules a callback on the event loop with ``call_soon_threadsafe``); the gRPC
+handler on the loop awaits `UnarySink.wait()` or iterates a `StreamSink`. A sink is closed by
+its first final answer (a value, a finished chunk or an error); later calls are ignored, so a
+request that is aborted twice (Abort RPC racing its deadline) still answers once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from proto.pdserve.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(Exception):
+    """A request ended with a gRPC status other than OK; `message` says why, in words."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        # The loop is closed: the server stopped and nobody is waiting for this answer.
+        log.debug("event loop closed; dropped an answer for a finished RPC")
+
+
+class UnarySink:
+    """The single answer of a unary RPC. Engine thread: `set` / `fail`; loop: `await wait()`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[Any] = loop.create_future()
+        self.closed = False  # engine-thread view: an answer was given
+
+    def set(self, value: Any) -> None:
+        if not self.closed:
+            self.closed = True
+            _call_soon(self._loop, self._resolve, value, None)
+
+    def fail(self, error: WorkerError) -> None:
+        if not self.closed:
+            self.closed = True
+            _call_soon(self._loop, self._resolve, None, error)
+
+    def _resolve(self, value: Any, error: WorkerError | None) -> None:
+        if self._future.done():  # the handler was cancelled meanwhile
+            return
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(value)
+
+    async def wait(self) -> Any:
+        """The value given to `set`; raises the `WorkerError` given to `fail`."""
+        return await self._future
+
+
+class StreamSink:
+    """The chunks of a streaming RPC. Engine thread: `put` / `fail`; loop: ``async for``.
+
+    Iteration ends after a chunk with ``finished=True``; a `fail` raises its `WorkerError` in
+    the consumer after the chunks already put.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[worker_pb2.TokenChunk | WorkerError] = asyncio.Queue()
+        self.closed = False
+        self.num_chunks = 0  # chunks put so far (engine-thread view)
+
+    def put(self, chunk: worker_pb2.TokenChunk) -> None:
+        if not self.closed:
+            self.closed = chunk.finished
+            self.num_chunks += 1
+            _call_soon(self._loop, self._queue.put_nowait, chunk)
+
+    def fail(self, error: WorkerError) -> None:
+        if not self.closed:
+            self.closed = True
+            _call_soon(self._loop, self._queue.put_nowait, error)
+
+    async def __aiter__(self) -> AsyncIterator[worker_pb2.TokenChunk]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, WorkerError):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+Sink = UnarySink | StreamSink

@@ -1,0 +1,89 @@
+"""`WorkerConfig` validation, the worker command line, and `WorkerServer` in this process.
+
+The Ray actor runs `WorkerServer` in-process (no subprocess), so its start/stop lifecycle is
+tested here directly: start returns a bound address that answers health and RPCs, stop ends
+in-flight streams with UNAVAILABLE once its grace is over and leaves every block free.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from deploy.worker import WorkerConfig, WorkerServer, parse_args
+from model_runtime.engine import EngineConfig
+from proto.pdserve.v1 import worker_pb2 as pb
+from proto.pdserve.v1 import worker_pb2_grpc
+
+OPTS = [("grpc.enable_http_proxy", 0)]
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    cfg = WorkerConfig(model_dir=tmp_path, role="decode")
+    assert cfg.worker_id.startswith("worker-") and cfg.port == 0 and cfg.host == "127.0.0.1"
+    assert WorkerConfig.model_validate_json(cfg.model_dump_json()) == cfg
+    for bad in (
+        {"worker_id": "a/b"},
+        {"worker_id": "a@b"},
+        {"role": "router"},
+        {"port": 70000},
+        {"torch_threads": 0},
+        {"transfer_timeout_s": 0},
+        {"surprise": 1},
+    ):
+        with pytest.raises(ValidationError):
+            WorkerConfig(**{"model_dir": tmp_path, "role": "decode", **bad})
+    with pytest.raises(ValidationError):
+        cfg.model_copy(update={}).__setattr__("port", 1)  # frozen
+
+
+def test_command_line(tmp_path: Path) -> None:
+    engine = EngineConfig(block_size=8, num_kv_blocks=32)
+    cfg, grace = parse_args(
+        ["--model", str(tmp_path), "--role", "prefill", "--worker-id", "p7", "--port", "0"]
+        + ["--engine-json", engine.model_dump_json(), "--torch-threads", "1"]
+        + ["--kv-host", "127.0.0.1", "--transfer-timeout-s", "5", "--stop-grace-s", "2"]
+    )
+    assert (cfg.worker_id, cfg.role, cfg.engine, cfg.torch_threads) == ("p7", "prefill", engine, 1)
+    assert (cfg.transfer_timeout_s, grace) == (5.0, 2.0)
+    with pytest.raises(ValidationError):
+        parse_args(["--model", str(tmp_path), "--role", "decode", "--engine-json", '{"x": 1}'])
+
+
+def test_server_lifecycle_in_process(tiny_model_dir: Path) -> None:
+    cfg = WorkerConfig(
+        worker_id="inproc",
+        model_dir=tiny_model_dir,
+        role="colocated",
+        engine=EngineConfig(block_size=8, num_kv_blocks=160),
+    )
+    server = WorkerServer(cfg)
+    address = server.start()
+    try:
+        with grpc.insecure_channel(address, OPTS) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            status = stub.GetStatus(pb.GetStatusRequest(), timeout=5)
+            assert (status.worker_id, status.role) == ("inproc", "colocated")
+            assert status.total_blocks == status.free_blocks == 160
+            assert status.kv_endpoint == server.kv_endpoint and status.epoch == server.epoch
+            req = pb.WorkerGenerateRequest(
+                request_id="long",
+                prompt_token_ids=[4, 5, 6],
+                sampling=pb.WorkerSampling(max_tokens=1000),
+            )
+            call = stub.Generate(req, timeout=30)
+            next(call)
+            stopper = threading.Thread(target=server.stop, args=(0.1,))
+            stopper.start()
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            stopper.join(30)
+            assert isinstance(info.value, grpc.Call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    finally:
+        server.stop(0.0)
+    assert server.address == address
