@@ -6,6 +6,9 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
     pdserve make-model --preset tiny|small --out DIR [--seed N]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
     pdserve demo [--model DIR] [--preset small] [--out RUN_DIR]   (what `make demo` runs)
+    pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
+               [--decode M] [--colocated K] [--port P] [--ray-address ADDR] [--no-ray]
+    pdserve generate --addr HOST:PORT (--prompt TEXT | --token-ids 1,2,3) [sampling] [--json]
 
 A subcommand module exposes `add_<name>_parser(subparsers)`, which registers its parser and sets
 `func` to a function `(argparse.Namespace) -> int` returning the exit code.
@@ -14,13 +17,24 @@ A subcommand module exposes `add_<name>_parser(subparsers)`, which registers its
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from deploy.batch import add_batch_parser
+from deploy.client import add_generate_parser
+
+if TYPE_CHECKING:
+    from deploy.config import ClusterConfig
+    from deploy.launcher import ProcessWorkers
+    from deploy.ray_launcher import RayWorkers
+
+log = logging.getLogger("pdserve")
 
 
 def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -122,24 +136,157 @@ def demo_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `up`: start workers (Ray actors or subprocesses) and serve the router here."""
+    p = subparsers.add_parser(
+        "up",
+        help="start a serving cluster: workers + the router (until Ctrl-C / SIGTERM)",
+        description="Start the workers of a cluster (Ray actors, or local processes with "
+        "--no-ray), then run the public router in this process. Prints 'pdserve ready: "
+        "HOST:PORT (...)' once it serves; Ctrl-C or SIGTERM stops everything it started. "
+        "Flags override the --config file. --mode alone also zeroes the counts of roles that "
+        "mode does not use; --ray-address drops the file's ray.num_cpus (local clusters only).",
+    )
+    p.add_argument("--config", help="cluster TOML file (see deploy/examples/)")
+    p.add_argument("--model", help="HF model folder")
+    p.add_argument("--mode", choices=["disagg", "colocated"])
+    p.add_argument("--prefill", type=int, help="prefill workers (disagg)")
+    p.add_argument("--decode", type=int, help="decode workers (disagg)")
+    p.add_argument("--colocated", type=int, help="colocated workers (colocated mode)")
+    p.add_argument("--port", type=int, help="router port (0 picks a free one)")
+    p.add_argument("--host", help="router interface (default 127.0.0.1)")
+    p.add_argument("--torch-threads", type=int, help="torch threads per worker")
+    p.add_argument("--ray-address", help="join this Ray cluster ('auto', 'ray://h:10001')")
+    p.add_argument("--no-ray", action="store_true", help="workers as plain local processes")
+    p.add_argument("--log-dir", help="worker logs with --no-ray (default: a temp folder)")
+    p.set_defaults(func=up_main, default_log_level="INFO")
+
+
+def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted config keys set by `pdserve up` flags (None = keep the file's value)."""
+    from deploy.config import UNSET
+
+    out: dict[str, Any] = {
+        "model": args.model,
+        "mode": args.mode,
+        "workers.prefill": args.prefill,
+        "workers.decode": args.decode,
+        "workers.colocated": args.colocated,
+        "router.port": args.port,
+        "router.host": args.host,
+        "torch_threads": args.torch_threads,
+        "ray.address": args.ray_address,
+        "launcher": "process" if args.no_ray else None,
+    }
+    if args.ray_address:  # a local cluster's size means nothing on an external one
+        out["ray.num_cpus"] = UNSET
+    unused = {"disagg": ("colocated",), "colocated": ("prefill", "decode")}.get(args.mode, ())
+    for role in unused:
+        if out[f"workers.{role}"] is None:
+            out[f"workers.{role}"] = 0
+    return out
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def up_main(args: argparse.Namespace) -> int:
+    """Run `pdserve up`: 0 after a clean stop, 1 if the cluster failed to start, 2 for a bad
+    config, 130 when interrupted while starting."""
+    from deploy.config import load_cluster_config
+
+    try:
+        config = load_cluster_config(args.config, up_overrides(args))
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"pdserve up: bad config: {exc}", file=sys.stderr)
+        return 2
+    log.info("effective config: %s", config.model_dump_json())
+    # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    workers: ProcessWorkers | RayWorkers | None = None
+    try:
+        try:
+            workers = _launch_workers(config, args.log_dir)
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            print(f"pdserve up: workers failed to start: {exc}", file=sys.stderr)
+            return 1
+        return asyncio.run(_serve_router(config, workers))
+    except KeyboardInterrupt:
+        print("pdserve up: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if workers is not None:
+            workers.stop()
+
+
+def _launch_workers(config: ClusterConfig, log_dir: str | None) -> ProcessWorkers | RayWorkers:
+    if config.launcher == "process":
+        from deploy.launcher import launch_workers
+
+        return launch_workers(config, log_dir)
+    from deploy.ray_launcher import launch_ray_workers
+
+    return launch_ray_workers(config)
+
+
+async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:
+    """Run the router in this process until SIGINT/SIGTERM; 1 if it never became healthy."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from router.app import start_router
+
+    rc = config.router_config(workers.addresses())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    handle = await start_router(rc)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            req = health_pb2.HealthCheckRequest()
+            deadline = loop.time() + 30.0
+            while (await check(req, timeout=5.0)).status != health_pb2.HealthCheckResponse.SERVING:
+                if loop.time() > deadline or stop.is_set():
+                    print("pdserve up: router never became healthy", file=sys.stderr)
+                    return 1
+                await asyncio.sleep(0.1)
+        roles = ", ".join(
+            f"{len(a)} {role}: {' '.join(a)}" for role, a in workers.addresses().items() if a
+        )
+        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles})", flush=True)
+        await stop.wait()
+        print("pdserve up: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        await handle.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
     parser.add_argument(
-        "--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)"
+        "--log-level",
+        default=None,
+        help="logging level (DEBUG, INFO, WARNING, ...; default INFO for `up`, else WARNING)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_make_model_parser(sub)
     add_batch_parser(sub)
     add_demo_parser(sub)
+    add_up_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `pdserve`; returns the exit code (argparse exits 2 on bad usage)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or getattr(args, "default_log_level", "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

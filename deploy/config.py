@@ -1,0 +1,318 @@
+"""Cluster configuration for `pdserve up` (`ClusterConfig`), loaded from TOML.
+
+Runs in the CLI process (`pdserve up`) and in test fixtures. One frozen pydantic v2 model with a
+sub-model per TOML table; every field is described and defaulted where a default makes sense::
+
+    model = "models/small"        # HF model folder, relative to the current directory
+    mode = "disagg"               # or "colocated"
+    launcher = "ray"              # or "process" (plain subprocesses, `--no-ray`)
+    torch_threads = 1             # torch intra-op threads per worker process
+
+    [workers]                     # counts; unset ones default from `mode`
+    prefill = 1
+    decode = 1
+
+    [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
+    [router]   host = "127.0.0.1"  port = 50051  policy = "prefix_aware"  max_queued = 256 ...
+    [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6379/0"   (default: memory)
+    [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
+    [transfer] timeout_s = 30  kv_host = "auto"
+
+`load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
+e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
+names the offending field by its dotted TOML path. Nothing discovered at start-up (ports, worker
+addresses, KV block counts) is written back into a config: the launchers return it separately.
+
+Importing this module imports torch (through `EngineConfig`); the CLI imports it only inside
+the subcommands that need it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from model_runtime.engine import EngineConfig
+from router.config import RouterConfig
+from router.policy import POLICIES
+from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
+
+Mode = Literal["disagg", "colocated"]
+Role = Literal["prefill", "decode", "colocated"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WorkerCounts(_Frozen):
+    """How many worker processes of each role. Unset counts default from `mode`: disagg ->
+    1 prefill + 1 decode, colocated -> 1 colocated; the other roles default to 0."""
+
+    prefill: int = Field(default=0, ge=0, description="Prefill workers (mode 'disagg').")
+    decode: int = Field(default=0, ge=0, description="Decode workers (mode 'disagg').")
+    colocated: int = Field(default=0, ge=0, description="Colocated workers (mode 'colocated').")
+
+
+class RaySection(_Frozen):
+    """Where and how Ray places the worker actors (ignored by the process launcher)."""
+
+    address: str = Field(
+        default="",
+        description="Ray cluster to join ('auto', 'ray://host:10001', 'host:6379'); empty starts "
+        "a local cluster that `pdserve up` also shuts down.",
+    )
+    num_cpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPUs of the local cluster started when `address` is empty; None = all.",
+    )
+    cpus_per_worker: float = Field(
+        default=1.0, gt=0, description="CPUs reserved for each worker actor (placement bundle)."
+    )
+    gpus_per_worker: float = Field(
+        default=0.0,
+        ge=0,
+        description="GPUs reserved for each worker actor; 1 on GPU machines (with engine.device "
+        "'cuda'), 0 on CPU-only ones.",
+    )
+    placement_strategy: Literal["auto", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="auto",
+        description="Placement-group strategy; 'auto' = PACK on a one-node cluster, else SPREAD.",
+    )
+    max_restarts: int = Field(
+        default=1,
+        ge=0,
+        description="Times Ray restarts a worker actor that died (same node and port).",
+    )
+    start_timeout_s: float = Field(
+        default=180.0,
+        gt=0,
+        description="Longest wait for placement and for every worker to report SERVING.",
+    )
+
+
+class RouterSection(_Frozen):
+    """The public gRPC front door; it runs inside the `pdserve up` process."""
+
+    host: str = Field(default="127.0.0.1", description="Interface the public API binds.")
+    port: int = Field(default=50051, ge=0, le=65535, description="Public port; 0 picks one.")
+    policy: str = Field(
+        default=RouterConfig.model_fields["policy"].default,
+        description=f"Routing policy, one of {sorted(POLICIES)}.",
+    )
+    prefix_index: PrefixIndexConfig = Field(
+        default_factory=MemoryIndexConfig,
+        description="Prefix index: kind 'memory' (in the router) or 'redis' (url = ...).",
+    )
+    max_inflight: int = Field(default=64, ge=1, description="Requests running at once.")
+    max_queued: int = Field(
+        default=256,
+        ge=0,
+        description="Requests waiting beyond max_inflight; more are refused "
+        "with RESOURCE_EXHAUSTED.",
+    )
+    default_timeout_s: float = Field(
+        default=120.0, gt=0, description="Request deadline when the client sets none."
+    )
+    status_poll_interval_s: float = Field(
+        default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
+    )
+
+
+class TransferSection(_Frozen):
+    """KV hand-off between prefill and decode workers."""
+
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for one request's KV transfer."
+    )
+    kv_host: str = Field(
+        default="auto",
+        description="Address decode workers advertise for KV rendezvous; 'auto' = the worker "
+        "host (127.0.0.1 locally, the node IP on an external Ray cluster).",
+    )
+
+
+class ClusterConfig(_Frozen):
+    """Everything `pdserve up` needs: model, topology, placement, router, engine, transfer."""
+
+    model: Path = Field(description="HF model folder (config.json, safetensors, tokenizer.json).")
+    mode: Mode = Field(default="disagg", description="'disagg' (prefill + decode) or 'colocated'.")
+    launcher: Literal["ray", "process"] = Field(
+        default="ray",
+        description="'ray' = worker actors in placement groups; 'process' = local subprocesses.",
+    )
+    workers: WorkerCounts = Field(
+        default_factory=WorkerCounts, description="Worker processes per role."
+    )
+    torch_threads: int = Field(default=1, ge=1, description="torch threads per worker process.")
+    worker_host: str = Field(
+        default="auto",
+        description="Interface workers bind and advertise; 'auto' = 127.0.0.1, or the node IP "
+        "when joining an external Ray cluster.",
+    )
+    ray: RaySection = Field(default_factory=RaySection, description="Ray placement.")
+    router: RouterSection = Field(default_factory=RouterSection, description="Public router.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Every worker's engine (KV cache, batching)."
+    )
+    transfer: TransferSection = Field(
+        default_factory=TransferSection, description="KV transfer between workers."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_counts(cls, data: Any) -> Any:
+        """Fill the worker counts the file left out from `mode` (see `WorkerCounts`)."""
+        if not isinstance(data, Mapping):
+            return data
+        mode = data.get("mode", "disagg")
+        counts = data.get("workers", {})
+        if not isinstance(counts, Mapping):
+            return data
+        defaults = {"prefill": 1, "decode": 1} if mode == "disagg" else {"colocated": 1}
+        if mode in ("disagg", "colocated"):
+            return {**data, "workers": {**defaults, **counts}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        w = self.workers
+        if self.mode == "disagg":
+            if w.prefill < 1 or w.decode < 1:
+                raise ValueError(
+                    f"mode 'disagg' needs workers.prefill >= 1 and workers.decode >= 1, got "
+                    f"workers.prefill={w.prefill}, workers.decode={w.decode}"
+                )
+            if w.colocated:
+                raise ValueError(f"workers.colocated must be 0 in mode 'disagg', got {w.colocated}")
+        else:
+            if w.colocated < 1:
+                raise ValueError(
+                    f"mode 'colocated' needs workers.colocated >= 1, got {w.colocated}"
+                )
+            if w.prefill or w.decode:
+                raise ValueError(
+                    f"workers.prefill and workers.decode must be 0 in mode 'colocated', got "
+                    f"workers.prefill={w.prefill}, workers.decode={w.decode}"
+                )
+        if self.router.policy not in POLICIES:
+            raise ValueError(
+                f"router.policy must be one of {sorted(POLICIES)}, got {self.router.policy!r}"
+            )
+        r = self.ray
+        if r.address and r.num_cpus is not None:
+            raise ValueError(
+                f"ray.num_cpus sizes a local cluster; it must be unset when ray.address is set "
+                f"(ray.address={r.address!r}, ray.num_cpus={r.num_cpus})"
+            )
+        need = self.num_workers * r.cpus_per_worker
+        if self.launcher == "ray" and r.num_cpus is not None and need > r.num_cpus:
+            raise ValueError(
+                f"{self.num_workers} workers x ray.cpus_per_worker={r.cpus_per_worker} need "
+                f"{need:g} CPUs but ray.num_cpus={r.num_cpus}"
+            )
+        cuda = self.engine.device.startswith("cuda")
+        if r.gpus_per_worker > 0 and not cuda:
+            raise ValueError(
+                f"ray.gpus_per_worker={r.gpus_per_worker:g} reserves GPUs the workers would not "
+                f"use: engine.device is {self.engine.device!r} (set it to 'cuda')"
+            )
+        if self.launcher == "ray" and cuda and r.gpus_per_worker == 0:
+            raise ValueError(
+                f"engine.device={self.engine.device!r} under launcher 'ray' needs "
+                f"ray.gpus_per_worker >= 1 (Ray hides GPUs from actors that reserve none)"
+            )
+        return self
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in total."""
+        return self.workers.prefill + self.workers.decode + self.workers.colocated
+
+    def worker_roles(self) -> list[tuple[str, Role]]:
+        """(worker_id, role) of every worker to start, in a stable order:
+        prefill-0.., decode-0.., colocated-0.."""
+        out: list[tuple[str, Role]] = []
+        roles: tuple[Role, ...] = ("prefill", "decode", "colocated")
+        for role in roles:
+            out += [(f"{role}-{i}", role) for i in range(getattr(self.workers, role))]
+        return out
+
+    def router_config(
+        self,
+        addresses: Mapping[str, list[str]],
+        **overrides: Any,
+    ) -> RouterConfig:
+        """The `RouterConfig` for this cluster once its workers run at `addresses`
+        (role -> host:port list); `overrides` replace RouterConfig fields (tests)."""
+        r = self.router
+        fields: dict[str, Any] = {
+            "model_dir": self.model,
+            "mode": self.mode,
+            "policy": r.policy,
+            "prefix_index": r.prefix_index,
+            "prefill_addrs": tuple(addresses.get("prefill", ())),
+            "decode_addrs": tuple(addresses.get("decode", ())),
+            "colocated_addrs": tuple(addresses.get("colocated", ())),
+            "host": r.host,
+            "port": r.port,
+            "max_inflight": r.max_inflight,
+            "max_queued": r.max_queued,
+            "default_timeout_s": r.default_timeout_s,
+            "status_poll_interval_s": r.status_poll_interval_s,
+        }
+        return RouterConfig(**{**fields, **overrides})
+
+
+def check_model_dir(config: ClusterConfig) -> None:
+    """Raise ValueError naming `model` unless it is a folder with a config.json (checked at
+    launch, not at load, so example configs validate without their model present)."""
+    if not (config.model / "config.json").is_file():
+        raise ValueError(f"model: {str(config.model)!r} is not a model folder (no config.json)")
+
+
+UNSET: Any = object()
+"""Override value that removes a key from the file's values (so its default applies)."""
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """`data["a"]["b"] = value` for `key` "a.b", creating tables on the way; `UNSET` removes
+    the key instead."""
+    *tables, last = key.split(".")
+    node = data
+    for name in tables:
+        child = node.setdefault(name, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{key}: {name!r} is not a table")
+        node = child
+    if value is UNSET:
+        node.pop(last, None)
+    else:
+        node[last] = value
+
+
+def load_cluster_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> ClusterConfig:
+    """Read TOML `path` (none: start from defaults), apply dotted-key `overrides` whose value
+    is not None (`UNSET` removes the key), validate. Raises OSError for an unreadable file,
+    ValueError for bad TOML (with the file name) and pydantic.ValidationError for bad values
+    (each naming its field path)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: invalid TOML: {exc}") from exc
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            set_dotted(data, key, value)
+    return ClusterConfig.model_validate(data)

@@ -1,0 +1,400 @@
+"""Local-process launcher: a pdserve cluster as plain subprocesses, without Ray.
+
+Runs in the process that launches (`pdserve up --no-ray`, e2e test fixtures). Every child is
+started with its own session (so a terminal's Ctrl-C reaches only the launcher, which then stops
+the children in order: router first, then workers), writes stdout+stderr to a log file, and is
+stopped by PID: SIGTERM, then SIGKILL after a grace period. An `atexit` hook stops whatever is
+still running when the launching interpreter exits.
+
+    workers = launch_workers(config)             # N x `python -m deploy.worker`, READY parsed
+    workers.addresses()                          # {"prefill": ["127.0.0.1:4711"], ...}
+    router = launch_router_process(config.router_config(workers.addresses(), port=0))
+    cluster = launch_local_cluster(config)       # both of the above: LocalCluster
+    cluster.address; cluster.pids(); cluster.stop()
+
+Readiness is each process's own announcement (`PDSERVE_WORKER_READY host:port`, printed once
+the worker's gRPC health service says SERVING; `pdserve-router ready host=H port=P`) followed by
+a `grpc.health.v1` check; never a sleep.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.config import ClusterConfig, Role, check_model_dir
+from router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+WORKER_READY = re.compile(r"^PDSERVE_WORKER_READY (\S+:\d+)\s*$", re.M)
+ROUTER_READY = re.compile(r"^pdserve-router ready host=(\S+) port=(\d+)\s*$", re.M)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_live: set[ManagedProcess] = set()
+
+
+@dataclass(eq=False)
+class ManagedProcess:
+    """One child process started by this module; `log_path` holds its stdout and stderr."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_text(self) -> str:
+        """Everything the process wrote so far ('' if the log cannot be read)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 25) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def child_env(torch_threads: int) -> dict[str, str]:
+    """The environment of a child: unbuffered output, the repo importable, thread caps."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(torch_threads)
+    return env
+
+
+def spawn(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str]) -> ManagedProcess:
+    """Start `argv` in a new session with output to `log_dir/<name>.log`."""
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    proc = ManagedProcess(name, popen, log_path)
+    _live.add(proc)
+    log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+    return proc
+
+
+def stop_processes(procs: Sequence[ManagedProcess], grace_s: float = 5.0) -> None:
+    """SIGTERM every running process in `procs`, wait up to `grace_s` for all of them, then
+    SIGKILL the rest and reap them. Safe to call twice."""
+    for p in procs:
+        if p.running():
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.1f s; killing", p.name, p.pid, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.kill()
+            p.popen.wait()
+        _live.discard(p)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    stop_processes(list(_live), grace_s=3.0)
+
+
+def wait_for_lines(
+    procs: Sequence[ManagedProcess], pattern: re.Pattern[str], timeout_s: float
+) -> list[re.Match[str]]:
+    """Wait until each process's log matches `pattern`; return the matches in order.
+
+    Raises RuntimeError naming the process (with its last log lines) if one exits first, and
+    TimeoutError naming those not ready after `timeout_s`."""
+    found: dict[int, re.Match[str]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(found) < len(procs):
+        for i, p in enumerate(procs):
+            if i in found:
+                continue
+            m = pattern.search(p.log_text())
+            if m:
+                found[i] = m
+            elif not p.running():
+                raise RuntimeError(
+                    f"{p.name} (pid {p.pid}) exited with status {p.popen.returncode} before it "
+                    f"was ready; last log lines ({p.log_path}):\n{p.tail()}"
+                )
+        if len(found) == len(procs):
+            break
+        if time.monotonic() > deadline:
+            late = [p for i, p in enumerate(procs) if i not in found]
+            raise TimeoutError(
+                f"not ready after {timeout_s:.0f} s: "
+                + "; ".join(f"{p.name} (log {p.log_path}):\n{p.tail(10)}" for p in late)
+            )
+        time.sleep(0.05)  # polling the log files, not a readiness guess
+    return [found[i] for i in range(len(procs))]
+
+
+def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
+    """Block until `address`'s grpc.health.v1 service `service` answers SERVING.
+
+    Raises TimeoutError with the last status or error seen."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with grpc.insecure_channel(address, [("grpc.enable_http_proxy", 0)]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s ({last})")
+            try:
+                resp = stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=min(left, 2.0)
+                )
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.Call) else ""
+            time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- workers
+
+
+def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
+    """The command line of one worker process (`python -m deploy.worker ...`)."""
+    host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
+    kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
+    return [
+        sys.executable,
+        "-m",
+        "deploy.worker",
+        "--model",
+        str(config.model.resolve()),
+        "--role",
+        role,
+        "--worker-id",
+        worker_id,
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--kv-host",
+        kv_host,
+        "--transfer-timeout-s",
+        str(config.transfer.timeout_s),
+        "--torch-threads",
+        str(config.torch_threads),
+        "--engine-json",
+        config.engine.model_dump_json(),
+    ]
+
+
+@dataclass
+class WorkerProcess:
+    """One running worker: its id, role (at launch), address and process."""
+
+    worker_id: str
+    role: Role
+    address: str
+    process: ManagedProcess
+
+
+@dataclass
+class ProcessWorkers:
+    """The worker processes of one cluster; `stop()` ends them all (idempotent)."""
+
+    workers: list[WorkerProcess]
+    log_dir: Path
+
+    def addresses(self) -> dict[str, list[str]]:
+        """role -> worker addresses, as launched (roles can change later via SetRole)."""
+        out: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
+        for w in self.workers:
+            out[w.role].append(w.address)
+        return out
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every worker (each drains for up to its own --stop-grace-s, 5 s), SIGKILL
+        those still running after `grace_s`."""
+        stop_processes([w.process for w in self.workers], grace_s)
+
+
+def _log_dir(log_dir: str | Path | None) -> Path:
+    path = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="pdserve-"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def launch_workers(
+    config: ClusterConfig, log_dir: str | Path | None = None, timeout_s: float = 120.0
+) -> ProcessWorkers:
+    """Start every worker of `config` at once (they load the model in parallel) and return
+    when each one announced READY and answers SERVING. On any failure every process started
+    here is stopped and the error (RuntimeError / TimeoutError / ValueError) propagates."""
+    check_model_dir(config)
+    logs = _log_dir(log_dir)
+    env = child_env(config.torch_threads)
+    started: list[tuple[str, Role, ManagedProcess]] = []
+    try:
+        for worker_id, role in config.worker_roles():
+            proc = spawn(f"worker-{worker_id}", worker_argv(config, worker_id, role), logs, env)
+            started.append((worker_id, role, proc))
+        matches = wait_for_lines([p for _, _, p in started], WORKER_READY, timeout_s)
+        workers = [
+            WorkerProcess(wid, role, m.group(1), proc)
+            for (wid, role, proc), m in zip(started, matches, strict=True)
+        ]
+        for w in workers:
+            wait_serving(w.address, timeout_s=10.0)
+    except BaseException:
+        stop_processes([p for _, _, p in started], grace_s=2.0)
+        raise
+    log.info("workers ready: %s", {w.worker_id: w.address for w in workers})
+    return ProcessWorkers(workers, logs)
+
+
+# ---------------------------------------------------------------------- router
+
+
+def router_argv(rc: RouterConfig) -> list[str]:
+    """The command line of `python -m router` for `rc` (the fields its flags cover)."""
+    argv = [sys.executable, "-m", "router", "--model", str(Path(rc.model_dir).resolve())]
+    argv += ["--mode", rc.mode, "--policy", rc.policy, "--host", rc.host, "--port", str(rc.port)]
+    for flag, addrs in (
+        ("--prefill-addr", rc.prefill_addrs),
+        ("--decode-addr", rc.decode_addrs),
+        ("--colocated-addr", rc.colocated_addrs),
+    ):
+        for a in addrs:
+            argv += [flag, a]
+    argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
+    argv += ["--default-timeout-s", str(rc.default_timeout_s)]
+    argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
+    if rc.model_name:
+        argv += ["--model-name", rc.model_name]
+    if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default
+        argv += ["--redis-url", rc.prefix_index.url]
+    return argv
+
+
+@dataclass
+class RouterProcess:
+    """A `python -m router` child; `address` is what clients dial."""
+
+    config: RouterConfig
+    address: str
+    process: ManagedProcess
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        stop_processes([self.process], grace_s)
+
+
+def launch_router_process(
+    rc: RouterConfig, log_dir: str | Path | None = None, timeout_s: float = 30.0, name: str = ""
+) -> RouterProcess:
+    """Start a router process for `rc`; return once it announced its port and its health
+    service says SERVING (its workers are reachable). Stops it again on failure."""
+    logs = _log_dir(log_dir)
+    proc = spawn(
+        name or f"router-{len(list(logs.glob('router*.log')))}", router_argv(rc), logs, child_env(1)
+    )
+    try:
+        (m,) = wait_for_lines([proc], ROUTER_READY, timeout_s)
+        address = f"{m.group(1)}:{m.group(2)}"
+        wait_serving(address, timeout_s)
+    except BaseException:
+        stop_processes([proc], grace_s=2.0)
+        raise
+    return RouterProcess(rc, address, proc)
+
+
+# ---------------------------------------------------------------------- whole cluster
+
+
+@dataclass
+class LocalCluster:
+    """Workers + one router, all local processes. `stop()`: router first, then workers."""
+
+    config: ClusterConfig
+    workers: ProcessWorkers
+    router: RouterProcess
+    extra_routers: list[RouterProcess] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    def pids(self) -> list[int]:
+        routers = [self.router, *self.extra_routers]
+        return [r.process.pid for r in routers] + self.workers.pids()
+
+    def add_router(self, **overrides: object) -> RouterProcess:
+        """Another router over the same workers (e.g. with a smaller queue); stopped with
+        the cluster."""
+        rc = self.config.router_config(self.workers.addresses(), port=0, **overrides)
+        r = launch_router_process(rc, self.workers.log_dir)
+        self.extra_routers.append(r)
+        return r
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        stop_processes([r.process for r in (*self.extra_routers, self.router)], grace_s)
+        self.workers.stop(grace_s)
+
+
+def launch_local_cluster(
+    config: ClusterConfig,
+    log_dir: str | Path | None = None,
+    timeout_s: float = 120.0,
+    **router_overrides: object,
+) -> LocalCluster:
+    """Workers (`launch_workers`) and a router process in front of them (port from
+    `config.router.port` unless overridden, e.g. `port=0`)."""
+    workers = launch_workers(config, log_dir, timeout_s)
+    try:
+        rc = config.router_config(workers.addresses(), **router_overrides)
+        router = launch_router_process(rc, workers.log_dir, name="router-0")
+    except BaseException:
+        workers.stop(grace_s=2.0)
+        raise
+    return LocalCluster(config, workers, router)
+
+
+@contextlib.contextmanager
+def local_cluster(config: ClusterConfig, **kwargs: object) -> Iterator[LocalCluster]:
+    """`launch_local_cluster` as a context manager that always stops the cluster."""
+    cluster = launch_local_cluster(config, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

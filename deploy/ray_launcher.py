@@ -1,0 +1,309 @@
+"""Ray launcher: a cluster's workers as Ray actors in one placement group.
+
+Runs in the launching process (`pdserve up`, the Ray integration test); each worker actor runs
+in its own Ray worker process. Ray only places, starts and supervises the workers: requests
+and tokens flow router -> worker over gRPC and KV flows worker -> worker over
+torch.distributed, never through Ray.
+
+    workers = launch_ray_workers(config)   # blocks until every worker answers SERVING
+    workers.addresses()                    # {"prefill": [...], "decode": [...], ...}
+    workers.events                         # supervision log: died / restarted / restarting
+    workers.stop()                         # kill the actors, remove the placement group and
+                                           # shut Ray down if this call started it
+
+Steps of `launch_ray_workers`:
+
+1. join Ray: keep an already initialised Ray (the caller owns it), else `ray.init` — a new
+   local cluster when `ray.address` is empty (we shut it down in `stop()`), else the external
+   one (`stop()` only disconnects);
+2. reserve one bundle per worker ({"CPU": cpus_per_worker, "GPU": gpus_per_worker}) in a
+   placement group: PACK on a one-node cluster, SPREAD on several (or `ray.placement_strategy`);
+3. start one `WorkerActor` per bundle; its constructor starts a `WorkerServer` (model load,
+   gRPC server) and returns once it serves;
+4. check each address with grpc.health.v1 from this process;
+5. start the supervisor thread, which pings every actor each `interval_s` and records deaths
+   and restarts. A restarted actor (Ray's `max_restarts`) rebinds the same port on the same
+   node (the port is kept in a file on that node), so the router's address list stays valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.config import ClusterConfig, Role, check_model_dir
+from deploy.launcher import wait_serving
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"
+
+
+@ray.remote
+class WorkerActor:
+    """Thin Ray wrapper over `deploy.worker.WorkerServer` (the plain class, tested without
+    Ray). The constructor starts the server, so a Ray restart restarts the worker.
+
+    `worker_config_json` is a `WorkerConfig` as JSON; its host "auto" becomes this node's IP.
+    `port_file` (on this node) remembers the bound port across restarts of this actor."""
+
+    def __init__(self, worker_config_json: str, port_file: str) -> None:
+        from deploy.worker import WorkerConfig, WorkerServer
+
+        config = WorkerConfig.model_validate_json(worker_config_json)
+        update: dict[str, Any] = {}
+        if config.host == "auto":
+            update["host"] = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        if getattr(config, "kv_host", None) == "auto":
+            update["kv_host"] = update.get("host", config.host)
+        path = Path(port_file)
+        if path.is_file():  # a restart: take the port the router already knows
+            update["port"] = int(path.read_text())
+        self._server = WorkerServer(config.model_copy(update=update))
+        self._address = self._server.start()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self._address.rpartition(":")[2])
+
+    def address(self) -> str:
+        """host:port of the worker's gRPC server."""
+        return self._address
+
+    def pid(self) -> int:
+        """The actor's process id (changes when Ray restarts it)."""
+        return os.getpid()
+
+    def stop(self, grace_s: float) -> None:
+        """Stop the gRPC server, giving in-flight calls `grace_s`."""
+        self._server.stop(grace_s)
+
+
+@dataclass(frozen=True)
+class SupervisionEvent:
+    """Something the supervisor saw: kind is 'died', 'restarting' or 'restarted'."""
+
+    worker_id: str
+    kind: str
+    detail: str
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class RayWorker:
+    """One worker actor: id, role at launch, address, the actor (named `actor_name` in the
+    "pdserve" namespace) and its last pid."""
+
+    worker_id: str
+    role: Role
+    address: str
+    actor: Any
+    actor_name: str
+    pid: int
+    alive: bool = True
+    restarting: bool = False
+
+
+class RayWorkers:
+    """Handle to launched worker actors; `stop()` is idempotent."""
+
+    def __init__(
+        self, workers: list[RayWorker], pg: PlacementGroup, owns_ray: bool, interval_s: float
+    ) -> None:
+        self.workers = workers
+        self.placement_group = pg
+        self.owns_ray = owns_ray
+        self.events: list[SupervisionEvent] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._supervise, args=(interval_s,), name="pdserve-supervisor", daemon=True
+        )
+        self._thread.start()
+
+    def addresses(self) -> dict[str, list[str]]:
+        """role -> worker addresses, as launched."""
+        out: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
+        for w in self.workers:
+            out[w.role].append(w.address)
+        return out
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    def _event(self, w: RayWorker, kind: str, detail: str) -> None:
+        self.events.append(SupervisionEvent(w.worker_id, kind, detail))
+        log.warning("worker %s (%s) %s: %s", w.worker_id, w.address, kind, detail)
+
+    def _supervise(self, interval_s: float) -> None:
+        """Ping each actor every `interval_s`; record deaths and restarts (pid changes)."""
+        while not self._stopped.wait(interval_s):
+            for w in self.workers:
+                if not w.alive or self._stopped.is_set():
+                    continue
+                ref = w.actor.pid.remote()
+                try:
+                    pid = ray.get(ref, timeout=max(5.0, interval_s))
+                except GetTimeoutError:
+                    if not w.restarting:
+                        self._event(w, "restarting", "no answer to a ping (restarting or stuck)")
+                    w.restarting = True
+                    continue
+                except ActorUnavailableError as exc:  # Ray is restarting it
+                    if not w.restarting:
+                        self._event(w, "restarting", str(exc).splitlines()[0])
+                    w.restarting = True
+                    continue
+                except RayActorError as exc:
+                    if self._stopped.is_set():
+                        return
+                    w.alive = False
+                    self._event(w, "died", f"out of restarts: {exc}".splitlines()[0])
+                    continue
+                w.restarting = False
+                if pid != w.pid:
+                    self._event(w, "restarted", f"pid {w.pid} -> {pid}")
+                    w.pid = pid
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every worker (graceful, then `ray.kill`), remove the placement group, and shut
+        Ray down if `launch_ray_workers` started or joined it (an external cluster lives on)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._thread.join(timeout=grace_s + 10.0)
+        if not ray.is_initialized():
+            return
+        refs = [w.actor.stop.remote(grace_s) for w in self.workers if w.alive]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5.0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                log.info("actor already gone at stop: %s", str(exc).splitlines()[0])
+        for w in self.workers:
+            ray.kill(w.actor, no_restart=True)
+        remove_placement_group(self.placement_group)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: str) -> str:
+    """The `WorkerConfig` (as JSON) of one worker actor; `host` "auto" = its node's IP."""
+    from deploy.worker import WorkerConfig
+
+    kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
+    wc = WorkerConfig(
+        worker_id=worker_id,
+        model_dir=config.model.resolve(),
+        role=role,
+        engine=config.engine,
+        host=host,
+        port=0,
+        torch_threads=config.torch_threads,
+        transfer_timeout_s=config.transfer.timeout_s,
+        kv_host=kv_host,
+    )
+    return wc.model_dump_json()
+
+
+def _join_ray(config: ClusterConfig) -> bool:
+    """Initialise Ray unless it already is; True when this call did it."""
+    if ray.is_initialized():
+        return False
+    if config.ray.address:
+        ray.init(address=config.ray.address, namespace=NAMESPACE, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=config.ray.num_cpus,
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+    return True
+
+
+def _available() -> dict[str, float]:
+    return dict(ray.available_resources())  # type: ignore[no-untyped-call]
+
+
+def _strategy(config: ClusterConfig) -> str:
+    if config.ray.placement_strategy != "auto":
+        return config.ray.placement_strategy
+    nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    return "PACK" if len(nodes) <= 1 else "SPREAD"
+
+
+def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWorkers:
+    """Start the workers of `config` as Ray actors (see the module docstring for the steps)
+    and return once each one serves. On failure everything started here is torn down and the
+    error propagates: TimeoutError (no placement / not serving in `ray.start_timeout_s`),
+    RuntimeError (an actor died while starting), ValueError (bad model folder)."""
+    check_model_dir(config)
+    owns_ray = _join_ray(config)
+    host = config.worker_host
+    if host == "auto" and not config.ray.address:  # a local cluster: one node
+        host = "127.0.0.1"
+    r = config.ray
+    bundle: dict[str, float] = {"CPU": r.cpus_per_worker}
+    if r.gpus_per_worker:
+        bundle["GPU"] = r.gpus_per_worker
+    roles = config.worker_roles()
+    pg = placement_group([dict(bundle) for _ in roles], strategy=_strategy(config))
+    actors: list[Any] = []
+    try:
+        try:
+            ray.get(pg.ready(), timeout=r.start_timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"Ray could not place {len(roles)} workers x {bundle} in "
+                f"{r.start_timeout_s:.0f} s; available: {_available()} (lower "
+                f"ray.cpus_per_worker / ray.gpus_per_worker or the worker counts)"
+            ) from None
+        cluster_id = uuid.uuid4().hex[:8]
+        port_dir = Path(tempfile.gettempdir()) / "pdserve-ports" / cluster_id
+        for i, (worker_id, role) in enumerate(roles):
+            env = {"OMP_NUM_THREADS": str(config.torch_threads)}
+            actor = WorkerActor.options(  # type: ignore[attr-defined]
+                name=f"{cluster_id}-{worker_id}",
+                namespace=NAMESPACE,
+                num_cpus=r.cpus_per_worker,
+                num_gpus=r.gpus_per_worker,
+                max_restarts=r.max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(worker_config_json(config, worker_id, role, host), str(port_dir / worker_id))
+            actors.append(actor)
+        try:
+            addrs = ray.get([a.address.remote() for a in actors], timeout=r.start_timeout_s)
+            pids = ray.get([a.pid.remote() for a in actors], timeout=30.0)
+        except GetTimeoutError:
+            raise TimeoutError(f"workers not started after {r.start_timeout_s:.0f} s") from None
+        except RayActorError as exc:
+            raise RuntimeError(f"a worker actor died while starting: {exc}") from exc
+        for a in addrs:
+            wait_serving(a, timeout_s=30.0)
+    except BaseException:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        remove_placement_group(pg)
+        if owns_ray:
+            ray.shutdown()
+        raise
+    workers = [
+        RayWorker(wid, role, addr, actor, f"{cluster_id}-{wid}", pid)
+        for (wid, role), addr, actor, pid in zip(roles, addrs, actors, pids, strict=True)
+    ]
+    log.info("ray workers ready: %s", {w.worker_id: w.address for w in workers})
+    return RayWorkers(workers, pg, owns_ray, interval_s)

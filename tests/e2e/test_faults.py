@@ -1,0 +1,151 @@
+"""Faults and limits through a real 1P+1D cluster: client cancel and deadline expiry free every
+block on both workers, every bad input is INVALID_ARGUMENT (and the cluster serves the next
+request), overload beyond the router's queue bound is RESOURCE_EXHAUSTED quickly, and the
+`pdserve generate` CLI works against it.
+
+Runs in the pytest process; one cluster for the module, stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from deploy.client import CHANNEL_OPTIONS, build_request
+from proto.pdserve.v1 import inference_pb2
+from tests.e2e.helpers import PROMPTS, E2ECluster, Reference
+from tests.fakes.bad_requests import BAD_REQUESTS
+
+pytestmark = pytest.mark.slow
+LONG = build_request(token_ids=list(range(10, 26)), max_tokens=900, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
+    yield from start_cluster("faults", "disagg", prefill=1, decode=1)
+
+
+def _serves(cluster: E2ECluster, reference: Reference) -> None:
+    p = PROMPTS[5]
+    reference.check({p.name: cluster.generate(p.request())[0]})
+
+
+def test_client_cancel_mid_stream_frees_blocks(cluster: E2ECluster, reference: Reference) -> None:
+    call = cluster.stub.Generate(LONG, timeout=60.0)
+    received = 0
+    for resp in call:
+        received += len(resp.token_ids)
+        if received >= 5:
+            break
+    held = cluster.free_blocks()
+    assert any(held[a] < cluster.baseline[a] for a in held), f"nothing held mid-stream: {held}"
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
+    cluster.wait_no_leaks()
+    _serves(cluster, reference)
+
+
+def test_deadline_expiry_frees_blocks(cluster: E2ECluster, reference: Reference) -> None:
+    got: list[int] = []
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        for resp in cluster.stub.Generate(LONG, timeout=1.0):
+            got += resp.token_ids
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    assert time.monotonic() - start < 3.0
+    assert 0 < len(got) < 900, "the deadline must expire mid-stream"
+    cluster.wait_no_leaks()
+    _serves(cluster, reference)
+
+
+def test_bad_inputs_are_invalid_argument(cluster: E2ECluster, reference: Reference) -> None:
+    assert len(BAD_REQUESTS) >= 15
+    generate = cluster.channel.unary_stream(
+        "/pdserve.v1.Inference/Generate",
+        request_serializer=None,  # raw wire bytes: some bad inputs cannot be built as messages
+        response_deserializer=inference_pb2.GenerateResponse.FromString,
+    )
+    wrong = []
+    for bad in BAD_REQUESTS:
+        try:
+            list(generate(bad.payload, timeout=10.0))
+            wrong.append(f"{bad.name}: succeeded")
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+            if code != grpc.StatusCode.INVALID_ARGUMENT or bad.field not in details:
+                wrong.append(f"{bad.name}: {code.name}: {details!r} (want field {bad.field!r})")
+    assert not wrong, "\n".join(wrong)
+    assert cluster.free_blocks() == cluster.baseline
+    _serves(cluster, reference)
+
+
+def test_overload_is_resource_exhausted_quickly(cluster: E2ECluster, reference: Reference) -> None:
+    small = cluster.local.add_router(max_inflight=1, max_queued=1)
+    # long enough that the first two are still running when the other ten arrive
+    req = build_request(token_ids=list(range(30, 60)), max_tokens=600, ignore_eos=True)
+
+    def call(i: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        with grpc.insecure_channel(small.address, CHANNEL_OPTIONS) as ch:
+            try:
+                cluster.generate(req, timeout=60.0, channel=ch)
+                return "OK", time.monotonic() - t0
+            except grpc.RpcError as exc:
+                return exc.code().name, time.monotonic() - t0  # type: ignore[attr-defined]
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        results = list(pool.map(call, range(12)))
+    codes = [c for c, _ in results]
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert codes.count("OK") >= 1 and codes.count("RESOURCE_EXHAUSTED") >= 8, codes
+    shed = [t for c, t in results if c == "RESOURCE_EXHAUSTED"]
+    assert max(shed) < 1.0, f"shedding took {max(shed):.2f} s"
+    small.stop()
+    cluster.wait_no_leaks()
+    _serves(cluster, reference)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_pdserve_generate_cli(cluster: E2ECluster, reference: Reference) -> None:
+    p = next(p for p in PROMPTS if p.name == "len17")
+    ids = ",".join(map(str, p.token_ids or ()))
+    out = _cli("--addr", cluster.address, "--token-ids", ids, "--max-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    reference.check({p.name: [t for x in lines for t in x["token_ids"]]})
+    final = lines[-1]
+    assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 12
+    assert final["prefill_worker"] and final["decode_worker"] and final["timings"]["ttft_ms"] > 0
+
+    out = _cli("--addr", cluster.address, "--prompt", "The lighthouse", "--max-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "[length]" in out.stderr
+
+    out = _cli("--addr", cluster.address, "--token-ids", "5", "--max-tokens", "0")
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT" in out.stderr and "max_tokens" in out.stderr
+
+    out = _cli(
+        "--addr", cluster.address, "--token-ids", "5,6", "--max-tokens", "500", "--ignore-eos",
+        "--timeout", "0.3",
+    )  # fmt: skip
+    assert out.returncode == 1 and "DEADLINE_EXCEEDED" in out.stderr
+    cluster.wait_no_leaks()

@@ -1,0 +1,115 @@
+"""Fidelity and concurrency through real processes: colocated, 1P+1D and 2P+2D clusters give
+the in-process colocated engine's greedy tokens, one request at a time and 40 at once, and a
+prefill worker switching role under traffic drops nothing.
+
+Runs in the pytest process; one cluster per topology (module-scoped, parametrized), so pytest
+runs every test of a topology before starting the next one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from proto.pdserve.v1 import worker_pb2
+from tests.e2e.helpers import PROMPTS, E2ECluster, Reference, wait_until
+
+pytestmark = pytest.mark.slow
+
+TOPOLOGIES = {
+    "colocated": ("colocated", {"colocated": 1}),
+    "1p1d": ("disagg", {"prefill": 1, "decode": 1}),
+    "2p2d": ("disagg", {"prefill": 2, "decode": 2}),
+}
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def cluster(
+    request: pytest.FixtureRequest, start_cluster: Callable[..., Iterator[E2ECluster]]
+) -> Iterator[E2ECluster]:
+    mode, counts = TOPOLOGIES[request.param]
+    yield from start_cluster(request.param, mode, **counts)
+
+
+def test_greedy_tokens_match_colocated_engine(cluster: E2ECluster, reference: Reference) -> None:
+    got: dict[str, list[int]] = {}
+    for p in PROMPTS:  # one at a time, in order: the shared-prefix prompts hit the cache
+        tokens, final = cluster.generate(p.request())
+        got[p.name] = tokens
+        assert final.usage.completion_tokens == len(tokens)
+        assert final.usage.prompt_tokens == len(reference.prompt_ids[p.name])
+        assert final.finish_reason == ("length" if len(tokens) == p.max_tokens else "stop")
+    reference.check(got)
+    cluster.wait_no_leaks()
+
+
+def test_concurrent_requests_all_complete(cluster: E2ECluster, reference: Reference) -> None:
+    cases = [p for p in PROMPTS if len(reference.prompt_ids[p.name]) <= 300] * 2
+    assert len(cases) >= 32
+
+    def run(i: int) -> tuple[str, list[int]]:
+        p = cases[i]
+        return p.name, cluster.generate(p.request(request_id=f"conc-{i}"), timeout=60.0)[0]
+
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        results = list(pool.map(run, range(len(cases))))
+    for name, tokens in results:
+        reference.check({name: tokens})
+    cluster.wait_no_leaks()
+
+
+def test_role_switch_under_traffic_drops_nothing(cluster: E2ECluster, reference: Reference) -> None:
+    prefill = [w for w in cluster.local.workers.workers if w.role == "prefill"]
+    if len(prefill) < 2:
+        pytest.skip("a role switch under traffic needs two prefill workers (2p2d only)")
+    mover, mover_id = prefill[-1].address, prefill[-1].worker_id
+    stop = threading.Event()
+    done: list[tuple[str, list[int], str, str]] = []  # name, tokens, prefill id, decode id
+    errors: list[str] = []
+    cases = [p for p in PROMPTS if len(reference.prompt_ids[p.name]) <= 100]
+
+    def traffic(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            p = cases[i % len(cases)]
+            i += 4
+            try:
+                tokens, final = cluster.generate(p.request(), timeout=60.0)
+                done.append((p.name, tokens, final.prefill_worker, final.decode_worker))
+            except grpc.RpcError as exc:
+                errors.append(f"{p.name}: {exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+
+    def served_by_mover(role: str, after: int) -> bool:
+        column = 2 if role == "prefill" else 3
+        return any(d[column] == mover_id for d in done[after:])
+
+    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(done) >= 4, 30.0, "traffic before the switch")
+        stub = cluster.worker_stub(mover)
+        for role in ("decode", "prefill"):
+            before = len(done)
+            st = stub.SetRole(
+                worker_pb2.SetRoleRequest(role=role, drain_timeout_s=20.0), timeout=30
+            )
+            assert st.role == role
+            wait_until(
+                lambda r=role, b=before: served_by_mover(r, b),
+                30.0,
+                f"a request served by {mover_id} as {role}",
+            )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, f"requests failed during the role switches: {errors}"
+    for name, tokens, _, _ in done:
+        reference.check({name: tokens})
+    assert cluster.status(mover).role == "prefill"
+    cluster.wait_no_leaks()

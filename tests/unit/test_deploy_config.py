@@ -1,0 +1,236 @@
+"""`deploy.config.ClusterConfig`: TOML loading, CLI overrides, errors that name their fields,
+and every shipped deployment file (example TOMLs, Ray cluster YAML, KubeRay manifest).
+
+Pure and fast: no processes, no Ray, no network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from deploy.cli import build_parser, up_overrides
+from deploy.client import build_request
+from deploy.config import ClusterConfig, check_model_dir, load_cluster_config
+from deploy.launcher import router_argv, worker_argv
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+EXAMPLES = sorted((DEPLOY / "examples").glob("*.toml"))
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_load_and_defaults(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        """
+        model = "m"
+        torch_threads = 2
+        [workers]
+        prefill = 2
+        [router]
+        port = 0
+        max_queued = 4
+        [engine]
+        block_size = 32
+        num_kv_blocks = 100
+        [transfer]
+        timeout_s = 5
+        """,
+    )
+    c = load_cluster_config(path)
+    assert (c.mode, c.launcher, c.torch_threads) == ("disagg", "ray", 2)
+    assert (c.workers.prefill, c.workers.decode, c.workers.colocated) == (2, 1, 0)
+    assert (c.router.port, c.router.max_queued, c.router.max_inflight) == (0, 4, 64)
+    assert (c.engine.block_size, c.engine.num_kv_blocks, c.transfer.timeout_s) == (32, 100, 5)
+    assert c.worker_roles() == [
+        ("prefill-0", "prefill"),
+        ("prefill-1", "prefill"),
+        ("decode-0", "decode"),
+    ]
+    # The effective config round-trips through its JSON (what `pdserve up` logs).
+    assert ClusterConfig.model_validate_json(c.model_dump_json()) == c
+    with pytest.raises(ValidationError):
+        c.torch_threads = 3  # type: ignore[misc]  # frozen
+
+
+def test_colocated_counts_default_from_mode() -> None:
+    c = load_cluster_config(None, {"model": "m", "mode": "colocated"})
+    assert (c.workers.prefill, c.workers.decode, c.workers.colocated) == (0, 0, 1)
+    assert c.num_workers == 1
+
+
+def test_cli_flags_override_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'model = "a"\n[workers]\nprefill = 1\ndecode = 1\n[router]\nport = 7\n')
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--config",
+            str(path),
+            "--model",
+            "b",
+            "--prefill",
+            "3",
+            "--port",
+            "0",
+            "--ray-address",
+            "auto",
+            "--torch-threads",
+            "2",
+        ]
+    )
+    c = load_cluster_config(args.config, up_overrides(args))
+    assert (str(c.model), c.workers.prefill, c.workers.decode, c.router.port) == ("b", 3, 1, 0)
+    assert (c.ray.address, c.torch_threads, c.launcher) == ("auto", 2, "ray")
+    # --ray-address drops the file's local-cluster size instead of failing on it.
+    sized = _write(tmp_path, 'model = "a"\n[ray]\nnum_cpus = 2\n')
+    args = build_parser().parse_args(["up", "--config", str(sized), "--ray-address", "auto"])
+    c = load_cluster_config(args.config, up_overrides(args))
+    assert (c.ray.address, c.ray.num_cpus) == ("auto", None)
+    # --mode alone zeroes the roles that mode does not use; --no-ray picks the process launcher.
+    args = build_parser().parse_args(
+        ["up", "--config", str(path), "--mode", "colocated", "--no-ray"]
+    )
+    c = load_cluster_config(args.config, up_overrides(args))
+    assert (c.mode, c.workers.colocated, c.workers.prefill, c.launcher) == (
+        "colocated",
+        1,
+        0,
+        "process",
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        ({}, ["model"]),
+        ({"model": "m", "mode": "both"}, ["mode"]),
+        ({"model": "m", "workers": {"prefill": 0}}, ["workers.prefill"]),
+        ({"model": "m", "workers": {"decode": -1}}, ["workers.decode"]),
+        ({"model": "m", "workers": {"colocated": 1}}, ["workers.colocated", "disagg"]),
+        ({"model": "m", "mode": "colocated", "workers": {"colocated": 0}}, ["workers.colocated"]),
+        ({"model": "m", "mode": "colocated", "workers": {"prefill": 1}}, ["workers.prefill"]),
+        ({"model": "m", "torch_threads": 0}, ["torch_threads"]),
+        ({"model": "m", "router": {"port": 70000}}, ["router.port"]),
+        ({"model": "m", "router": {"policy": "random"}}, ["router.policy"]),
+        ({"model": "m", "router": {"max_inflight": 0}}, ["router.max_inflight"]),
+        ({"model": "m", "router": {"prot": 1}}, ["router.prot"]),
+        ({"model": "m", "engine": {"block_size": 0}}, ["engine.block_size"]),
+        ({"model": "m", "engine": {"max_num_seqs": 999}}, ["max_num_seqs"]),
+        ({"model": "m", "transfer": {"timeout_s": 0}}, ["transfer.timeout_s"]),
+        ({"model": "m", "ray": {"address": "a", "num_cpus": 2}}, ["ray.num_cpus", "ray.address"]),
+        ({"model": "m", "ray": {"num_cpus": 1}}, ["ray.num_cpus", "ray.cpus_per_worker"]),
+        ({"model": "m", "ray": {"gpus_per_worker": 1}}, ["ray.gpus_per_worker", "engine.device"]),
+        ({"model": "m", "engine": {"device": "cuda"}}, ["engine.device", "ray.gpus_per_worker"]),
+        ({"model": "m", "ray": {"placement_strategy": "RANDOM"}}, ["ray.placement_strategy"]),
+        ({"model": "m", "extra": 1}, ["extra"]),
+        ({"model": "m", "router": {"prefix_index": {"kind": "redis"}}}, ["router.prefix_index"]),
+    ],
+)
+def test_bad_values_name_their_fields(data: dict[str, object], names: list[str]) -> None:
+    with pytest.raises(ValidationError) as info:
+        ClusterConfig.model_validate(data)
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not named in:\n{message}"
+
+
+def test_gpu_config_is_valid_with_gpus_reserved() -> None:
+    c = ClusterConfig.model_validate(
+        {"model": "m", "engine": {"device": "cuda"}, "ray": {"gpus_per_worker": 1}}
+    )
+    assert c.ray.gpus_per_worker == 1
+    # Without Ray the GPU needs no reservation.
+    no_ray = {"model": "m", "launcher": "process", "engine": {"device": "cuda"}}
+    ClusterConfig.model_validate(no_ray)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="invalid TOML"):
+        load_cluster_config(_write(tmp_path, "model = \n"))
+    with pytest.raises(OSError):
+        load_cluster_config(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="model"):
+        check_model_dir(ClusterConfig(model=tmp_path))
+
+
+def test_router_config_and_command_lines() -> None:
+    c = load_cluster_config(None, {"model": "m", "router.port": 0, "router.max_queued": 3})
+    rc = c.router_config({"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
+    assert (rc.mode, rc.prefill_addrs, rc.decode_addrs, rc.max_queued) == (
+        "disagg",
+        ("127.0.0.1:1",),
+        ("127.0.0.1:2",),
+        3,
+    )
+    argv = router_argv(rc)
+    assert argv[argv.index("--prefill-addr") + 1] == "127.0.0.1:1"
+    assert argv[argv.index("--max-queued") + 1] == "3"
+    assert "--redis-url" not in argv
+    redis = {"kind": "redis", "url": "redis://127.0.0.1:6379/0"}
+    c2 = load_cluster_config(None, {"model": "m", "router.prefix_index": redis})
+    argv = router_argv(c2.router_config({"prefill": ["h:1"], "decode": ["h:2"]}))
+    assert argv[argv.index("--redis-url") + 1] == redis["url"]
+    wargv = worker_argv(c, "decode-0", "decode")
+    assert wargv[wargv.index("--role") + 1] == "decode"
+    assert json.loads(wargv[wargv.index("--engine-json") + 1]) == c.engine.model_dump(mode="json")
+
+
+def test_generate_request_builder() -> None:
+    req = build_request(token_ids=[1, 2], max_tokens=4, temperature=0.5, stop=["x"], seed=3)
+    assert list(req.token_ids.ids) == [1, 2] and req.sampling.max_tokens == 4
+    assert req.sampling.HasField("seed") and not req.sampling.HasField("top_p")
+    with pytest.raises(ValueError):
+        build_request(prompt="a", token_ids=[1])
+    args = build_parser().parse_args(
+        ["generate", "--addr", "h:1", "--token-ids", "1,2,3", "--stop", "a", "b"]
+    )
+    assert (args.token_ids, args.stop) == ([1, 2, 3], ["a", "b"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_validate(path: Path) -> None:
+    c = load_cluster_config(path)
+    assert c.num_workers >= 1
+
+
+def test_examples_present() -> None:
+    assert {p.name for p in EXAMPLES} >= {"disagg-1p1d.toml", "disagg-2p2d.toml", "colocated.toml"}
+
+
+def _yaml_docs(path: Path) -> list[dict[str, object]]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def test_ray_cluster_yaml() -> None:
+    (doc,) = _yaml_docs(DEPLOY / "ray-cluster.yaml")
+    assert {"cluster_name", "provider", "head_start_ray_commands"} <= set(doc)
+    spec = importlib.util.find_spec("ray")
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema not installed")
+    if spec is not None and spec.origin is not None:
+        schema = Path(spec.origin).parent / "autoscaler" / "ray-schema.json"
+        jsonschema.validate(doc, json.loads(schema.read_text()))  # Ray's own schema
+
+
+def test_kuberay_manifest() -> None:
+    docs = {d["kind"]: d for d in _yaml_docs(DEPLOY / "kuberay.yaml")}
+    rc = docs["RayCluster"]
+    assert rc["apiVersion"] == "ray.io/v1"
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]  # type: ignore[index]
+    commands = json.dumps(head["containers"])
+    assert "pdserve up" in commands and "--ray-address auto" in commands
+    assert rc["spec"]["workerGroupSpecs"]  # type: ignore[index]
+    # The cluster TOML it mounts validates too.
+    toml = docs["ConfigMap"]["data"]["cluster.toml"]  # type: ignore[index]
+    c = ClusterConfig.model_validate(tomllib.loads(toml))
+    assert (c.ray.address, c.router.port) == ("auto", 50051)
