@@ -4,14 +4,22 @@ PIP := $(PYTHON) -m pip
 MODEL_DIR ?= models/small
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-fast lint typecheck proto bench clean
+.PHONY: setup demo up test test-fast lint typecheck proto bench clean
 
-setup:  ## install pdserve and its test tools (CPU torch 2.13.0 pinned first: no CUDA download)
+setup:  ## install pdserve, its test tools and redis-server (CPU torch 2.13.0 first: no CUDA download)
 	$(PIP) install --quiet "torch==2.13.0"
 	$(PIP) install --quiet -e ".[test]"
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (tests start their own on a free port)"; \
+		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || \
+		echo "warning: could not install redis-server; Redis tests will skip"; }
 
 demo: setup  ## make the small random model if missing, run a batch through the engine
 	$(PYTHON) -m deploy.cli demo --model $(MODEL_DIR) --out $(RUN_DIR)
+
+up: setup  ## start a local 1 prefill + 1 decode cluster on the small model (Ctrl-C stops it)
+	$(PYTHON) -m deploy.cli make-model --preset small --out $(MODEL_DIR) --if-missing
+	$(PYTHON) -m deploy.cli up --config deploy/examples/disagg-1p1d.toml --model $(MODEL_DIR)
 
 test: setup  ## the whole test suite (what CI runs)
 	$(PYTHON) -m pytest -q

@@ -48,12 +48,18 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
     p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument(
+        "--if-missing", action="store_true", help="do nothing if OUT already holds a config.json"
+    )
     p.set_defaults(func=make_model_main)
 
 
 def make_model_main(args: argparse.Namespace) -> int:
     from model_runtime.random_model import PRESETS, make_random_model
 
+    if args.if_missing and (Path(args.out) / "config.json").is_file():
+        print(f"model already present in {args.out}")
+        return 0
     try:
         out = make_random_model(args.out, args.preset, args.seed)
     except ValueError as exc:

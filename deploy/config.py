@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from model_runtime.engine import EngineConfig
+from model_runtime.engine_config import EngineConfig
 from router.config import RouterConfig
 from router.policy import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig

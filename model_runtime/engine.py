@@ -25,13 +25,12 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from model_runtime.block_pool import BlockPool, KVCacheEventListener
 from model_runtime.config import ModelConfig
+from model_runtime.engine_config import EngineConfig
 from model_runtime.kv_cache import KVCache
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
@@ -45,60 +44,6 @@ BeforeForward = Callable[[SchedulerOutput], LayerCallback | None]
 `on_layer_done(layer)` callback (see `ModelRunner.execute`)."""
 
 logger = logging.getLogger(__name__)
-
-
-class EngineConfig(BaseModel):
-    """How a colocated engine is sized and batched. Frozen; discovered values (the resolved
-    number of KV blocks, the model's EOS ids) live on the engine, not here."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    block_size: int = Field(default=16, gt=0, description="Tokens per KV block.")
-    num_kv_blocks: int | None = Field(
-        default=None,
-        gt=0,
-        description="KV blocks to allocate; None derives it from kv_cache_memory_mb.",
-    )
-    kv_cache_memory_mb: float = Field(
-        default=256.0,
-        gt=0,
-        description="KV cache size in MiB, used only when num_kv_blocks is None "
-        "(blocks = memory // KVCache.bytes_per_block).",
-    )
-    max_num_batched_tokens: int = Field(
-        default=512, gt=0, description="Token budget of one step (decode tokens + prefill chunks)."
-    )
-    max_num_seqs: int = Field(default=64, gt=0, description="Most requests running at once.")
-    enable_chunked_prefill: bool = Field(
-        default=True,
-        description="Split prompts into chunks that fill the step budget; off: a prompt "
-        "runs whole in one step or waits.",
-    )
-    enable_prefix_caching: bool = Field(
-        default=True,
-        description="Reuse the KV of full prompt blocks already computed (hash chain).",
-    )
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        default="auto", description="'auto' = Triton on CUDA when importable, else torch."
-    )
-    device: str = Field(
-        default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="Weights/KV dtype; 'auto' = the checkpoint's torch_dtype."
-    )
-    seed: int = Field(
-        default=0, ge=0, description="Seeds the generators of sampled requests that carry no seed."
-    )
-
-    @model_validator(mode="after")
-    def _check_budget(self) -> EngineConfig:
-        if self.max_num_seqs > self.max_num_batched_tokens:
-            raise ValueError(
-                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}): every running request decodes each step"
-            )
-        return self
 
 
 def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig) -> int:
