@@ -1,0 +1,379 @@
+"""KV-transfer benchmark on the `small` preset: bandwidth, overlap with prefill, share of TTFT.
+
+    python -m benchmarks.bench_kvtransfer --out benchmarks/results/kvtransfer.json
+
+(`--model` defaults to models/small and builds the random `small` model there if missing.)
+
+Two processes on this host: this one is the prefill worker (the model, its KV cache and a
+`TorchDistTransport`), a spawned one the decode worker (a KV cache of the same layout and its
+transport, polling like an engine loop). Timestamps are `time.monotonic()`, which is one clock
+for every process on a Linux host. For each prompt length (default 512, 1024, 2048 tokens), in
+one run:
+
+- transfer: the prompt's KV (already in the cache) pushed layer by layer, from ``open`` on the
+  prefill side to the decode side's ``poll()`` reporting every layer written (the header, GO
+  handshake and the scatter into the paged cache are inside);
+- raw gloo: the same bytes (the prompt's layers, gathered beforehand) as the same number of
+  messages, one per layer, over a bare 2-rank gloo group between the same processes, from the
+  first send to the last receive — no gather, no scatter, no handshake;
+- memcpy: one in-process copy of the same bytes;
+- streaming: a real prefill with ``on_layer_done -> send_layer``; ``exposed`` is the time from
+  the end of the forward pass to the KV being complete on the decode side (the part not hidden
+  behind compute), ``hidden = 1 - exposed / transfer``, and ``ttft`` runs from the start of the
+  prefill to the KV complete on the decode side (router and sampling excluded).
+
+Medians over ``--reps``. Writes JSON and prints (and writes next to it, `.md`) a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtransfer import rendezvous as rdv
+from kvtransfer.torch_dist import TorchDistTransport
+from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_ticket
+from model_runtime.config import ModelConfig
+from model_runtime.kv_cache import KVCache
+
+BLOCK = 16
+TARGETS = {"vs_raw_gloo": 0.90, "hidden": 0.75, "share_of_ttft_at_1k_plus": 0.05}
+
+
+def _decode_cache(model_dir: str, num_blocks: int) -> KVCache:
+    cfg = ModelConfig.from_model_dir(model_dir)
+    return KVCache(cfg, num_blocks, BLOCK, torch.float32, model_name=Path(model_dir).name)
+
+
+def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
+    """The decode worker: issues tickets, polls its transport, and hosts the raw-gloo receiver."""
+    cache = _decode_cache(model_dir, num_blocks)
+    tr = TorchDistTransport(cache, "bench-d", connect_timeout_s=60.0)
+    conn.send(("ready", tr.endpoint.port))
+    raw: rdv.PairGroup | None = None
+    busy = False
+    while True:
+        if conn.poll(0.0005 if busy else 0.01):
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                tr.close()
+                return
+            if cmd == "expect":
+                ids = list(range(blocks_needed(arg, BLOCK)))
+                ticket = new_ticket(tr.endpoint, tr.layout, "bench", ids, arg, 60.0)
+                tr.expect(ticket)
+                busy = True
+                conn.send(("ticket", ticket.to_dict()))
+            elif cmd == "raw_join":
+                store = rdv.connect_store("127.0.0.1", arg, 60.0)
+                raw = rdv.make_pair_group(store, "raw", 0, 0, "gloo", "127.0.0.1", 60.0)
+                conn.send(("raw_ready", 0))
+            elif cmd == "raw_recv":
+                assert raw is not None, "raw_join first"
+                bufs = [torch.empty(arg, dtype=torch.float32) for _ in range(cache.num_layers)]
+                works = [raw.recv([b], 1, 7) for b in bufs]
+                conn.send(("raw_posted", 0))
+                for w in works:
+                    w.wait()
+                conn.send(("raw_done", time.monotonic()))
+        for res in tr.poll():
+            busy = False
+            conn.send(("result", {"ok": res.ok, "error": res.error, "t": time.monotonic()}))
+
+
+class Decode:
+    """The prefill side's handle on the decode process."""
+
+    def __init__(self, model_dir: str, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_decode_main, args=(child, model_dir, num_blocks))
+        self.proc.start()
+        self.port = int(self.wait("ready"))
+
+    def wait(self, kind: str, timeout_s: float = 120.0) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"decode process sent no {kind!r} in {timeout_s} s")
+        got, payload = self.conn.recv()
+        if got != kind:
+            raise RuntimeError(f"decode process sent {got!r} ({payload}), expected {kind!r}")
+        return payload
+
+    def ticket(self, num_tokens: int) -> TransferTicket:
+        self.conn.send(("expect", num_tokens))
+        return TransferTicket.from_dict(self.wait("ticket"))
+
+    def stop(self) -> None:
+        self.conn.send(("stop", None))
+        self.proc.join(10.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+
+
+def _finish(p: TorchDistTransport, d: Decode, tid: str) -> float:
+    """Poll the sender until its result; return when the decode side completed the transfer."""
+    done = d.wait("result")
+    if not done["ok"]:
+        raise RuntimeError(f"transfer {tid} failed on the decode side: {done['error']}")
+    results: list[TransferResult] = []
+    end = time.monotonic() + 60.0
+    while not results and time.monotonic() < end:
+        results = p.poll()
+        time.sleep(0.0005)
+    if not results or not results[0].ok:
+        raise RuntimeError(f"transfer {tid} failed on the prefill side: {results}")
+    return float(done["t"])
+
+
+def bench_transfer(p: TorchDistTransport, d: Decode, n_tokens: int) -> float:
+    """Seconds from open to the decode side holding every layer (KV already computed)."""
+    ticket = d.ticket(n_tokens)
+    src = list(range(ticket.num_blocks))
+    t0 = time.monotonic()
+    p.open(ticket, src)
+    for layer in range(ticket.layout.num_layers):
+        p.send_layer(ticket.transfer_id, layer)
+    return _finish(p, d, ticket.transfer_id) - t0
+
+
+def bench_raw(raw: rdv.PairGroup, d: Decode, layers: list[torch.Tensor]) -> float:
+    """Seconds to move `layers` (ready, contiguous), one message each, over a bare gloo pair."""
+    d.conn.send(("raw_recv", layers[0].numel()))
+    d.wait("raw_posted")
+    t0 = time.monotonic()
+    works = [raw.send([t], 0, 7) for t in layers]
+    for w in works:
+        w.wait()
+    return float(d.wait("raw_done")) - t0
+
+
+def bench_memcpy(nbytes: int) -> float:
+    src = torch.rand(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def bench_prefill(
+    runner: Any, tokens: list[int], p: TorchDistTransport | None, d: Decode | None
+) -> tuple[float, float, float]:
+    """Seconds from the start of a prefill to (forward done, KV complete on the decode side,
+    last layer handed to the transport); only the first without a transport."""
+    from model_runtime.model_runner import StepInput
+
+    src = list(range(blocks_needed(len(tokens), BLOCK)))
+    item = StepInput(tokens, 0, src)
+    if p is None or d is None:
+        t0 = time.monotonic()
+        runner.execute([item])
+        return time.monotonic() - t0, 0.0, 0.0
+    ticket = d.ticket(len(tokens))
+    last = [0.0]
+
+    def on_layer_done(layer: int) -> None:
+        last[0] = time.monotonic()
+        p.send_layer(ticket.transfer_id, layer)
+
+    t0 = time.monotonic()
+    p.open(ticket, src)
+    runner.execute([item], on_layer_done=on_layer_done)
+    t1 = time.monotonic()
+    return t1 - t0, _finish(p, d, ticket.transfer_id) - t0, last[0] - t0
+
+
+def _stats(xs: list[float]) -> dict[str, Any]:
+    return {"min": min(xs), "median": statistics.median(xs), "all": xs}
+
+
+def measure_bandwidth(
+    p: TorchDistTransport, d: Decode, raw: rdv.PairGroup, cache: KVCache, n: int, reps: int
+) -> dict[str, Any]:
+    """Transfer vs raw gloo (interleaved, so load drift hits both) vs memcpy, for n tokens."""
+    ids = list(range(blocks_needed(n, BLOCK)))
+    layers = [cache.gather_layer(i, ids) for i in range(cache.num_layers)]  # the same bytes
+    nbytes = sum(t.numel() * t.element_size() for t in layers)
+    xfer, rawt = [], []
+    for _ in range(reps):
+        xfer.append(bench_transfer(p, d, n))
+        rawt.append(bench_raw(raw, d, layers))
+    mem = min(bench_memcpy(nbytes) for _ in range(reps))
+    x, r = _stats(xfer), _stats(rawt)
+    return {
+        "tokens": n,
+        "bytes": nbytes,
+        "transfer_s": x,
+        "raw_gloo_s": r,
+        "memcpy_s": mem,
+        "transfer_gbs": nbytes / x["min"] / 1e9,
+        "raw_gloo_gbs": nbytes / r["min"] / 1e9,
+        "memcpy_gbs": nbytes / mem / 1e9,
+        "vs_raw_gloo": r["min"] / x["min"],
+        "vs_raw_gloo_median": r["median"] / x["median"],
+        "vs_memcpy": mem / x["min"],
+    }
+
+
+def measure_streaming(
+    runner: Any,
+    p: TorchDistTransport,
+    d: Decode,
+    tokens: list[int],
+    transfer_s: float,
+    reps: int,
+) -> dict[str, Any]:
+    """A real prefill pushing each layer as it finishes, vs the same prefill without it.
+
+    `exposed` is what the transfer adds to TTFT: KV complete on the decode side minus forward
+    done (the model's final norm and logits still run after the last layer). `tail` is KV
+    complete minus last layer handed over: the transfer's own latency past the compute of its
+    last layer, the upper bound on `exposed` for any model tail.
+    """
+    alone, fwd, ttft, exposed, tail = [], [], [], [], []
+    for _ in range(reps):
+        alone.append(bench_prefill(runner, tokens, None, None)[0])
+        f, ready, last = bench_prefill(runner, tokens, p, d)
+        fwd.append(f)
+        ttft.append(max(f, ready))  # the first token needs the forward; decoding needs the KV
+        exposed.append(max(ready - f, 0.0))
+        tail.append(ready - last)
+    e, t, tl = statistics.median(exposed), statistics.median(ttft), statistics.median(tail)
+    return {
+        "tokens": len(tokens),
+        "prefill_alone_s": statistics.median(alone),
+        "prefill_streaming_s": statistics.median(fwd),
+        "transfer_s": transfer_s,
+        "exposed_s": e,
+        "hidden": 1.0 - e / transfer_s,
+        "tail_s": tl,
+        "hidden_by_tail": 1.0 - tl / transfer_s,
+        "ttft_s": t,
+        "exposed_share_of_ttft": e / t,
+        "tail_share_of_ttft": tl / t,
+        "transfer_share_of_ttft": transfer_s / t,
+        "per_rep": {"forward_s": fwd, "ttft_s": ttft, "exposed_s": exposed, "tail_s": tail},
+    }
+
+
+def run(model_dir: str, sizes: list[int], reps: int, stream_reps: int) -> dict[str, Any]:
+    from model_runtime.model_runner import ModelRunner
+
+    max_blocks = blocks_needed(max(sizes), BLOCK)
+    runner = ModelRunner.from_model_dir(model_dir, max_blocks + 8, BLOCK, dtype="float32")
+    cache: KVCache = runner.kv_cache
+    d = Decode(model_dir, max_blocks + 8)
+    p = TorchDistTransport(cache, "bench-p", serve=False, connect_timeout_s=60.0)
+    try:
+        raw_store = rdv.serve_store("127.0.0.1", 0, 60.0)
+        d.conn.send(("raw_join", raw_store.port))
+        raw = rdv.make_pair_group(raw_store, "raw", 0, 1, "gloo", "127.0.0.1", 60.0)
+        d.wait("raw_ready")
+        gen = torch.Generator().manual_seed(0)
+        vocab = runner.config.vocab_size
+        prompts = {n: torch.randint(3, vocab, (n,), generator=gen).tolist() for n in sizes}
+        bench_prefill(runner, prompts[max(sizes)], None, None)  # warm-up; fills the cache
+        bench_transfer(p, d, 32)  # warm-up: joins the pair
+        bandwidth = [measure_bandwidth(p, d, raw, cache, n, reps) for n in sizes]
+        streaming = [
+            measure_streaming(runner, p, d, prompts[n], b["transfer_s"]["median"], stream_reps)
+            for n, b in zip(sizes, bandwidth, strict=True)
+        ]
+    finally:
+        d.stop()
+        p.close()
+    return {
+        "preset": "small",
+        "model_dir": model_dir,
+        "block_size": BLOCK,
+        "dtype": "float32",
+        "reps": reps,
+        "stream_reps": stream_reps,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+        "bandwidth": bandwidth,
+        "streaming": streaming,
+        "targets": TARGETS,
+        "meets": _meets(bandwidth, streaming),
+    }
+
+
+def _meets(bandwidth: list[dict[str, Any]], streaming: list[dict[str, Any]]) -> dict[str, bool]:
+    return {
+        "vs_raw_gloo": all(b["vs_raw_gloo"] >= TARGETS["vs_raw_gloo"] for b in bandwidth),
+        "hidden": all(s["hidden"] >= TARGETS["hidden"] for s in streaming),
+        "share_of_ttft_at_1k_plus": all(
+            s["exposed_share_of_ttft"] <= TARGETS["share_of_ttft_at_1k_plus"]
+            for s in streaming
+            if s["tokens"] >= 1024
+        ),
+    }
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [
+        "| tokens | MB | transfer ms best (median) | GB/s | raw gloo GB/s | vs raw best (median) "
+        "| memcpy GB/s | vs memcpy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for b in res["bandwidth"]:
+        lines.append(
+            f"| {b['tokens']} | {b['bytes'] / 1e6:.1f} | {b['transfer_s']['min'] * 1e3:.1f} "
+            f"({b['transfer_s']['median'] * 1e3:.1f}) | {b['transfer_gbs']:.2f} | "
+            f"{b['raw_gloo_gbs']:.2f} | {b['vs_raw_gloo']:.0%} ({b['vs_raw_gloo_median']:.0%}) | "
+            f"{b['memcpy_gbs']:.2f} | {b['vs_memcpy']:.1%} |"
+        )
+    lines += [
+        "",
+        "| tokens | prefill alone ms | prefill + stream ms | transfer ms | exposed ms | hidden "
+        "| tail ms | hidden (tail) | TTFT ms | exposed / TTFT | tail / TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in res["streaming"]:
+        lines.append(
+            f"| {s['tokens']} | {s['prefill_alone_s'] * 1e3:.0f} | "
+            f"{s['prefill_streaming_s'] * 1e3:.0f} | {s['transfer_s'] * 1e3:.1f} | "
+            f"{s['exposed_s'] * 1e3:.1f} | {s['hidden']:.0%} | {s['tail_s'] * 1e3:.1f} | "
+            f"{s['hidden_by_tail']:.0%} | {s['ttft_s'] * 1e3:.0f} | "
+            f"{s['exposed_share_of_ttft']:.2%} | {s['tail_share_of_ttft']:.2%} |"
+        )
+    lines += ["", f"targets {res['targets']} -> met {res['meets']}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="models/small", help="model folder (made if missing)")
+    ap.add_argument("--out", default="benchmarks/results/kvtransfer.json")
+    ap.add_argument("--sizes", default="512,1024,2048", help="prompt lengths in tokens")
+    ap.add_argument("--reps", type=int, default=7, help="bandwidth repetitions (interleaved)")
+    ap.add_argument("--stream-reps", type=int, default=3, help="prefill repetitions per size")
+    args = ap.parse_args()
+    if not (Path(args.model) / "config.json").is_file():
+        from model_runtime.random_model import make_random_model
+
+        print(f"building the small random model in {args.model} ...", flush=True)
+        make_random_model(args.model, "small", seed=0)
+    res = run(args.model, [int(s) for s in args.sizes.split(",")], args.reps, args.stream_reps)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    text = table(res)
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Receiving half of the torch.distributed KV transport (decode side). Runs in decode workers.
+
+Threads:
+
+- the **control thread** serves the control queue of this worker's `TCPStore`: ``join``
+  records (layout check, then a builder thread makes the pair's process group) and ``xfer``
+  headers, checked against the live tickets (`header_verdict`);
+- one **transfer thread** per announced transfer. Accepted: it posts a receive per layer into
+  a staging tensor and, as each layer lands, writes it straight into the ticket's destination
+  blocks (`kvtransfer.staging.write_layer`), then waits for the engine's verdict and sends
+  it to the sender as the acknowledgement. Rejected (unknown ticket, stale epoch, ...): it
+  drains the layers the sender streams anyway and acknowledges with the reject code.
+
+Every wait is bounded by the transfer's deadline; a gloo wait that times out closes the pair's
+connection, which is what makes the other side fail too.
+
+Writing from a helper thread is the one exception to "the engine thread owns the cache", and it
+is safe by the ownership rules: destination blocks are reserved for this transfer and nobody
+else touches them until its result is out. `RecvTransfer.lock` makes the cut-off exact: each
+layer is written under the lock only while the transfer is unfinished, and the engine marks it
+finished under the same lock, so once ``poll()`` has reported a result (success, failure,
+deadline or cancel) no write into those blocks can follow, and the caller may free or reuse
+them at once. Doing the writes here keeps the copy work off the decode loop and makes
+completion independent of how often the engine polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore, Work
+
+from kvtransfer import rendezvous as rdv
+from kvtransfer.staging import write_layer
+from kvtransfer.types import (
+    Code,
+    LayoutMismatchError,
+    TransferTicket,
+    blocks_needed,
+    check_layout,
+    header_verdict,
+)
+from kvtransfer.wire import CLOSE_WAIT_S, Event, HelperThreads, control_tensor, remaining, td
+from model_runtime.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+ACK_TIMEOUT_S = 5.0  # bound on sending a verdict or acknowledgement to a live peer
+_IDLE_WAIT = td(3600.0)  # control-queue wait; close() wakes it with a stop record
+
+
+@dataclass
+class RecvPair:
+    """The decode side of one (sender, generation) pair; `ready` is set once built or failed."""
+
+    sender: str
+    gen: int
+    ready: threading.Event = field(default_factory=threading.Event)
+    group: rdv.PairGroup | None = None
+    error: str | None = None
+    store: TCPStore | None = None  # the connection the group was built on, kept with it
+
+
+@dataclass
+class RecvTransfer:
+    """One expected transfer, shared by the engine thread and (once announced) its thread."""
+
+    ticket: TransferTicket
+    started: float
+    deadline: float
+    sender: str | None = None  # set under the receiver's lock when a header is accepted
+    pair: RecvPair | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the two below
+    finished: bool = False  # set by the engine when it reports the result
+    layers_written: int = 0
+    cancelled: bool = False  # engine thread only; the result goes out at the next poll
+    nbytes: int = 0
+    final_code: Code = Code.RECEIVER_FAILED
+    decided: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def io_started(self) -> bool:
+        return self.sender is not None
+
+
+class Receiver:
+    """Serves this worker's rendezvous store and runs the receiving threads."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        cache: KVCache,
+        host: str,
+        port: int,
+        connect_timeout_s: float,
+        events: queue.SimpleQueue[Event],
+    ) -> None:
+        self._worker_id = worker_id
+        self._cache = cache
+        self._layout = cache.layout
+        self._device = cache.device
+        self._shape = (cache.block_size, cache.num_kv_heads, cache.head_dim)
+        self._dtype = cache.dtype
+        self._host = host
+        self._backend = rdv.backend_for(cache.device)
+        self._connect_timeout_s = connect_timeout_s
+        self._events = events
+        self._server = rdv.serve_store(host, port, connect_timeout_s)
+        self.port: int = self._server.port
+        # Store clients serialise their operations, so the control thread's long wait gets a
+        # connection of its own; the server object's own connection (`_quick`) carries the
+        # short operations of the other threads.
+        self._ctl = rdv.connect_store(host, self.port, connect_timeout_s)
+        self._quick = self._server
+        self._lock = threading.Lock()
+        self._pairs: dict[str, RecvPair] = {}
+        self._live: dict[str, RecvTransfer] = {}
+        self._stopped = False
+        self._helpers = HelperThreads()
+        self._thread = threading.Thread(
+            target=self._control_loop, name=f"kvx-ctl-{worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def add(self, tr: RecvTransfer) -> None:
+        with self._lock:
+            self._live[tr.ticket.transfer_id] = tr
+
+    def finish(self, tr: RecvTransfer, code: Code) -> None:
+        """Record the engine's verdict; no write into the blocks follows. The transfer thread
+        acknowledges the verdict to the sender."""
+        with self._lock:
+            if self._live.get(tr.ticket.transfer_id) is tr:
+                del self._live[tr.ticket.transfer_id]
+        with tr.lock:  # waits for a write in progress (a memcpy), never for the network
+            tr.finished = True
+        tr.final_code = code
+        tr.decided.set()
+
+    def drop_pair(self, pair: RecvPair) -> None:
+        """Forget a broken pair; its sender re-joins with a new generation on next use."""
+        with self._lock:
+            if self._pairs.get(pair.sender) is not pair:
+                return
+            del self._pairs[pair.sender]
+        log.warning("kvtransfer: dropping pair %s gen %d", pair.sender, pair.gen)
+        try:
+            self._quick.set(rdv.cur_key(pair.sender), "0")
+        except RuntimeError as exc:  # our own store; only fails while shutting down
+            log.warning("kvtransfer: could not mark pair %s dropped: %s", pair.sender, exc)
+
+    def close(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        with self._lock:
+            self._pairs.clear()
+            self._live.clear()
+        try:
+            self._quick.queue_push(rdv.CTL_QUEUE, rdv.stop_record())
+        except RuntimeError as exc:
+            log.warning("kvtransfer: could not stop the control thread: %s", exc)
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        self._helpers.join(timeout_s=CLOSE_WAIT_S)
+
+    # ---- control thread ---------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        while True:
+            try:
+                self._ctl.wait([rdv.CTL_QUEUE], _IDLE_WAIT)
+                raw = self._ctl.queue_pop(rdv.CTL_QUEUE, False)
+            except dist.DistStoreError:  # idle timeout or a racing pop: just wait again
+                continue
+            except RuntimeError as exc:
+                log.warning("kvtransfer: control queue of %s closed: %s", self._worker_id, exc)
+                return
+            try:
+                rec = rdv.decode(raw)
+                if rec["kind"] == "stop":
+                    return
+                if rec["kind"] == "join":
+                    self._on_join(rec)
+                elif rec["kind"] == "xfer":
+                    self._on_header(rec)
+                elif rec["kind"] == "cancel":
+                    self._on_cancel(rec)
+                else:
+                    log.warning("kvtransfer: unknown control record kind %r", rec["kind"])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("kvtransfer: bad control record %r: %s", raw[:200], exc)
+
+    def _on_join(self, rec: dict[str, Any]) -> None:
+        sender, gen = str(rec["sender"]), int(rec["gen"])
+        try:
+            check_layout(
+                self._layout,
+                rdv.join_layout(rec),
+                f"decode {self._worker_id}",
+                f"prefill {sender}",
+            )
+        except LayoutMismatchError as exc:
+            self._ctl.set(rdv.join_key(sender, gen), f"reject:{exc}")
+            return
+        pair = RecvPair(sender, gen)
+        with self._lock:
+            old = self._pairs.get(sender)
+            if old is not None and old.gen >= gen:
+                stale = f"reject:generation {gen} of {sender} is older than {old.gen}"
+                self._ctl.set(rdv.join_key(sender, gen), stale)
+                return
+            self._pairs[sender] = pair
+        self._ctl.set(rdv.cur_key(sender), str(gen))
+        self._ctl.set(rdv.join_key(sender, gen), "ok")
+        self._helpers.start(f"kvx-join-{sender}-{gen}", self._build_pair, pair)
+
+    def _build_pair(self, pair: RecvPair) -> None:
+        try:
+            pair.store = rdv.connect_store(self._host, self.port, self._connect_timeout_s)
+            pair.group = rdv.make_pair_group(
+                pair.store,
+                pair.sender,
+                pair.gen,
+                0,
+                self._backend,
+                self._host,
+                self._connect_timeout_s,
+            )
+        except RuntimeError as exc:
+            pair.error = f"building the group with {pair.sender} (gen {pair.gen}) failed: {exc}"
+            log.warning("kvtransfer: %s", pair.error)
+        pair.ready.set()
+
+    def _on_cancel(self, rec: dict[str, Any]) -> None:
+        tid, epoch = str(rec["transfer_id"]), int(rec["epoch"])
+        with self._lock:
+            tr = self._live.get(tid)
+            if tr is None or tr.ticket.epoch != epoch or tr.io_started:
+                return  # gone already, or announced: the stream itself carries the cancel
+            tr.sender = str(rec["sender"])  # claimed: no later header for it is accepted
+        self._events.put(Event("recv_failed", tid, epoch, error="cancelled by sender"))
+
+    def _on_header(self, rec: dict[str, Any]) -> None:
+        sender, gen, tag = str(rec["sender"]), int(rec["gen"]), int(rec["tag"])
+        tid, epoch = str(rec["transfer_id"]), int(rec["epoch"])
+        with self._lock:
+            pair = self._pairs.get(sender)
+            if pair is None or pair.gen != gen:
+                log.warning(
+                    "kvtransfer: header for %s from %s on a dropped pair (gen %d); ignored",
+                    tid,
+                    sender,
+                    gen,
+                )
+                return
+            tr = self._live.get(tid)
+            code = header_verdict(
+                tr.ticket if tr else None,
+                tr is not None and tr.io_started,
+                epoch,
+                int(rec["num_tokens"]),
+            )
+            if code is Code.GO and tr is not None:
+                tr.sender, tr.pair = sender, pair
+        name = f"kvx-recv-{tid}"
+        if code is Code.GO and tr is not None:
+            # Post the receives right here when the group is up (it is, but for a pair's
+            # first transfer), so the data flows while the transfer thread starts.
+            posted = None
+            if pair.ready.is_set() and pair.group is not None:
+                try:
+                    posted = self._post_receives(pair.group, tr.ticket, tag)
+                except RuntimeError as exc:
+                    error = f"receive failed: {exc}"
+                    self._events.put(
+                        Event("recv_failed", tid, epoch, error=error, pair_broken=True)
+                    )
+                    return
+            self._helpers.start(name, self._run_transfer, tr, pair, tag, posted)
+            return
+        n_blocks = blocks_needed(int(rec["num_tokens"]), self._layout.block_size)
+        if not 0 < n_blocks <= self._cache.num_blocks:
+            log.warning("kvtransfer: header for %s claims %d blocks; ignored", tid, n_blocks)
+            return
+        deadline = time.monotonic() + float(rec["timeout_ms"]) / 1000 + ACK_TIMEOUT_S
+        self._helpers.start(name, self._reject, pair, tag, code, tid, n_blocks, deadline)
+
+    # ---- transfer threads -------------------------------------------------------------------
+
+    def _reject(
+        self, pair: RecvPair, tag: int, code: Code, tid: str, n_blocks: int, deadline: float
+    ) -> None:
+        """Drain the layers of a refused transfer, then acknowledge with the reject code."""
+        log.info("kvtransfer: transfer %s from %s: %s", tid, pair.sender, code.describe())
+        try:
+            group = self._group(pair, deadline)
+            scratch = torch.empty(
+                (2, n_blocks, *self._shape), dtype=self._dtype, device=self._device
+            )
+            for _ in range(self._layout.num_layers):
+                group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
+            group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
+        except (RuntimeError, TimeoutError) as exc:
+            log.warning("kvtransfer: could not reject %s to %s: %s", tid, pair.sender, exc)
+
+    def _post_receives(
+        self, group: rdv.PairGroup, t: TransferTicket, tag: int
+    ) -> tuple[list[torch.Tensor], list[Work]]:
+        """Staging tensors for every layer, each with its receive posted.
+
+        All up front: gloo only moves a message once its receive is posted, so receiving a few
+        layers ahead would cost a round trip per layer. One tensor per layer, not one for all:
+        allocations past glibc's mmap threshold (32 MB) come fresh from the kernel and fault in
+        page by page.
+        """
+        shape = (2, t.num_blocks, *self._shape)
+        staging = [
+            torch.empty(shape, dtype=self._dtype, device=self._device)
+            for _ in range(t.layout.num_layers)
+        ]
+        return staging, [group.recv([buf], 1, tag) for buf in staging]
+
+    def _run_transfer(
+        self,
+        tr: RecvTransfer,
+        pair: RecvPair,
+        tag: int,
+        posted: tuple[list[torch.Tensor], list[Work]] | None,
+    ) -> None:
+        """Receive and write the layers in order, then acknowledge the engine's verdict."""
+        tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
+        layers, dst = t.layout.num_layers, t.dst_block_ids[: t.num_blocks]
+        try:
+            group = self._group(pair, tr.deadline)
+            staging, works = posted or self._post_receives(group, t, tag)
+            for i, work in enumerate(works):
+                work.wait(td(remaining(tr.deadline)))
+                if i == layers - 1 and self._sender_cancelled(tid, epoch):
+                    self._events.put(Event("recv_failed", tid, epoch, error="cancelled by sender"))
+                    break
+                with tr.lock:
+                    if not tr.finished:
+                        write_layer(self._cache, i, dst, staging[i])
+                        tr.layers_written += 1
+            else:
+                nbytes = layers * staging[0].numel() * staging[0].element_size()
+                self._events.put(Event("recv_done", tid, epoch, nbytes=nbytes))
+        except (RuntimeError, TimeoutError) as exc:
+            self._events.put(
+                Event("recv_failed", tid, epoch, error=f"receive failed: {exc}", pair_broken=True)
+            )
+            return
+        # The engine decides (complete, or deadline / cancel); tell the sender.
+        decided = tr.decided.wait(remaining(tr.deadline) + ACK_TIMEOUT_S)
+        code = tr.final_code if decided else Code.RECEIVER_FAILED
+        try:
+            group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
+        except RuntimeError as exc:
+            log.warning("kvtransfer: acknowledging %s to %s failed: %s", tid, pair.sender, exc)
+
+    def _group(self, pair: RecvPair, deadline: float) -> rdv.PairGroup:
+        if not pair.ready.wait(remaining(deadline)):
+            raise TimeoutError("the pair's process group was not ready before the deadline")
+        if pair.group is None:
+            raise RuntimeError(pair.error or "the pair's process group was not built")
+        return pair.group
+
+    def _sender_cancelled(self, tid: str, epoch: int) -> bool:
+        """Whether the sender marked this transfer cancelled (its last layers are filler)."""
+        key = rdv.cancel_key(tid, epoch)
+        if not self._quick.check([key]):
+            return False
+        self._quick.delete_key(key)
+        return True

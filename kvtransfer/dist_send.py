@@ -1,0 +1,315 @@
+"""Sending half of the torch.distributed KV transport (prefill side). Runs in prefill workers.
+
+One **transfer thread** per open transfer does everything that may block: connect to the
+receiver's store and join (first use of a pair, or after it broke), announce the transfer,
+check the receiver still serves the pair's generation (else re-join once and announce again),
+wait for each layer's send to complete, wait for the acknowledgement. Every wait is bounded by
+the transfer's deadline.
+
+The engine thread only gathers a layer out of its cache (`KVCache.gather_layer`, a copy) and
+posts it: with a non-blocking ``send`` once the transfer is announced, else into
+`SendTransfer.pending`, which the thread posts when it announces. Because layers are copied
+out when posted, nothing in flight refers to the cache's source blocks.
+
+`SendTransfer.cond` guards the fields the two threads share (pending, works, announced, the
+flags). With NCCL (no message tags) a pair carries one transfer at a time (`SendPair.serial`);
+gloo multiplexes concurrent transfers on one pair by tag.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch._C._distributed_c10d import TCPStore, Work
+
+from kvtransfer import rendezvous as rdv
+from kvtransfer.types import Code, PeerEndpoint, TransferError, TransferTicket
+from kvtransfer.wire import (
+    CLOSE_WAIT_S,
+    Event,
+    HelperThreads,
+    empty_control,
+    read_code,
+    remaining,
+    td,
+)
+from model_runtime.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SendPair:
+    """The prefill side of the pair with one receiver; replaced (never revived) once broken."""
+
+    endpoint: PeerEndpoint
+    lock: threading.Lock = field(default_factory=threading.Lock)  # connect + tag counter
+    serial: threading.Lock = field(default_factory=threading.Lock)  # NCCL: one at a time
+    store: TCPStore | None = None  # client of the receiver's store, once connected
+    group: rdv.PairGroup | None = None
+    gen: int = 0
+    broken: bool = False
+    next_tag: int = 0
+
+    def connected(self) -> tuple[TCPStore, rdv.PairGroup]:
+        assert self.store is not None and self.group is not None, "pair used before connecting"
+        return self.store, self.group
+
+    def take_tag(self) -> int:
+        with self.lock:
+            self.next_tag += 1
+            return self.next_tag
+
+
+@dataclass
+class SendTransfer:
+    """One open transfer, shared by the engine thread and its transfer thread."""
+
+    ticket: TransferTicket
+    src: tuple[int, ...]
+    started: float
+    deadline: float
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    pending: list[torch.Tensor] = field(default_factory=list)  # gathered before announcing
+    works: list[Work] = field(default_factory=list)  # posted sends, in layer order
+    keep: list[torch.Tensor] = field(default_factory=list)  # their buffers, kept alive
+    announced: bool = False
+    group: rdv.PairGroup | None = None
+    tag: int = 0
+    stop_posting: bool = False
+    post_error: str | None = None
+    cancelled: bool = False
+    pair: SendPair | None = None
+    next_layer: int = 0  # engine thread only
+    nbytes: int = 0  # engine thread only
+    finished: bool = False  # engine thread only
+
+
+class Sender:
+    """Connects to receivers lazily and runs the sending threads."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        cache: KVCache,
+        host: str,
+        connect_timeout_s: float,
+        events: queue.SimpleQueue[Event],
+    ) -> None:
+        self._worker_id = worker_id
+        self._layout = cache.layout
+        self._device = cache.device
+        self._dtype = cache.dtype
+        self._shape = (cache.block_size, cache.num_kv_heads, cache.head_dim)
+        self._host = host
+        self._backend = rdv.backend_for(cache.device)
+        self._serialize = self._backend == "nccl"
+        self._connect_timeout_s = connect_timeout_s
+        self._events = events
+        self._lock = threading.Lock()
+        self._pairs: dict[str, SendPair] = {}
+        self._helpers = HelperThreads()
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def start(self, tr: SendTransfer) -> None:
+        self._helpers.start(f"kvx-send-{tr.ticket.transfer_id}", self._run, tr)
+
+    def post_layer(self, tr: SendTransfer, data: torch.Tensor) -> None:
+        with tr.cond:
+            if tr.stop_posting:
+                return
+            if tr.announced:
+                self._post(tr, data)
+            else:
+                tr.pending.append(data)
+            tr.cond.notify_all()
+
+    def stop(self, tr: SendTransfer, cancelled: bool) -> None:
+        """The engine gave up (deadline, close) or cancelled; the thread winds down."""
+        with tr.cond:
+            tr.cancelled = tr.cancelled or cancelled
+            if not cancelled:
+                tr.stop_posting = True
+            tr.cond.notify_all()
+
+    def drop_pair(self, pair: SendPair) -> None:
+        with self._lock:
+            pair.broken = True
+            if self._pairs.get(pair.endpoint.key()) is pair:
+                del self._pairs[pair.endpoint.key()]
+
+    def close(self) -> None:
+        with self._lock:
+            for pair in self._pairs.values():
+                pair.broken = True
+            self._pairs.clear()
+        self._helpers.join(timeout_s=CLOSE_WAIT_S)
+
+    # ---- transfer thread --------------------------------------------------------------------
+
+    def _run(self, tr: SendTransfer) -> None:
+        tid, epoch = tr.ticket.transfer_id, tr.ticket.epoch
+        try:
+            self._send(tr)
+        except TransferError as exc:
+            self._events.put(Event("send_done", tid, epoch, error=str(exc)))
+            return
+        except (RuntimeError, TimeoutError) as exc:
+            self._events.put(
+                Event("send_done", tid, epoch, error=f"send failed: {exc}", pair_broken=True)
+            )
+            return
+        self._events.put(Event("send_done", tid, epoch))
+
+    def _send(self, tr: SendTransfer) -> None:
+        """Connect if needed and run the exchange; re-join once if the receiver had dropped a
+        pair this worker still used (it then ignores the header announced on it)."""
+        for _ in range(2):
+            pair = self._pair_for(tr.ticket.receiver)
+            fresh = self._connect(pair, tr.deadline)
+            tr.pair = pair
+            if self._serialize and not pair.serial.acquire(timeout=remaining(tr.deadline)):
+                raise TimeoutError("another transfer held the pair until the deadline")
+            try:
+                if self._exchange(tr, pair, verify=not fresh):
+                    return
+            finally:
+                if self._serialize:
+                    pair.serial.release()
+            log.info(
+                "kvtransfer: %s dropped our pair (gen %d); re-joining",
+                pair.endpoint.worker_id,
+                pair.gen,
+            )
+            self.drop_pair(pair)
+        raise RuntimeError(f"receiver {tr.ticket.receiver.worker_id} keeps dropping the pair")
+
+    def _pair_for(self, endpoint: PeerEndpoint) -> SendPair:
+        with self._lock:
+            pair = self._pairs.get(endpoint.key())
+            if pair is None or pair.broken:
+                pair = SendPair(endpoint)
+                self._pairs[endpoint.key()] = pair
+            return pair
+
+    def _connect(self, pair: SendPair, deadline: float) -> bool:
+        """Join the receiver (steps 1-4 of `kvtransfer.rendezvous`); True when this call did."""
+        if not pair.lock.acquire(timeout=remaining(deadline)):
+            raise TimeoutError(f"connecting to {pair.endpoint.key()} took past the deadline")
+        try:
+            if pair.group is not None:
+                return False
+            if pair.broken:
+                raise RuntimeError(f"the pair with {pair.endpoint.key()} broke while connecting")
+            ep, me = pair.endpoint, self._worker_id
+            limit = min(self._connect_timeout_s, remaining(deadline))
+            store = rdv.connect_store(ep.host, ep.port, limit)
+            gen = int(store.add(rdv.gen_key(me), 1))
+            store.queue_push(rdv.CTL_QUEUE, rdv.join_record(me, gen, self._layout))
+            key = rdv.join_key(me, gen)
+            store.wait([key], td(min(self._connect_timeout_s, remaining(deadline))))
+            verdict = store.get(key).decode()
+            store.delete_key(key)
+            if verdict != "ok":
+                pair.broken = True
+                why = verdict.removeprefix("reject:")
+                raise TransferError(f"receiver {ep.worker_id} refused prefill {me}: {why}")
+            pair.group = rdv.make_pair_group(
+                store,
+                me,
+                gen,
+                1,
+                self._backend,
+                self._host,
+                min(self._connect_timeout_s, remaining(deadline)),
+            )
+            pair.store, pair.gen = store, gen
+            return True
+        except BaseException:
+            pair.broken = True
+            raise
+        finally:
+            pair.lock.release()
+
+    def _exchange(self, tr: SendTransfer, pair: SendPair, verify: bool) -> bool:
+        """Announce, stream the layers, wait for the acknowledgement (see `kvtransfer.wire`).
+
+        With `verify` (a pair connected earlier), first check that the receiver still serves
+        its generation — after announcing, so the check overlaps the receiver's set-up — and
+        return False, having posted nothing, when it does not.
+        """
+        t, deadline = tr.ticket, tr.deadline
+        store, group = pair.connected()
+        tag = pair.take_tag()
+        if tr.cancelled:  # not announced yet: tell the receiver so it fails it now
+            store.queue_push(
+                rdv.CTL_QUEUE, rdv.cancel_record(self._worker_id, t.transfer_id, t.epoch)
+            )
+            raise TransferError("cancelled by sender")
+        left_ms = max(1, round((deadline - time.monotonic()) * 1000))
+        store.queue_push(
+            rdv.CTL_QUEUE,
+            rdv.xfer_record(
+                self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms
+            ),
+        )
+        if verify and store.get(rdv.cur_key(self._worker_id)).decode() != str(pair.gen):
+            return False
+        with tr.cond:  # from here on the engine thread posts each layer as it comes
+            tr.group, tr.tag, tr.announced = group, tag, True
+            for data in tr.pending:
+                self._post(tr, data)
+            tr.pending.clear()
+        for i in range(t.layout.num_layers):
+            self._wait_layer(tr, pair, i).wait(td(remaining(deadline)))
+        ack = empty_control(self._device)
+        group.recv([ack], 0, tag).wait(td(remaining(deadline)))
+        code = read_code(ack)
+        if code is not Code.OK:
+            raise TransferError(code.describe() if code else f"bad ack code {int(ack[0])}")
+        if tr.cancelled:
+            raise TransferError("cancelled by sender")
+        return True
+
+    def _wait_layer(self, tr: SendTransfer, pair: SendPair, i: int) -> Work:
+        """The posted send of layer `i`; after a cancel, filler sends complete the stream."""
+        with tr.cond:
+            while len(tr.works) <= i and not tr.cancelled and tr.post_error is None:
+                if tr.stop_posting or time.monotonic() >= tr.deadline:
+                    raise TimeoutError(f"layer {i} was not produced (deadline or close)")
+                tr.cond.wait(remaining(tr.deadline))
+            if tr.post_error is not None:
+                raise RuntimeError(tr.post_error)
+            if len(tr.works) > i:
+                return tr.works[i]
+            tr.stop_posting = True  # cancelled: the engine posts nothing more
+        # Mark the transfer cancelled *before* the filler goes out, so the receiver, which
+        # checks the mark after the last layer arrives, never completes it.
+        pair.connected()[0].set(rdv.cancel_key(tr.ticket.transfer_id, tr.ticket.epoch), "1")
+        filler = torch.zeros(
+            (2, tr.ticket.num_blocks, *self._shape), dtype=self._dtype, device=self._device
+        )
+        with tr.cond:
+            while len(tr.works) < tr.ticket.layout.num_layers and tr.post_error is None:
+                self._post(tr, filler)
+            if tr.post_error is not None:
+                raise RuntimeError(tr.post_error)
+            return tr.works[i]
+
+    @staticmethod
+    def _post(tr: SendTransfer, data: torch.Tensor) -> None:
+        """Post one layer's send (caller holds `tr.cond`)."""
+        assert tr.group is not None, "posting needs the pair's group"
+        try:
+            work = tr.group.send([data], 0, tr.tag)
+        except RuntimeError as exc:
+            tr.post_error, tr.stop_posting = f"posting a send failed: {exc}", True
+            return
+        tr.works.append(work)
+        tr.keep.append(data)

@@ -1,0 +1,172 @@
+"""Rendezvous for the torch.distributed KV transport: stores, control records, pair groups.
+
+Runs in prefill and decode workers, in the transport's helper threads (never in the engine
+thread: every call here may block, each for at most its timeout).
+
+There is no global world. Each worker that can receive KV serves a `TCPStore` (the decode
+side; ``is_master``, on ``host:0``, the bound port goes into its tickets). A prefill worker
+that wants to push KV to it connects as a store client and:
+
+1. takes a new generation ``g = store.add("kvx/gen/<sender>", 1)`` (so a restarted or
+   re-joining sender never collides with its previous incarnation);
+2. pushes a ``join`` record (sender id, g, its KV layout) onto the control queue
+   ``kvx/ctl`` (`TCPStore.queue_push`, atomic: no half-written records);
+3. waits for the receiver's verdict ``kvx/join/<sender>/<g>`` (``ok`` or the layout
+   mismatch, which names both values);
+4. both sides build a 2-rank process group on ``PrefixStore("kvx/pair/<sender>/<g>/")``:
+   decode is rank 0, prefill rank 1. A torn-down pair is never reused: the next use makes
+   generation g+1 with a fresh prefix, so stale keys and sockets cannot mix in.
+
+Per transfer the sender pushes one ``xfer`` record (transfer id, epoch, g, message tag,
+token count, time left) on the same queue, then streams the layers over the pair's group;
+the receiver acknowledges over the group (see `kvtransfer.wire`). The receiver publishes the
+generation it currently serves for each sender under ``kvx/cur/<sender>`` so a sender notices
+a pair the receiver dropped before it announces a transfer on it. A sender that cancels
+mid-stream sets ``kvx/cx/<id>/<epoch>`` before streaming filler for the missing layers; one
+that cancels before announcing pushes a ``cancel`` record instead.
+
+Control records are JSON text; nothing read from a store is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any, Literal, Protocol, cast
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore, Work
+
+from kvtransfer.types import layout_from_dict, layout_to_dict
+from model_runtime.kv_cache import KVLayout
+
+CTL_QUEUE = "kvx/ctl"
+Backend = Literal["gloo", "nccl"]
+
+
+class PairGroup(Protocol):
+    """The point-to-point part of a 2-rank process group (gloo or NCCL backend)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> Work: ...
+
+
+def gen_key(sender: str) -> str:
+    return f"kvx/gen/{sender}"
+
+
+def cur_key(sender: str) -> str:
+    return f"kvx/cur/{sender}"
+
+
+def join_key(sender: str, gen: int) -> str:
+    return f"kvx/join/{sender}/{gen}"
+
+
+def cancel_key(transfer_id: str, epoch: int) -> str:
+    return f"kvx/cx/{transfer_id}/{epoch}"
+
+
+def pair_prefix(sender: str, gen: int) -> str:
+    return f"kvx/pair/{sender}/{gen}/"
+
+
+def backend_for(device: torch.device) -> Backend:
+    """NCCL between CUDA caches, gloo between CPU caches."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=max(seconds, 0.001))
+
+
+def serve_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """Start this worker's rendezvous store (the receiving side); ``port=0`` picks a free one."""
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """Connect to a receiver's store as a client (blocks at most `timeout_s`)."""
+    return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_td(timeout_s))
+
+
+def encode(record: dict[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":"))
+
+
+def decode(raw: bytes | str) -> dict[str, Any]:
+    """Parse a control record; ValueError when it is not a JSON object with a ``kind``."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    rec = json.loads(text)
+    if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
+        raise ValueError(f"malformed control record: {text[:200]!r}")
+    return rec
+
+
+def join_record(sender: str, gen: int, layout: KVLayout) -> str:
+    return encode({"kind": "join", "sender": sender, "gen": gen, "layout": layout_to_dict(layout)})
+
+
+def join_layout(record: dict[str, Any]) -> KVLayout:
+    return layout_from_dict(record["layout"])
+
+
+def xfer_record(
+    sender: str,
+    gen: int,
+    transfer_id: str,
+    epoch: int,
+    tag: int,
+    num_tokens: int,
+    timeout_ms: int,
+) -> str:
+    """A transfer header; `timeout_ms` is what is left of the sender's deadline."""
+    return encode(
+        {
+            "kind": "xfer",
+            "sender": sender,
+            "gen": gen,
+            "transfer_id": transfer_id,
+            "epoch": epoch,
+            "tag": tag,
+            "num_tokens": num_tokens,
+            "timeout_ms": timeout_ms,
+        }
+    )
+
+
+def cancel_record(sender: str, transfer_id: str, epoch: int) -> str:
+    """A sender gave up on a transfer before announcing it: fail it now, not at its deadline."""
+    return encode({"kind": "cancel", "sender": sender, "transfer_id": transfer_id, "epoch": epoch})
+
+
+def stop_record() -> str:
+    return encode({"kind": "stop"})
+
+
+def make_pair_group(
+    store: Store,
+    sender: str,
+    gen: int,
+    rank: int,
+    backend: Backend,
+    host: str,
+    timeout_s: float,
+) -> PairGroup:
+    """Build the 2-rank group of one (sender, generation); blocks until the peer joins.
+
+    Gloo binds its device to `host` (the worker's address, 127.0.0.1 for single-host runs).
+    """
+    prefixed = PrefixStore(pair_prefix(sender, gen), store)
+    if backend == "gloo":
+        # The runtime class is `_Options` (with `_devices`); the shipped stubs lag behind.
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = _td(timeout_s)
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        return cast(PairGroup, ProcessGroupGloo(prefixed, rank, 2, opts))
+    from torch._C._distributed_c10d import ProcessGroupNCCL  # absent from CPU-only builds
+
+    nccl_opts = ProcessGroupNCCL.Options()
+    nccl_opts._timeout = _td(timeout_s)
+    return cast(PairGroup, ProcessGroupNCCL(prefixed, rank, 2, nccl_opts))

@@ -1,0 +1,205 @@
+"""KV transport over torch.distributed point-to-point. Runs in prefill and decode workers.
+
+gloo between CPU caches, NCCL between CUDA caches (chosen by the cache's device). There is no
+global world: every prefill-decode pair gets its own 2-rank process group, created lazily
+through the decode worker's `TCPStore` (`kvtransfer.rendezvous`), so workers can join, leave,
+restart or change role without restarting the others. Every transport instance can both send
+and receive (``serve=True`` starts its store, so a prefill worker can later switch to decode).
+
+This class is the engine-thread face of the transport (the `kvtransfer.base.KVTransport`
+contract, including the ownership rules): its methods never block on the network. The blocking
+work runs in helper threads (`kvtransfer.dist_send`, `kvtransfer.dist_recv`) that report
+through a queue drained by ``poll()``; ``poll()`` writes arrived layers into the cache,
+enforces each transfer's deadline by the clock (whatever the helper threads are stuck in), and
+on a failure that leaves the pair's connection in doubt drops the pair so the next use re-joins
+with a fresh group.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Sequence
+
+from kvtransfer.base import check_expect, check_open, deadline_text, make_result
+from kvtransfer.dist_recv import Receiver, RecvTransfer
+from kvtransfer.dist_send import Sender, SendTransfer
+from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
+from kvtransfer.wire import Event
+from model_runtime.kv_cache import KVCache, KVLayout
+
+
+class TorchDistTransport:
+    """A `KVTransport` between processes (see the module docstring).
+
+    `host` is this worker's address: its store listens there (`port`, 0 = any free port) and
+    its gloo pairs bind to it. `connect_timeout_s` bounds joining a peer (store connect, layout
+    handshake, group rendezvous) — and never exceeds the transfer's own deadline.
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        worker_id: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connect_timeout_s: float = 10.0,
+        serve: bool = True,
+    ) -> None:
+        if not worker_id or "/" in worker_id or "@" in worker_id:
+            raise ValueError(f"worker_id must be non-empty without '/' or '@', got {worker_id!r}")
+        if connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be positive, got {connect_timeout_s}")
+        self._cache = cache
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._receiver = (
+            Receiver(worker_id, cache, host, port, connect_timeout_s, self._events)
+            if serve
+            else None
+        )
+        self._sender = Sender(worker_id, cache, host, connect_timeout_s, self._events)
+        port_used = self._receiver.port if self._receiver is not None else 0
+        self._endpoint = PeerEndpoint(worker_id, host, port_used)
+        self._recvs: dict[str, RecvTransfer] = {}
+        self._sends: dict[str, SendTransfer] = {}
+        self._closed = False
+
+    @property
+    def endpoint(self) -> PeerEndpoint:
+        return self._endpoint
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._cache.layout
+
+    def expect(self, ticket: TransferTicket) -> None:
+        self._check_usable()
+        if self._receiver is None:
+            raise ValueError(f"transport {self._endpoint.worker_id} was built with serve=False")
+        check_expect(ticket, self._endpoint, self._cache)
+        if ticket.transfer_id in self._recvs:
+            raise ValueError(f"transfer {ticket.transfer_id} is already expected")
+        now = time.monotonic()
+        tr = RecvTransfer(ticket, now, now + ticket.timeout_ms / 1000)
+        self._recvs[ticket.transfer_id] = tr
+        self._receiver.add(tr)
+
+    def open(self, ticket: TransferTicket, src_block_ids: Sequence[int]) -> None:
+        self._check_usable()
+        src = check_open(ticket, src_block_ids, self._cache, self._endpoint.worker_id)
+        if ticket.transfer_id in self._sends:
+            raise ValueError(f"transfer {ticket.transfer_id} is already open")
+        now = time.monotonic()
+        tr = SendTransfer(ticket, src, now, now + ticket.timeout_ms / 1000)
+        self._sends[ticket.transfer_id] = tr
+        self._sender.start(tr)
+
+    def send_layer(self, transfer_id: str, layer: int) -> None:
+        tr = self._sends.get(transfer_id)
+        if tr is None:
+            raise ValueError(f"send_layer: unknown transfer id {transfer_id!r}")
+        if layer != tr.next_layer or layer >= tr.ticket.layout.num_layers:
+            raise ValueError(
+                f"send_layer({transfer_id!r}, {layer}): layers go in order 0.."
+                f"{tr.ticket.layout.num_layers - 1}, expected {tr.next_layer}"
+            )
+        tr.next_layer += 1
+        if tr.cancelled or tr.stop_posting:
+            return
+        data = self._cache.gather_layer(layer, tr.src)
+        tr.nbytes += data.numel() * data.element_size()
+        self._sender.post_layer(tr, data)
+
+    def cancel(self, transfer_id: str) -> None:
+        if transfer_id in self._sends:
+            self._sender.stop(self._sends[transfer_id], cancelled=True)
+        elif transfer_id in self._recvs:
+            self._recvs[transfer_id].cancelled = True
+        else:
+            raise ValueError(f"cancel: unknown transfer id {transfer_id!r}")
+
+    def poll(self) -> list[TransferResult]:
+        out: list[TransferResult] = []
+        self._finish_stopped(out)  # a cancel or close wins over layers that arrived since
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                break
+            self._on_event(ev, out)
+        now = time.monotonic()
+        for rcv in list(self._recvs.values()):
+            if now >= rcv.deadline:
+                self._finish_recv(
+                    rcv, deadline_text(rcv.ticket, rcv.layers_written, "written"), out
+                )
+                if rcv.pair is not None and self._receiver is not None:
+                    self._receiver.drop_pair(rcv.pair)
+        for snd in list(self._sends.values()):
+            if now >= snd.deadline:
+                self._finish_send(
+                    snd, deadline_text(snd.ticket, snd.next_layer, "handed over"), out
+                )
+                if snd.pair is not None:
+                    self._sender.drop_pair(snd.pair)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for snd in self._sends.values():
+            self._sender.stop(snd, cancelled=False)
+        if self._receiver is not None:
+            self._receiver.close()
+        self._sender.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _finish_stopped(self, out: list[TransferResult]) -> None:
+        why = "transport closed" if self._closed else None
+        for rcv in list(self._recvs.values()):
+            if why or rcv.cancelled:
+                self._finish_recv(rcv, why or "cancelled by receiver", out)
+        for snd in list(self._sends.values()):
+            if why or snd.cancelled:
+                self._finish_send(snd, why or "cancelled by sender", out)
+
+    def _on_event(self, ev: Event, out: list[TransferResult]) -> None:
+        if ev.kind == "send_done":
+            snd = self._sends.get(ev.transfer_id)
+            if snd is None or snd.ticket.epoch != ev.epoch:
+                return  # already finished (deadline, cancel): its result went out then
+            self._finish_send(snd, ev.error, out)
+            if ev.pair_broken and snd.pair is not None:
+                self._sender.drop_pair(snd.pair)
+            return
+        rcv = self._recvs.get(ev.transfer_id)
+        if rcv is None or rcv.ticket.epoch != ev.epoch:
+            return
+        if ev.kind == "recv_done":
+            rcv.nbytes = ev.nbytes
+            self._finish_recv(rcv, None, out)
+            return
+        self._finish_recv(rcv, ev.error or "receive failed", out)
+        if ev.pair_broken and rcv.pair is not None and self._receiver is not None:
+            self._receiver.drop_pair(rcv.pair)
+
+    def _finish_recv(self, tr: RecvTransfer, error: str | None, out: list[TransferResult]) -> None:
+        del self._recvs[tr.ticket.transfer_id]
+        assert self._receiver is not None, "only a serving transport receives"
+        self._receiver.finish(tr, Code.OK if error is None else Code.RECEIVER_FAILED)
+        out.append(make_result(tr.ticket, "recv", tr.sender or "?", error, tr.nbytes, tr.started))
+
+    def _finish_send(self, tr: SendTransfer, error: str | None, out: list[TransferResult]) -> None:
+        del self._sends[tr.ticket.transfer_id]
+        tr.finished = True
+        if error is not None:
+            self._sender.stop(tr, cancelled=False)
+        peer = tr.ticket.receiver.worker_id
+        out.append(make_result(tr.ticket, "send", peer, error, tr.nbytes, tr.started))
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError(f"transport {self._endpoint.worker_id} is closed")

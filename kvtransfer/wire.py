@@ -1,0 +1,108 @@
+"""What the torch.distributed transport's helper threads hand to the engine thread, and the
+small control messages they exchange with the peer. Runs in prefill and decode workers.
+
+Per transfer, on the pair's process group and the transfer's own tag::
+
+    decode (rank 0)                         prefill (rank 1)
+      <- control queue: xfer record -------   (TCPStore, not the group)
+      <- layer 0  [2, n, bs, H, D] --------   one message per layer, sent as each layer's
+      <- ...                                  forward finishes; no round trip before the
+      <- layer L-1 ------------------------   first one (a refused transfer is drained)
+      -- ack code [int64 x4] -------------->  OK, or why not (`kvtransfer.types.Code`)
+
+Each side issues its operations in exactly this order, so the same sequence is valid for NCCL
+(which matches point-to-point messages by order, not by tag).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+
+from kvtransfer.types import Code
+
+CLOSE_WAIT_S = 0.5  # how long close() waits for helper threads still finishing, per side
+EventKind = Literal["recv_done", "recv_failed", "send_done"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing a helper thread learned, delivered to the engine thread through a queue.
+
+    ``recv_done``: every layer was written into the destination blocks (`nbytes` in all).
+    ``recv_failed``: the receiving thread gave up (`error`).
+    ``send_done``: the sending thread got its acknowledgement (`error` None) or failed.
+    `pair_broken` says the pair's connection is unusable and must be re-created.
+    """
+
+    kind: EventKind
+    transfer_id: str
+    epoch: int
+    nbytes: int = 0
+    error: str | None = None
+    pair_broken: bool = False
+
+
+def control_tensor(code: Code | int, device: torch.device) -> torch.Tensor:
+    """A 4 x int64 control message (only element 0, the code, is used today)."""
+    return torch.tensor([int(code), 0, 0, 0], dtype=torch.int64, device=device)
+
+
+def empty_control(device: torch.device) -> torch.Tensor:
+    return torch.zeros(4, dtype=torch.int64, device=device)
+
+
+def read_code(message: torch.Tensor) -> Code | None:
+    """The code in a received control message, or None when it is not a known code."""
+    value = int(message[0].item())
+    try:
+        return Code(value)
+    except ValueError:
+        return None
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until a `time.monotonic()` deadline (never below 1 ms)."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def td(seconds: float) -> timedelta:
+    return timedelta(seconds=max(seconds, 0.001))
+
+
+class HelperThreads:
+    """Starts the transport's daemon helper threads and lets ``close()`` wait for them
+    (boundedly), so a worker that closes its transport and exits does not tear down gloo or
+    store objects under a thread that is still finishing its last acknowledgement."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[threading.Thread] = set()
+
+    def start(self, name: str, target: Callable[..., None], *args: object) -> None:
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._live.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._live.add(thread)
+        thread.start()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` in all; True when every helper thread has ended."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            live = list(self._live)
+        for thread in live:
+            thread.join(max(end - time.monotonic(), 0.0))
+        return not any(t.is_alive() for t in live)

@@ -1,0 +1,294 @@
+"""KV transfer between real processes over gloo: exactness, concurrency, SIGKILL / SIGSTOP.
+
+Each worker is a spawned process running `_worker_main`: a small engine loop that owns a
+`KVCache`, a `TorchDistTransport` and a block ledger, takes commands from the test over a pipe
+and reports transfer results (with a SHA-256 of the KV it sent or received, so the test compares
+bytes without shipping tensors). Blocks are held by the rules of `kvtransfer.base`: the decode
+side from `expect` until the result, the prefill side from `open` until the result; the ledger's
+free count must come back to `BLOCKS` after any fault. Processes are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from kvtransfer.torch_dist import TorchDistTransport
+from kvtransfer.types import TransferTicket, blocks_needed, new_ticket
+from model_runtime.config import ModelConfig
+from model_runtime.kv_cache import KVCache
+
+pytestmark = pytest.mark.slow
+
+# Workers fork from a server that has already imported torch: a fresh `spawn` re-imports it
+# for every worker, which costs seconds each on a busy 2-core machine.
+mp.get_context("forkserver").set_forkserver_preload(
+    ["torch", "kvtransfer.torch_dist", "model_runtime.kv_cache"]
+)
+
+LAYERS, BLOCK, BLOCKS, HEADS, HEAD_DIM = 3, 4, 64, 2, 8
+DEADLINE_S = 2.0  # the faulted transfer's deadline: the bound under test
+LONG = 30.0  # every other transfer's (joins may meet the sandbox's 5 s connect stalls)
+
+
+def _cache(seed: int | None) -> KVCache:
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+    )
+    cache = KVCache(cfg, BLOCKS, BLOCK, torch.float32, model_name="m")
+    if seed is not None:
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+def _digest(cache: KVCache, blocks: list[int]) -> str:
+    h = hashlib.sha256()
+    for layer in range(LAYERS):
+        h.update(cache.gather_layer(layer, blocks).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _worker_main(conn: Connection, role: str, worker_id: str, seed: int) -> None:
+    """One worker process: engine loop over commands, transport polls and layer pacing."""
+    cache = _cache(seed if role != "decode" else None)
+    tr = TorchDistTransport(cache, worker_id, serve=role != "prefill", connect_timeout_s=LONG)
+    held: Counter[int] = Counter()
+    blocks: dict[str, list[int]] = {}  # transfer id -> blocks held for it
+    pacing: dict[str, list[float]] = {}  # transfer id -> [next layer, interval, next time]
+    conn.send(("ready", {"port": tr.endpoint.port}))
+    while True:
+        if conn.poll(0.001):
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                tr.close()
+                conn.send(("stopped", {}))
+                return
+            if cmd == "status":
+                conn.send(("status", {"free": BLOCKS - len(+held), "in_flight": len(blocks)}))
+            elif cmd == "expect":  # decode: reserve blocks, issue a ticket
+                n = blocks_needed(arg["num_tokens"], BLOCK)
+                free = [b for b in range(BLOCKS - 1, -1, -1) if held[b] == 0][:n]
+                ticket = new_ticket(
+                    tr.endpoint, tr.layout, "req", free, arg["num_tokens"], arg["timeout_s"]
+                )
+                held.update(free)
+                blocks[ticket.transfer_id] = free
+                tr.expect(ticket)
+                conn.send(("ticket", ticket.to_dict()))
+            elif cmd == "open":  # prefill: hold the source blocks, stream layers
+                ticket = TransferTicket.from_dict(arg["ticket"])
+                held.update(arg["src"])
+                blocks[ticket.transfer_id] = list(arg["src"])
+                tr.open(ticket, arg["src"])
+                pacing[ticket.transfer_id] = [0, arg["interval_s"], time.monotonic()]
+                conn.send(("opened", {"digest": _digest(cache, arg["src"])}))
+        now = time.monotonic()
+        for tid, pace in list(pacing.items()):
+            if now >= pace[2]:
+                tr.send_layer(tid, int(pace[0]))
+                pace[0], pace[2] = pace[0] + 1, now + pace[1]
+                if pace[0] == LAYERS:
+                    del pacing[tid]
+        for res in tr.poll():
+            mine = blocks.pop(res.transfer_id)
+            digest = _digest(cache, mine) if res.ok and res.role == "recv" else None
+            held.subtract(mine)  # the request finishes (ok) or is abandoned: free once
+            pacing.pop(res.transfer_id, None)
+            conn.send(
+                (
+                    "result",
+                    {
+                        "tid": res.transfer_id,
+                        "ok": res.ok,
+                        "error": res.error,
+                        "elapsed_s": res.elapsed_s,
+                        "digest": digest,
+                    },
+                )
+            )
+
+
+class Peer:
+    """The test's handle on one worker process."""
+
+    def __init__(self, role: str, worker_id: str, seed: int = 0) -> None:
+        """`role`: "prefill" (sends), "decode" (receives) or "both" (a worker that does both,
+        as after a role switch)."""
+        ctx = mp.get_context("forkserver")
+        self.role, self.worker_id = role, worker_id
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, role, worker_id, seed), daemon=True
+        )
+        self.proc.start()
+        self.results: list[dict[str, Any]] = []
+        self.port = 0
+
+    def wait_ready(self, timeout_s: float = 60.0) -> Peer:
+        self.port = self._next("ready", timeout_s)["port"]
+        return self
+
+    def _pump(self, timeout_s: float) -> tuple[str, dict[str, Any]] | None:
+        """One message from the worker (results are filed in `self.results`), or None."""
+        if not self.conn.poll(timeout_s):
+            return None
+        kind, payload = self.conn.recv()
+        if kind == "result":
+            self.results.append(payload)
+        return kind, payload
+
+    def _next(self, kind: str, timeout_s: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            got = self._pump(0.01)
+            if got is not None and got[0] == kind:
+                return dict(got[1])
+        raise TimeoutError(f"{self.worker_id}: no {kind!r} within {timeout_s} s")
+
+    def call(self, cmd: str, kind: str, **arg: Any) -> dict[str, Any]:
+        self.conn.send((cmd, arg))
+        return self._next(kind, 20.0)
+
+    def result(self, tid: str, timeout_s: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            for res in self.results:
+                if res["tid"] == tid:
+                    self.results.remove(res)
+                    return res
+            self._pump(0.01)
+        raise TimeoutError(f"{self.worker_id}: no result for {tid} within {timeout_s} s")
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        """SIGKILL by PID and reap (a forkserver child may already be gone)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self.proc.join(5.0)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop", {}))
+                self.proc.join(3.0)
+            except (BrokenPipeError, OSError):
+                pass
+        if self.proc.is_alive():
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, Peer]]:
+    """d0 (decode) and p0 (prefill), started together; tests replace the ones they kill."""
+    peers = {"d0": Peer("decode", "d0"), "p0": Peer("prefill", "p0", seed=1)}
+    for peer in peers.values():
+        peer.wait_ready()
+    yield peers
+    for peer in peers.values():
+        peer.stop()
+
+
+def start_transfer(
+    d: Peer,
+    p: Peer,
+    num_tokens: int,
+    src: list[int],
+    interval_s: float = 0.0,
+    timeout_s: float = LONG,
+) -> tuple[str, str]:
+    """Issue a ticket on `d`, open it on `p`; returns (transfer id, sender's digest)."""
+    ticket = d.call("expect", "ticket", num_tokens=num_tokens, timeout_s=timeout_s)
+    opened = p.call("open", "opened", ticket=ticket, src=src, interval_s=interval_s)
+    return str(ticket["transfer_id"]), str(opened["digest"])
+
+
+def check_exact(d: Peer, p: Peer, tid: str, digest: str) -> None:
+    got_d, got_p = d.result(tid, LONG), p.result(tid, LONG)
+    assert got_d["ok"] and got_p["ok"], (got_d, got_p)
+    assert got_d["digest"] == digest, "decode-side KV differs from the prefill's blocks"
+
+
+def assert_all_free(*peers: Peer) -> None:
+    for peer in peers:
+        status = peer.call("status", "status")
+        assert status == {"free": BLOCKS, "in_flight": 0}, (peer.worker_id, status)
+
+
+def test_many_concurrent_transfers_all_exact(cluster: dict[str, Peer]):
+    """Several prefill workers into one decode worker, one prefill worker into several decode
+    workers, 16 transfers in flight, layers paced to interleave. w2 both sends and receives."""
+    w2 = Peer("both", "w2", seed=2).wait_ready()
+    try:
+        d0, p0 = cluster["d0"], cluster["p0"]
+        cases = [  # (tokens, source blocks): 1 token, one block, many blocks, prefix hit
+            (1, [3]),
+            (BLOCK, [9]),
+            (7 * BLOCK + 2, [20, 5, 31, 2, 37, 8, 13, 30]),
+            (3 * BLOCK, [20, 5, 39]),  # shares cached blocks 20, 5 with the previous prompt
+        ]
+        pairs = [(d0, p0), (d0, w2), (w2, p0), (d0, p0)]  # (receiver, sender)
+        started = [
+            (d, p, *start_transfer(d, p, n, src, interval_s=0.01))
+            for d, p in pairs
+            for n, src in cases
+        ]
+        for d, p, tid, digest in started:
+            check_exact(d, p, tid, digest)
+        assert_all_free(d0, p0, w2)
+    finally:
+        w2.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+@pytest.mark.parametrize("victim", ["p0", "d0"])
+def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int):
+    """The survivor fails the transfer within its deadline, frees its blocks, and a new
+    transfer with a restarted peer works."""
+    d, p = cluster["d0"], cluster["p0"]
+    tid, digest = start_transfer(d, p, 9 * BLOCK, list(range(10, 19)))
+    check_exact(d, p, tid, digest)  # the pair is established and healthy
+    # Layers every 0.4 s: the fault lands between layer 1 and layer 2.
+    tid, _ = start_transfer(
+        d, p, 9 * BLOCK, list(range(20, 29)), interval_s=0.4, timeout_s=DEADLINE_S
+    )
+    time.sleep(0.6)
+    cluster[victim].signal(sig)
+    faulted = time.monotonic()
+    survivor = p if victim == "d0" else d
+    res = survivor.result(tid, DEADLINE_S + 5.0)
+    noticed = time.monotonic() - faulted
+    assert not res["ok"], res
+    assert res["elapsed_s"] <= DEADLINE_S + 1.0, res  # counted from expect / open
+    assert noticed <= DEADLINE_S + 1.0, noticed
+    assert_all_free(survivor)
+    # Restart the victim under the same worker id; the next transfer re-joins and works.
+    cluster[victim].kill()
+    role, seed = ("decode", 0) if victim == "d0" else ("prefill", 1)
+    cluster[victim] = Peer(role, victim, seed=seed).wait_ready()
+    d, p = cluster["d0"], cluster["p0"]
+    tid, digest = start_transfer(d, p, 5 * BLOCK + 1, [40, 41, 42, 43, 44, 45])
+    check_exact(d, p, tid, digest)
+    assert_all_free(d, p)

@@ -1,0 +1,186 @@
+"""Pure pieces of kvtransfer: tickets, verdicts, layout checks, control records, layer writes."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from kvtransfer import rendezvous as rdv
+from kvtransfer.staging import write_layer
+from kvtransfer.types import (
+    Code,
+    LayoutMismatchError,
+    PeerEndpoint,
+    TransferError,
+    TransferResult,
+    TransferTicket,
+    blocks_needed,
+    check_layout,
+    header_verdict,
+    new_ticket,
+)
+from kvtransfer.wire import HelperThreads, control_tensor, empty_control, read_code
+from model_runtime.config import ModelConfig
+from model_runtime.kv_cache import KVCache, KVLayout
+
+LAYOUT = KVLayout("m", "float32", 16, 4, 2, 8)
+EP = PeerEndpoint("d0", "127.0.0.1", 4242)
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+    )
+
+
+def test_blocks_needed_covers_partial_blocks():
+    assert [blocks_needed(n, 16) for n in (1, 15, 16, 17, 32, 33)] == [1, 1, 1, 2, 2, 3]
+
+
+def test_ticket_round_trips_through_json():
+    t = new_ticket(EP, LAYOUT, "r1", [5, 9, 2], 40, 1.5, transfer_id="x", epoch=3)
+    again = TransferTicket.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert again == t
+    assert again.num_blocks == 3 and again.timeout_ms == 1500
+
+
+def test_new_ticket_makes_unique_ids_under_the_receiver():
+    a, b = (new_ticket(EP, LAYOUT, "r", [0], 1, 1.0) for _ in range(2))
+    assert a.transfer_id != b.transfer_id and a.transfer_id.startswith("d0/")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_tokens": 0}, "num_tokens must be positive"),
+        ({"dst_block_ids": (1,), "num_tokens": 17}, "needs 2"),
+        ({"dst_block_ids": (1, 1)}, "duplicates"),
+        ({"epoch": -1}, "epoch must be >= 0"),
+        ({"timeout_ms": 0}, "timeout_ms must be positive"),
+        ({"transfer_id": ""}, "transfer_id"),
+    ],
+)
+def test_ticket_validation_names_the_field(kwargs: dict[str, object], match: str):
+    fields: dict[str, object] = {
+        "transfer_id": "t",
+        "epoch": 0,
+        "request_id": "r",
+        "num_tokens": 3,
+        "dst_block_ids": (1, 2),
+        "receiver": EP,
+        "layout": LAYOUT,
+        "timeout_ms": 100,
+    }
+    fields.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        TransferTicket(**fields).validate()  # type: ignore[arg-type]
+
+
+def test_layout_mismatch_names_every_field_and_both_values():
+    other = KVLayout("other", "bfloat16", 32, 4, 2, 8)
+    with pytest.raises(LayoutMismatchError) as info:
+        check_layout(LAYOUT, other, "prefill p0", "decode d0")
+    msg = str(info.value)
+    assert "model_name: 'm' (prefill p0) != 'other' (decode d0)" in msg
+    assert "dtype: 'float32' (prefill p0) != 'bfloat16' (decode d0)" in msg
+    assert "block_size: 16 (prefill p0) != 32 (decode d0)" in msg
+    check_layout(LAYOUT, LAYOUT, "a", "b")  # equal layouts pass
+
+
+def test_header_verdicts():
+    t = new_ticket(EP, LAYOUT, "r", [0, 1], 20, 1.0, transfer_id="t", epoch=2)
+    assert header_verdict(t, False, 2, 20) is Code.GO
+    assert header_verdict(None, False, 2, 20) is Code.UNKNOWN_TRANSFER
+    assert header_verdict(t, False, 1, 20) is Code.STALE_EPOCH
+    assert header_verdict(t, False, 2, 21) is Code.SHAPE_MISMATCH
+    assert header_verdict(t, True, 2, 20) is Code.ALREADY_OPEN
+    assert all(c.describe() for c in Code)
+
+
+def test_failed_result_raises_transfer_error_with_context():
+    res = TransferResult("t", 1, "r", "recv", "p0", ok=False, error="deadline")
+    with pytest.raises(TransferError, match=r"t \(epoch 1, request r, recv side, peer p0\).*"):
+        res.raise_for_error()
+    TransferResult("t", 1, "r", "send", "d0", ok=True).raise_for_error()
+
+
+def test_control_records_are_json_and_checked():
+    rec = rdv.decode(rdv.xfer_record("p0", 3, "t", 1, 7, 99, 1500).encode())
+    assert rec == {
+        "kind": "xfer",
+        "sender": "p0",
+        "gen": 3,
+        "transfer_id": "t",
+        "epoch": 1,
+        "tag": 7,
+        "num_tokens": 99,
+        "timeout_ms": 1500,
+    }
+    assert rdv.join_layout(rdv.decode(rdv.join_record("p0", 1, LAYOUT))) == LAYOUT
+    for bad in (b"[1, 2]", b'{"no_kind": 1}', b"not json"):
+        with pytest.raises(ValueError):
+            rdv.decode(bad)
+
+
+def test_control_tensor_codes():
+    assert read_code(control_tensor(Code.OK, torch.device("cpu"))) is Code.OK
+    assert read_code(empty_control(torch.device("cpu"))) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_layer_matches_scatter_layer_bit_for_bit(dtype: torch.dtype):
+    cfg = tiny_config()
+    a, b = KVCache(cfg, 10, 4, dtype), KVCache(cfg, 10, 4, dtype)
+    data = torch.randn((2, 3, 4, 2, 8), generator=torch.Generator().manual_seed(0)).to(dtype)
+    ids = [7, 2, 5]
+    a.scatter_layer(1, ids, data)
+    write_layer(b, 1, ids, data)
+    assert torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
+    with pytest.raises(ValueError, match="write_layer"):
+        write_layer(b, 1, ids[:2], data)
+
+
+def test_helper_threads_join_is_bounded():
+    release = threading.Event()
+    helpers = HelperThreads()
+    helpers.start("quick", lambda: None)
+    helpers.start("stuck", release.wait)
+    assert not helpers.join(timeout_s=0.05)
+    release.set()
+    assert helpers.join(timeout_s=2.0)
+
+
+def test_config_picks_the_implementation_by_kind():
+    from pydantic import TypeAdapter, ValidationError
+
+    from kvtransfer.config import KVTransferConfig, LoopbackConfig, TorchDistConfig, make_transport
+    from kvtransfer.loopback import LoopbackHub, LoopbackTransport
+
+    adapter: TypeAdapter[object] = TypeAdapter(KVTransferConfig)
+    cfg = adapter.validate_python({"kind": "torch_dist", "host": "10.0.0.5", "port": 0})
+    assert isinstance(cfg, TorchDistConfig)
+    assert cfg.host == "10.0.0.5" and cfg.connect_timeout_s == 10.0
+    with pytest.raises(ValidationError, match="kind"):
+        adapter.validate_python({"kind": "carrier_pigeon"})
+    with pytest.raises(ValidationError, match="connect_timeout_s"):
+        adapter.validate_python({"kind": "torch_dist", "connect_timeout_s": 0})
+    cfg_model = tiny_config()
+    cache = KVCache(cfg_model, 4, 4, torch.float32)
+    with pytest.raises(ValueError, match="LoopbackHub"):
+        make_transport(LoopbackConfig(), cache, "w0")
+    t = make_transport(LoopbackConfig(), cache, "w0", hub=LoopbackHub())
+    assert isinstance(t, LoopbackTransport) and t.endpoint.worker_id == "w0"
+    t.close()
