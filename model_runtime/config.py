@@ -123,26 +123,28 @@ class ModelConfig(BaseModel):
         hidden = int(raw["hidden_size"])
         head_dim = raw.get("head_dim") or hidden // n_heads
         try:
-            return cls(
-                architecture=arch,  # type: ignore[arg-type]
-                vocab_size=raw["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=raw["intermediate_size"],
-                num_hidden_layers=raw["num_hidden_layers"],
-                num_attention_heads=n_heads,
-                num_key_value_heads=raw.get("num_key_value_heads") or n_heads,
-                head_dim=head_dim,
-                max_position_embeddings=max_pos,
-                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                tie_word_embeddings=raw.get("tie_word_embeddings", False),
-                attention_bias=raw.get("attention_bias", arch == "qwen2"),
-                mlp_bias=raw.get("mlp_bias", False),
-                torch_dtype=dtype,
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                pad_token_id=raw.get("pad_token_id"),
+            return cls.model_validate(
+                dict(
+                    architecture=arch,
+                    vocab_size=raw["vocab_size"],
+                    hidden_size=hidden,
+                    intermediate_size=raw["intermediate_size"],
+                    num_hidden_layers=raw["num_hidden_layers"],
+                    num_attention_heads=n_heads,
+                    num_key_value_heads=raw.get("num_key_value_heads") or n_heads,
+                    head_dim=head_dim,
+                    max_position_embeddings=max_pos,
+                    rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                    rope_theta=rope_theta,
+                    rope_scaling=rope_scaling,
+                    tie_word_embeddings=raw.get("tie_word_embeddings", False),
+                    attention_bias=raw.get("attention_bias", arch == "qwen2"),
+                    mlp_bias=raw.get("mlp_bias", False),
+                    torch_dtype=dtype,
+                    bos_token_id=raw.get("bos_token_id"),
+                    eos_token_ids=eos_ids,
+                    pad_token_id=raw.get("pad_token_id"),
+                )
             )
         except KeyError as exc:
             raise ValueError(f"config.json: required field {exc.args[0]!r} is missing") from exc
