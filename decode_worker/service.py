@@ -7,6 +7,9 @@ request's deadline is the smaller of its `timeout_s` and the RPC's own gRPC dead
 call). A handler cancelled before its answer (client disconnect, gRPC deadline) tells the
 engine thread to abort the request it started — only that one, matched by its sink.
 
+KV events: `StreamKVEvents` / `GetKVSnapshot` serve the process's `KVEventPublisher` (the block
+pool's prefix-cache changes, for the router's prefix index) without touching the engine thread.
+
 Health: SERVING while accepting work; NOT_SERVING while a role switch drains and from the start
 of `stop` on (for the overall service "" and for ``pdserve.v1.Worker``).
 """
@@ -21,7 +24,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from decode_worker.engine_thread import EngineThread
+from decode_worker.kv_events import Heartbeat, KVEventPublisher
 from decode_worker.sinks import StreamSink, UnarySink, WorkerError
+from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 SERVICE_NAME = "pdserve.v1.Worker"
@@ -37,8 +42,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         kv_endpoint: str,
         epoch: int,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self._engine = engine
+        self._kv_events = kv_events
         self._health = health_servicer
         self._worker_id = worker_id
         self._kv_endpoint = kv_endpoint
@@ -127,6 +134,39 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if not self._engine.snapshot.draining:
                 await self.set_serving(True)
         return self.status()
+
+    async def StreamKVEvents(
+        self, request: worker_pb2.StreamKVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KVEvent]:
+        pub = self._kv_events
+        if pub is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker publishes no events")
+            return
+        heartbeat_s = request.heartbeat_s if request.heartbeat_s > 0 else 1.0
+        async for item in pub.stream(int(request.from_seq), heartbeat_s):
+            msg = worker_pb2.KVEvent(worker_id=self._worker_id, epoch=self._epoch)
+            if isinstance(item, Heartbeat):
+                msg.seq, msg.kind = item.seq, "heartbeat"
+            else:
+                seq, event = item
+                msg.seq, msg.kind = seq, event.kind
+                msg.block_hashes.extend(hash_to_bytes(h) for h in event.block_hashes)
+            yield msg
+
+    async def GetKVSnapshot(
+        self, request: worker_pb2.GetKVSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVSnapshot:
+        pub = self._kv_events
+        if pub is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker publishes no events")
+        assert pub is not None
+        seq, hashes = pub.snapshot()
+        return worker_pb2.KVSnapshot(
+            worker_id=self._worker_id,
+            epoch=self._epoch,
+            seq=seq,
+            block_hashes=[hash_to_bytes(h) for h in hashes],
+        )
 
     # ---- plumbing --------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from decode_worker.engine_thread import EngineThread
+from decode_worker.kv_events import KVEventPublisher
 from decode_worker.roles import RoleContext
 from decode_worker.service import WorkerService
 from kvtransfer.torch_dist import TorchDistTransport
@@ -109,6 +110,7 @@ class WorkerServer:
         self._server: grpc.aio.Server | None = None
         self._engine_thread: EngineThread | None = None
         self._service: WorkerService | None = None
+        self.kv_events = KVEventPublisher(config.worker_id, self.epoch)
 
     def start(self) -> str:
         """Load the model, start serving; return "host:port" once health says SERVING.
@@ -123,7 +125,7 @@ class WorkerServer:
         log.info("worker config %s", cfg.model_dump_json())
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
-        engine = LLMEngine.from_model_dir(cfg.model_dir, cfg.engine)
+        engine = LLMEngine.from_model_dir(cfg.model_dir, cfg.engine, self.kv_events.on_event)
         transport = TorchDistTransport(
             engine.runner.kv_cache,
             cfg.worker_id,
@@ -173,6 +175,7 @@ class WorkerServer:
             self.config.worker_id,
             self.kv_endpoint,
             self.epoch,
+            self.kv_events,
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

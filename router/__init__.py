@@ -10,6 +10,12 @@ Module map:
 - `config`      `RouterConfig` (pydantic, frozen)
 - `validation`  `GenerateRequest` -> `ValidatedRequest` or `RequestValidationError`
 - `policy`      `RoutingPolicy` seam, `WorkerView`, round-robin and least-load policies
+- `prefix_policy` the prefix-cache-aware policy (cached tokens vs queued work, balance
+                threshold, pending credit) and its weights
+- `prefix_index` block hash -> workers holding it: seam, in-memory and Redis indexes, circuit
+                breaker, timeouts and counters (`guard`)
+- `indexer`     one task per prefill/colocated worker applying its KV events to the index
+- `kv_source`   the workers' `StreamKVEvents` / `GetKVSnapshot` RPCs as an event source
 - `registry`    `WorkerRegistry` seam (membership + last status) and its in-memory version
 - `pool`        channels/stubs to workers, the status poller, router-side in-flight counts
 - `admission`   bounded FIFO admission (max_inflight running, max_queued waiting)

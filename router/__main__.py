@@ -31,7 +31,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--model", required=True, help="HF model folder (config.json, tokenizer.json)")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
     p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="least_load")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="shared prefix index in Redis (redis://host:port/db); default: in-memory",
+    )
     p.add_argument("--prefill-addr", action="append", help="prefill worker host:port")
     p.add_argument("--decode-addr", action="append", help="decode worker host:port")
     p.add_argument("--colocated-addr", action="append", help="colocated worker host:port")
@@ -61,6 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
+            prefix_index=RouterConfig.prefix_index_from_url(args.redis_url),
         )
     except ValidationError as exc:
         p.error(str(exc))

@@ -1,8 +1,10 @@
 """Router assembly: `start_router(config) -> RouterHandle`. Runs in the router process.
 
 Start-up order: read the model's config and tokenizer (torch-free) -> register the configured
-workers and poll each once (so health is right from the first call) -> start the grpc.aio server
-with the `Inference` service and the standard `grpc.health.v1.Health` service.
+workers and poll each once (so health is right from the first call) -> build the prefix index
+(in-memory, or Redis with `prefix_index.kind = "redis"`; no I/O yet: Redis being down only
+means load-only routing) and start one indexer per prefill/colocated worker -> start the
+grpc.aio server with the `Inference` service and the standard `grpc.health.v1.Health` service.
 
 Health: both the overall service ("") and `pdserve.v1.Inference` report SERVING while at least
 one usable route exists (disagg: a usable prefill *and* a usable decode worker; colocated: a
@@ -13,6 +15,7 @@ worker failure the request path reports.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,8 +24,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from model_runtime.config import ModelConfig
 from model_runtime.tokenizer import Tokenizer
 from router.config import RouterConfig
+from router.indexer import Indexers, KVEventSource
+from router.kv_source import GrpcKVEventSource
 from router.policy import Role, WorkerView, make_policy
 from router.pool import WorkerPool
+from router.prefix_index.config import RedisIndexConfig, make_index
+from router.prefix_index.guard import GuardedPrefixIndex
 from router.registry import InMemoryWorkerRegistry, WorkerRegistry
 from router.server import SERVICE_NAME, InferenceService
 from router.validation import ModelLimits
@@ -70,6 +77,8 @@ class RouterHandle:
     pool: WorkerPool
     service: InferenceService
     health: health.aio.HealthServicer
+    prefix_index: GuardedPrefixIndex
+    indexers: Indexers
 
     @property
     def address(self) -> str:
@@ -82,6 +91,8 @@ class RouterHandle:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
+        await self.indexers.stop()
+        await self.prefix_index.close()
         await self.pool.stop()
 
     async def wait_for_termination(self) -> None:
@@ -89,15 +100,30 @@ class RouterHandle:
         await self.server.wait_for_termination()
 
 
+def _config_for_log(config: RouterConfig) -> str:
+    """The effective config as JSON, with a Redis URL's password masked."""
+    index = config.prefix_index
+    if isinstance(index, RedisIndexConfig) and "@" in index.url:
+        scheme, _, rest = index.url.partition("://")
+        creds, _, host = rest.rpartition("@")
+        user = creds.split(":", 1)[0]
+        masked = index.model_copy(update={"url": f"{scheme}://{user}:***@{host}"})
+        return config.model_copy(update={"prefix_index": masked}).model_dump_json()
+    return config.model_dump_json()
+
+
 async def start_router(
-    config: RouterConfig, registry: WorkerRegistry | None = None
+    config: RouterConfig,
+    registry: WorkerRegistry | None = None,
+    kv_sources: Callable[[str], KVEventSource] | None = None,
 ) -> RouterHandle:
     """Start a router for `config`; return once it is listening and workers were polled once.
 
     Raises ValueError for an unusable model folder, RuntimeError if the port cannot be bound.
-    `registry` defaults to an `InMemoryWorkerRegistry`.
+    `registry` defaults to an `InMemoryWorkerRegistry`; `kv_sources(address)` gives a worker's
+    KV event source (default: the worker's `StreamKVEvents` / `GetKVSnapshot` RPCs).
     """
-    log.info("router config: %s", config.model_dump_json())
+    log.info("router config: %s", _config_for_log(config))
     model = ModelConfig.from_model_dir(config.model_dir)
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
     limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)
@@ -121,15 +147,29 @@ async def start_router(
         for addr in addrs:
             await pool.add(addr, role)
     await pool.start()
-    service = InferenceService(config, tokenizer, limits, pool, make_policy(config.policy))
+    prefix_index = make_index(config.prefix_index)
+    indexers = Indexers(prefix_index, config.prefix_index.heartbeat_s, config.prefix_index.ttl_s)
+    if kv_sources is None:
+
+        def kv_sources(addr: str) -> KVEventSource:
+            return GrpcKVEventSource(addr, lambda: pool.stub(addr))
+
+    for addr in (*config.prefill_addrs, *config.colocated_addrs):
+        indexers.add(addr, kv_sources(addr))
+    policy = make_policy(config.policy, config.prefix_routing)
+    service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError as exc:
+        await indexers.stop()
+        await prefix_index.close()
         await pool.stop()
         raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
     await server.start()
     log.info("router listening on %s:%d (mode=%s)", config.host, port, config.mode)
-    return RouterHandle(config, port, server, pool, service, health_servicer)
+    return RouterHandle(
+        config, port, server, pool, service, health_servicer, prefix_index, indexers
+    )

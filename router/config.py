@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.policy import POLICIES
+from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
+from router.prefix_policy import PrefixRoutingConfig
 
 Mode = Literal["disagg", "colocated"]
 
@@ -36,7 +38,16 @@ class RouterConfig(BaseModel):
         default="disagg", description="'disagg' (prefill + decode workers) or 'colocated'."
     )
     policy: str = Field(
-        default="least_load", description=f"Routing policy, one of {sorted(POLICIES)}."
+        default="prefix_aware", description=f"Routing policy, one of {sorted(POLICIES)}."
+    )
+    prefix_index: PrefixIndexConfig = Field(
+        default_factory=MemoryIndexConfig,
+        description="Where the prefix index lives: kind 'memory' (this router only) or "
+        "'redis' (shared by router replicas). Fed by every prefill/colocated worker's KV events.",
+    )
+    prefix_routing: PrefixRoutingConfig = Field(
+        default_factory=PrefixRoutingConfig,
+        description="Weights of the 'prefix_aware' policy.",
     )
     prefill_addrs: tuple[str, ...] = Field(
         default=(), description="Prefill workers' host:port (disagg)."
@@ -107,6 +118,11 @@ class RouterConfig(BaseModel):
             if self.prefill_addrs or self.decode_addrs:
                 raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
         return self
+
+    @classmethod
+    def prefix_index_from_url(cls, url: str | None) -> MemoryIndexConfig | RedisIndexConfig:
+        """`--redis-url` semantics: a Redis index at `url`, or the in-memory one for None."""
+        return MemoryIndexConfig() if not url else RedisIndexConfig(url=url)
 
     @property
     def served_model_name(self) -> str:

@@ -2,6 +2,8 @@
 
 Runs in the router process, inside the `Generate` handler's task. Steps (disagg):
 
+0. the prompt's block-hash chain is looked up in the prefix index (one round trip, bounded by
+   the index's lookup timeout; no answer means "route by load only");
 1. the policy picks (P, D) from the pool's views, minus workers that already failed this request;
 2. `Reserve` on D -> ticket (D now holds blocks: D joins `holders`);
 3. `Prefill` on P with the ticket (P joins `holders` while it runs) -> first token, sent to the
@@ -28,8 +30,9 @@ import grpc
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2, worker_pb2
 from router.errors import Retryable, RouterError, worker_error
-from router.policy import RouteRequest, RoutingDecision, RoutingPolicy, WorkerView
+from router.policy import Role, RouteRequest, RoutingDecision, RoutingPolicy, WorkerView
 from router.pool import WorkerPool
+from router.prefix_index.guard import GuardedPrefixIndex, PromptPrefix
 from router.textstream import TextStream
 from router.validation import ValidatedRequest
 
@@ -64,6 +67,7 @@ class RequestRun:
     max_attempts: int
     abort_now: Callable[[str, Sequence[str]], Awaitable[None]]
     send: Send
+    prefix_index: GuardedPrefixIndex | None = None
     holders: set[str] = field(default_factory=set)
     timings: RunTimings = field(default_factory=RunTimings)
     completion_tokens: int = 0
@@ -109,13 +113,16 @@ class RequestRun:
         """Disagg: the first token. Colocated: the worker's chunk stream, first chunk peeked."""
         excluded: set[str] = set()
         last: Retryable | None = None
+        prefix = await self._prefix_lookup()
         for _ in range(self.max_attempts):
-            decision = self._choose(excluded, last)
+            decision = self._choose(excluded, last, prefix)
             try:
                 if decision.colocated is not None:
-                    return await self._start_colocated(decision.colocated)
+                    return await self._start_colocated(decision.colocated, decision.cached_tokens)
                 assert decision.prefill is not None and decision.decode is not None
-                return await self._reserve_and_prefill(decision.prefill, decision.decode)
+                return await self._reserve_and_prefill(
+                    decision.prefill, decision.decode, decision.cached_tokens
+                )
             except Retryable as exc:
                 last = exc
                 excluded.add(exc.address)
@@ -125,7 +132,21 @@ class RequestRun:
         assert last is not None
         raise RouterError(last.code, last.message)
 
-    def _choose(self, excluded: set[str], last: Retryable | None) -> RoutingDecision:
+    async def _prefix_lookup(self) -> PromptPrefix:
+        """The prompt's chain and the index's matches (block size: the workers', if they
+        agree; otherwise, or without an index, no matches: route by load only)."""
+        role: Role = "colocated" if self.colocated else "prefill"
+        sizes = {v.block_size for v in self.pool.views(role) if v.healthy}
+        if self.prefix_index is None or len(sizes) != 1:
+            return PromptPrefix()
+        return await self.prefix_index.lookup_prompt(self.req.prompt_token_ids, sizes.pop())
+
+    def _choose(
+        self,
+        excluded: set[str],
+        last: Retryable | None,
+        prefix: PromptPrefix | None = None,
+    ) -> RoutingDecision:
         def views(role: str) -> list[WorkerView]:
             return [v for v in self.pool.views() if v.role == role and v.address not in excluded]
 
@@ -134,6 +155,8 @@ class RequestRun:
             len(self.req.prompt_token_ids),
             self.req.sampling.max_tokens,
             self.colocated,
+            block_hashes=prefix.block_hashes if prefix else (),
+            prefix_matches=prefix.matches if prefix else None,
         )
         if self.colocated:
             roles: tuple[str, ...] = ("colocated",)
@@ -157,7 +180,7 @@ class RequestRun:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             await self.pool.report_failure(address, f"{what}: {exc.details()}")
 
-    async def _reserve_and_prefill(self, p: WorkerView, d: WorkerView) -> int:
+    async def _reserve_and_prefill(self, p: WorkerView, d: WorkerView, cached: int) -> int:
         self.workers = (p.worker_id, d.worker_id)
         sampling = self.req.worker_sampling()
         d_stub, p_stub = self.pool.stub(d.address), self.pool.stub(p.address)
@@ -182,7 +205,8 @@ class RequestRun:
         self.holders.add(d.address)
         self.holders.add(p.address)
         try:
-            with self.pool.track(p.address):
+            n_prompt = len(self.req.prompt_token_ids)
+            with self.pool.track(p.address), self.pool.track_prefill(p.address, n_prompt, cached):
                 left = self.remaining()
                 resp = await p_stub.Prefill(
                     worker_pb2.PrefillRequest(
@@ -211,7 +235,9 @@ class RequestRun:
         self.first_token = int(resp.first_token)
         return self.first_token
 
-    async def _start_colocated(self, w: WorkerView) -> AsyncGenerator[worker_pb2.TokenChunk]:
+    async def _start_colocated(
+        self, w: WorkerView, cached: int
+    ) -> AsyncGenerator[worker_pb2.TokenChunk]:
         """Start `Generate` on `w` and wait for its first chunk (retryable until then)."""
         self.workers = (w.worker_id, w.worker_id)
         self.holders.add(w.address)
@@ -228,7 +254,8 @@ class RequestRun:
         )
         stream = self._chunks(call, w.address)
         try:
-            first = await anext(stream)
+            with self.pool.track_prefill(w.address, len(self.req.prompt_token_ids), cached):
+                first = await anext(stream)
         except _StreamFailed as failed:
             await self._call_failed(failed.exc, "Generate", w.address)
             err = worker_error(failed.exc, f"Generate on colocated worker {w.address}")

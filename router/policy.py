@@ -13,7 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from model_runtime.hashing import BlockHash
+from router.prefix_index.base import PrefixMatch
+
+if TYPE_CHECKING:
+    from router.prefix_policy import PrefixRoutingConfig
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
@@ -40,6 +46,9 @@ class WorkerView:
     total_blocks: int = 0
     block_size: int = 1
     in_flight: int = 0
+    in_flight_prompt_tokens: int = 0  # prompt tokens of this router's `in_flight` requests
+    in_flight_tokens: int = 0  # ... of which the worker must compute (minus expected hits)
+    epoch: int = 0  # the worker process's start epoch (0: unknown)
 
     @property
     def usable(self) -> bool:
@@ -53,12 +62,19 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a policy may know about a request (no token ids: policies stay cheap)."""
+    """What a policy may know about a request (no token ids: policies stay cheap).
+
+    `block_hashes` is the hash chain of the prompt's reusable blocks (every full block except
+    one holding the last token); `prefix_matches` is the prefix index's answer for it, or None
+    when the index could not answer (down, slow, breaker open): route by load only then.
+    """
 
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     colocated: bool = False
+    block_hashes: tuple[BlockHash, ...] = ()
+    prefix_matches: tuple[PrefixMatch, ...] | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -68,11 +84,16 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """Disagg: `prefill` and `decode` set. Colocated: only `colocated` set."""
+    """Disagg: `prefill` and `decode` set. Colocated: only `colocated` set.
+
+    `cached_tokens` is the prompt prefix the policy expects the chosen prefill (or colocated)
+    worker to have cached already (0 when it does not know).
+    """
 
     prefill: WorkerView | None = None
     decode: WorkerView | None = None
     colocated: WorkerView | None = None
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         disagg = self.prefill is not None and self.decode is not None
@@ -155,7 +176,7 @@ class LeastLoadPolicy:
         decode_views: Sequence[WorkerView],
     ) -> RoutingDecision | None:
         if request.colocated:
-            fits = self._with_room(request, prefill_views)
+            fits = with_room(request, prefill_views)
             if not fits:
                 return None
             best = min(
@@ -169,7 +190,7 @@ class LeastLoadPolicy:
             )
             return RoutingDecision(colocated=best)
         prefills = [v for v in prefill_views if v.usable]
-        decodes = self._with_room(request, decode_views)
+        decodes = with_room(request, decode_views)
         if not prefills or not decodes:
             return None
         prefill = min(prefills, key=lambda v: (_prefill_load(v, request), v.num_running, v.address))
@@ -179,22 +200,34 @@ class LeastLoadPolicy:
         )
         return RoutingDecision(prefill=prefill, decode=decode)
 
-    @staticmethod
-    def _with_room(request: RouteRequest, views: Sequence[WorkerView]) -> list[WorkerView]:
-        return [
-            v for v in views if v.usable and v.free_blocks >= v.blocks_needed(request.total_tokens)
-        ]
+
+def with_room(request: RouteRequest, views: Sequence[WorkerView]) -> list[WorkerView]:
+    """The usable views with free KV blocks for the request's prompt + max_tokens."""
+    return [v for v in views if v.usable and v.free_blocks >= v.blocks_needed(request.total_tokens)]
+
+
+def _prefix_aware() -> RoutingPolicy:
+    # Deferred: `router.prefix_policy` builds on this module.
+    from router.prefix_policy import PrefixAwarePolicy
+
+    return PrefixAwarePolicy()
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
     RoundRobinPolicy.name: RoundRobinPolicy,
     LeastLoadPolicy.name: LeastLoadPolicy,
+    "prefix_aware": _prefix_aware,
 }
 """Policy registry: name -> factory. `RouterConfig.policy` must be one of these names."""
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    """Build the policy registered as `name`; ValueError lists the known names."""
+def make_policy(name: str, prefix: PrefixRoutingConfig | None = None) -> RoutingPolicy:
+    """Build the policy registered as `name` (`prefix`: the weights of "prefix_aware");
+    ValueError lists the known names."""
+    if name == "prefix_aware" and prefix is not None:
+        from router.prefix_policy import PrefixAwarePolicy
+
+        return PrefixAwarePolicy(prefix)
     try:
         return POLICIES[name]()
     except KeyError:

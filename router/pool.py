@@ -55,6 +55,8 @@ class WorkerPool:
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._records: dict[str, WorkerRecord] = {}
         self._in_flight: dict[str, int] = {}
+        # address -> [prompt tokens, tokens to compute] of this router's in-flight requests
+        self._in_flight_tokens: dict[str, list[int]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def add(self, address: str, role: Role) -> None:
@@ -65,6 +67,7 @@ class WorkerPool:
             self._channels[address] = channel
             self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)  # type: ignore[no-untyped-call]
             self._in_flight[address] = 0
+            self._in_flight_tokens[address] = [0, 0]
         await self._refresh()
 
     async def remove(self, address: str) -> bool:
@@ -73,6 +76,7 @@ class WorkerPool:
         channel = self._channels.pop(address, None)
         self._stubs.pop(address, None)
         self._in_flight.pop(address, None)
+        self._in_flight_tokens.pop(address, None)
         if channel is not None:
             await channel.close()
         await self._refresh()
@@ -107,6 +111,7 @@ class WorkerPool:
                 continue
             st = rec.status
             in_flight = self._in_flight.get(rec.address, 0)
+            prompt_tokens, tokens = self._in_flight_tokens.get(rec.address, (0, 0))
             if st is None:
                 view = WorkerView(rec.address, rec.address, rec.role, False, False)
                 out.append(replace(view, in_flight=in_flight))
@@ -125,6 +130,9 @@ class WorkerPool:
                     total_blocks=st.total_blocks,
                     block_size=max(st.block_size, 1),
                     in_flight=in_flight,
+                    in_flight_prompt_tokens=prompt_tokens,
+                    in_flight_tokens=tokens,
+                    epoch=st.epoch,
                 )
             )
         return out
@@ -138,6 +146,22 @@ class WorkerPool:
         finally:
             if address in self._in_flight:  # absent if the worker was removed meanwhile
                 self._in_flight[address] = max(0, self._in_flight[address] - 1)
+
+    @contextlib.contextmanager
+    def track_prefill(
+        self, address: str, prompt_tokens: int, cached_tokens: int = 0
+    ) -> Iterator[None]:
+        """Count a prompt being prefilled on `address` for the `with` body: `prompt_tokens`
+        of which `cached_tokens` are expected prefix-cache hits (policies see both)."""
+        tokens = self._in_flight_tokens.setdefault(address, [0, 0])
+        todo = max(0, prompt_tokens - cached_tokens)
+        tokens[0] += prompt_tokens
+        tokens[1] += todo
+        try:
+            yield
+        finally:
+            tokens[0] = max(0, tokens[0] - prompt_tokens)
+            tokens[1] = max(0, tokens[1] - todo)
 
     async def report_failure(self, address: str, error: str) -> None:
         """A call to `address` failed as unreachable: mark it unhealthy until a good poll."""

@@ -33,6 +33,7 @@ from router.errors import RouterError
 from router.flow import RequestRun
 from router.policy import RoutingPolicy
 from router.pool import WorkerPool
+from router.prefix_index.guard import GuardedPrefixIndex
 from router.validation import (
     DEFAULT_MAX_TOKENS,
     DecodedRequest,
@@ -57,12 +58,14 @@ class InferenceService:
         limits: ModelLimits,
         pool: WorkerPool,
         policy: RoutingPolicy,
+        prefix_index: GuardedPrefixIndex | None = None,
     ) -> None:
         self._config = config
         self._tokenizer = tokenizer
         self._limits = limits
         self._pool = pool
         self._policy = policy
+        self._prefix_index = prefix_index
         self._admission = Admission(config.max_inflight, config.max_queued)
         self._in_flight_ids: set[str] = set()
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
@@ -133,6 +136,7 @@ class InferenceService:
             max_attempts=self._config.max_route_attempts,
             abort_now=self.abort_now,
             send=send,
+            prefix_index=self._prefix_index,
         )
         self._in_flight_ids.add(request_id)
         error: RouterError | None = None

@@ -21,6 +21,7 @@ from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
 from router.app import RouterHandle, start_router
 from router.config import RouterConfig
 from tests.fakes.fake_worker import FakeWorker, FakeWorkerConfig
+from tests.fakes.kv_events import FakeKVWorker
 
 
 async def wait_until(pred: Callable[[], bool], timeout_s: float = 3.0, what: str = "") -> None:
@@ -86,9 +87,13 @@ async def fake_cluster(
     n_decode: int = 1,
     n_colocated: int = 1,
     worker: FakeWorkerConfig | None = None,
+    kv_blocks: int = 0,
     **router_kw: Any,
 ) -> AsyncIterator[FakeCluster]:
-    """Start fake workers (copies of `worker`, role set per list) and a router over them."""
+    """Start fake workers (copies of `worker`, role set per list) and a router over them.
+
+    `kv_blocks` > 0 gives every prefill/colocated worker a fake prefix cache of that many blocks
+    (`kv_events.FakeKVWorker`), which publishes KV events to the router's prefix index."""
     base = worker or FakeWorkerConfig()
     counts = {"prefill": n_prefill, "decode": n_decode} if mode == "disagg" else {}
     if mode == "colocated":
@@ -97,6 +102,8 @@ async def fake_cluster(
     for role, n in counts.items():
         for _ in range(n):
             w = FakeWorker(replace(base, role=role))
+            if kv_blocks and role != "decode":
+                w.kv = FakeKVWorker("", num_blocks=kv_blocks, block_size=base.block_size)
             await w.start()
             groups[role].append(w)
     router_kw.setdefault("status_poll_interval_s", 0.2)

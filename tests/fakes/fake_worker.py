@@ -14,7 +14,11 @@ Behaviour (deterministic, no torch):
 - faults: `fail[method] = StatusCode` answers that status; `hang` holds calls of those methods
   until they are cancelled; `token_delay_s` / `prefill_delay_s` slow the work down;
 - records: `calls[method]` counts, `aborts` lists aborted request ids, `held` maps request
-  ids to their blocks; `free_blocks == total_blocks` again means nothing leaked.
+  ids to their blocks; `free_blocks == total_blocks` again means nothing leaked;
+- prefix cache (optional, `kv`: a `kv_events.FakeKVWorker`): `Prefill` / `Generate` run the
+  prompt through it and report its hit as `cached_tokens` (`prefill_token_delay_s` per token
+  *not* cached), `StreamKVEvents` / `GetKVSnapshot` serve its events, and `GetStatus` reports
+  its epoch. Without `kv` those two RPCs answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.indexer import Heartbeat
+from tests.fakes.kv_events import FakeKVWorker
 
 
 @dataclass
@@ -43,6 +50,7 @@ class FakeWorkerConfig:
     block_size: int = 16
     token_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
+    prefill_token_delay_s: float = 0.0
     eos_ids: tuple[int, ...] = ()
     release_on_cancel: bool = False
     worker_id: str = ""
@@ -66,6 +74,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     held: dict[str, _Held] = field(default_factory=dict)
     draining: bool = False
     address: str = ""
+    kv: FakeKVWorker | None = None
     _server: grpc.aio.Server | None = None
     _next_transfer: int = 0
     _epoch: int = field(default_factory=lambda: time.monotonic_ns())
@@ -81,6 +90,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.address = f"{host}:{bound}"
         if not self.config.worker_id:
             self.config.worker_id = f"fake-{self.config.role}-{bound}"
+        if self.kv is not None:
+            self.kv.worker_id = self.config.worker_id
         return self.address
 
     async def stop(self) -> None:
@@ -179,7 +190,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             total_blocks=self.config.total_blocks,
             block_size=self.config.block_size,
             kv_endpoint="",
-            epoch=self._epoch,
+            epoch=self.kv.epoch if self.kv is not None else self._epoch,
         )
 
     async def Reserve(
@@ -214,9 +225,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if not self._take(rid, self.blocks_for(len(request.prompt_token_ids))):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no prefill blocks")
         release = True
+        cached = self.kv.prefill(request.prompt_token_ids) if self.kv is not None else 0
         try:
-            if self.config.prefill_delay_s:
-                await asyncio.sleep(self.config.prefill_delay_s)
+            delay = self.config.prefill_delay_s + self.config.prefill_token_delay_s * (
+                len(request.prompt_token_ids) - cached
+            )
+            if delay:
+                await asyncio.sleep(delay)
             if rid not in self.held:
                 await context.abort(grpc.StatusCode.ABORTED, "aborted during prefill")
         except asyncio.CancelledError:
@@ -228,7 +243,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         reason = self._finish_reason(first, 1, request.sampling)
         return worker_pb2.PrefillResponse(
             first_token=first,
-            cached_tokens=0,
+            cached_tokens=cached,
             queue_ms=0.2,
             compute_ms=1.0,
             transfer_ms=0.3,
@@ -289,6 +304,43 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         await self._enter("Abort", context)
         self.aborts.append(request.request_id)
         return worker_pb2.AbortResponse(found=self.held.pop(request.request_id, None) is not None)
+
+    async def StreamKVEvents(
+        self, request: worker_pb2.StreamKVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KVEvent]:
+        await self._enter("StreamKVEvents", context)
+        if self.kv is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no fake KV cache")
+        assert self.kv is not None
+        heartbeat_s = request.heartbeat_s or 1.0
+        async for item in self.kv.source().events(request.from_seq, heartbeat_s):
+            if isinstance(item, Heartbeat):
+                yield worker_pb2.KVEvent(
+                    worker_id=item.worker_id, epoch=item.epoch, seq=item.seq, kind="heartbeat"
+                )
+            else:
+                yield worker_pb2.KVEvent(
+                    worker_id=item.worker_id,
+                    epoch=item.epoch,
+                    seq=item.seq,
+                    kind=item.kind,
+                    block_hashes=[hash_to_bytes(h) for h in item.block_hashes],
+                )
+
+    async def GetKVSnapshot(
+        self, request: worker_pb2.GetKVSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVSnapshot:
+        await self._enter("GetKVSnapshot", context)
+        if self.kv is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no fake KV cache")
+        assert self.kv is not None
+        snap = await self.kv.source().snapshot()
+        return worker_pb2.KVSnapshot(
+            worker_id=snap.worker_id,
+            epoch=snap.epoch,
+            seq=snap.seq,
+            block_hashes=[hash_to_bytes(h) for h in snap.block_hashes],
+        )
 
     async def SetRole(
         self, request: worker_pb2.SetRoleRequest, context: grpc.aio.ServicerContext

@@ -194,7 +194,7 @@ def test_round_robin_colocated() -> None:
 
 
 def test_registry_and_unknown_name() -> None:
-    assert set(POLICIES) == {"round_robin", "least_load"}
+    assert set(POLICIES) == {"round_robin", "least_load", "prefix_aware"}
     for name in POLICIES:
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="policy must be one of"):

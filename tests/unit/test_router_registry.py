@@ -63,7 +63,7 @@ def test_register_heartbeat_fail_expire_deregister() -> None:
 
 def test_config_defaults_and_errors(tmp_path: Path) -> None:
     cfg = RouterConfig(model_dir=tmp_path, prefill_addrs=("h:1",), decode_addrs=("h:2",))
-    assert (cfg.mode, cfg.policy, cfg.port, cfg.host) == ("disagg", "least_load", 0, "127.0.0.1")
+    assert (cfg.mode, cfg.policy, cfg.port, cfg.host) == ("disagg", "prefix_aware", 0, "127.0.0.1")
     assert cfg.served_model_name == tmp_path.name
     with pytest.raises(ValidationError):
         cfg.port = 5  # frozen

@@ -207,3 +207,41 @@ class SetRoleRequest(_message.Message):
     role: str
     drain_timeout_s: float
     def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class StreamKVEventsRequest(_message.Message):
+    __slots__ = ("from_seq", "heartbeat_s")
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    heartbeat_s: float
+    def __init__(self, from_seq: _Optional[int] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("worker_id", "epoch", "seq", "kind", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    seq: int
+    kind: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetKVSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVSnapshot(_message.Message):
+    __slots__ = ("worker_id", "epoch", "seq", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -69,6 +69,16 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.StreamKVEvents = channel.unary_stream(
+                '/pdserve.v1.Worker/StreamKVEvents',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.StreamKVEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KVEvent.FromString,
+                _registered_method=True)
+        self.GetKVSnapshot = channel.unary_unary(
+                '/pdserve.v1.Worker/GetKVSnapshot',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.GetKVSnapshotRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KVSnapshot.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -124,6 +134,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamKVEvents(self, request, context):
+        """This worker's prefix-cache changes, for the router's prefix index (any role). The first
+        message is a heartbeat (worker id, epoch, last seq); then the buffered events of this epoch
+        with seq >= from_seq (from_seq 0 or ahead of the worker: none) — events no longer buffered
+        are skipped, which the reader sees as a seq gap — then live events, and a heartbeat after
+        every `heartbeat_s` without a message. Runs until the caller cancels it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetKVSnapshot(self, request, context):
+        """Every block hash this worker's prefix cache holds now, and the seq it is current to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +189,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'StreamKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamKVEvents,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.StreamKVEventsRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KVEvent.SerializeToString,
+            ),
+            'GetKVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVSnapshot,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.GetKVSnapshotRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KVSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +390,60 @@ class Worker:
             '/pdserve.v1.Worker/SetRole',
             proto_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/StreamKVEvents',
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.StreamKVEventsRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/GetKVSnapshot',
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.GetKVSnapshotRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.KVSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,168 @@
+"""Goodput maths on request records: SLO attainment, goodput, percentiles, max goodput.
+
+Pure (numpy only); runs in the orchestrator and in `pdserve report`. Definitions (DESIGN.md
+section 6, DistServe):
+
+- a request *meets the TTFT SLO* when it succeeded (`RequestRecord.ok`: status OK and every
+  requested token arrived) and its client TTFT <= `slo.ttft_ms`; it *meets the TPOT SLO* when it
+  succeeded and its TPOT <= `slo.tpot_ms` (a one-token request has no TPOT and meets it).
+  Errors, timeouts and rejections miss both;
+- *attainment* = meeting requests / all requests of the run, for TTFT only, TPOT only, both;
+- a run's *goodput* = requests meeting both SLOs / the run's duration (t = 0 to the end of the
+  last request), in requests/s;
+- *max goodput* = the highest offered rate whose attainment (both) is >= the target (default
+  0.9), taken over the tested rates below the lowest failing one, so one lucky run above a
+  failure does not count (`max_goodput`);
+- the *tightest SLO scale* of a run = the smallest `s` such that attainment under
+  (s * ttft, s * tpot) is >= the target (`tightest_scale`); inf when errors make it impossible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from benchmarks.goodput.records import TIMING_FIELDS, RequestRecord, RunResult
+
+PERCENTILES = (50, 90, 99)
+DEFAULT_TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives in milliseconds."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+            raise ValueError(f"SLOs must be > 0 ms, got ttft={self.ttft_ms}, tpot={self.tpot_ms}")
+
+    def scaled(self, s: float) -> SLO:
+        return SLO(self.ttft_ms * s, self.tpot_ms * s)
+
+
+@dataclass(frozen=True)
+class Attainment:
+    """Fractions in [0, 1] of `n` requests meeting each SLO; `good` meet both."""
+
+    n: int
+    ttft: float
+    tpot: float
+    both: float
+    good: int
+    errors: int
+
+
+def meets(rec: RequestRecord, slo: SLO) -> tuple[bool, bool]:
+    """(meets TTFT, meets TPOT) for one request; both False for a failed request."""
+    if not rec.ok or rec.ttft_ms is None:
+        return False, False
+    return rec.ttft_ms <= slo.ttft_ms, rec.tpot_ms is None or rec.tpot_ms <= slo.tpot_ms
+
+
+def attainment(records: Sequence[RequestRecord], slo: SLO) -> Attainment:
+    """SLO attainment of a set of requests (all zeros for an empty set)."""
+    flags = [meets(r, slo) for r in records]
+    n = len(records)
+    if n == 0:
+        return Attainment(0, 0.0, 0.0, 0.0, 0, 0)
+    good = sum(a and b for a, b in flags)
+    return Attainment(
+        n=n,
+        ttft=sum(a for a, _ in flags) / n,
+        tpot=sum(b for _, b in flags) / n,
+        both=good / n,
+        good=good,
+        errors=sum(not r.ok for r in records),
+    )
+
+
+def goodput(run: RunResult, slo: SLO) -> float:
+    """Requests meeting both SLOs per second of the run's duration."""
+    return attainment(run.records, slo).good / run.duration_s if run.duration_s > 0 else 0.0
+
+
+def percentiles(values: Iterable[float], qs: Sequence[int] = PERCENTILES) -> dict[str, float]:
+    """{"p50": .., "p90": .., "p99": ..} of `values` (NaN for an empty set)."""
+    arr = np.asarray(list(values), dtype=float)
+    return {f"p{q}": float(np.percentile(arr, q)) if arr.size else math.nan for q in qs}
+
+
+def latency_summary(records: Sequence[RequestRecord]) -> dict[str, dict[str, float]]:
+    """Percentiles of TTFT, TPOT, ITL (every gap of every request, pooled) and E2E in ms,
+    over successful requests only."""
+    ok = [r for r in records if r.ok]
+    return {
+        "ttft_ms": percentiles(r.ttft_ms for r in ok if r.ttft_ms is not None),
+        "tpot_ms": percentiles(r.tpot_ms for r in ok if r.tpot_ms is not None),
+        "itl_ms": percentiles(g for r in ok for g in r.itl_ms),
+        "e2e_ms": percentiles(r.e2e_ms for r in ok if r.e2e_ms is not None),
+    }
+
+
+def ttft_breakdown(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Mean server-side TTFT components over successful requests (ms): the `TIMING_FIELDS`,
+    `server_other` (server TTFT not covered by them) and `client_other` (client TTFT minus
+    server TTFT: network, router streaming, client). Empty when no request has timings."""
+    ok = [r for r in records if r.ok and r.server and r.ttft_ms is not None]
+    if not ok:
+        return {}
+    out = {name: float(np.mean([r.server.get(name, 0.0) for r in ok])) for name in TIMING_FIELDS}
+    server_ttft = float(np.mean([r.server.get("ttft_ms", 0.0) for r in ok]))
+    out["server_other"] = max(0.0, server_ttft - sum(out[n] for n in TIMING_FIELDS))
+    out["client_other"] = max(0.0, float(np.mean([r.ttft_ms for r in ok])) - server_ttft)
+    return out
+
+
+def tightest_scale(
+    records: Sequence[RequestRecord], slo: SLO, target: float = DEFAULT_TARGET
+) -> float:
+    """Smallest s with attainment(records, slo.scaled(s)).both >= target (inf if none).
+
+    Request i needs s_i = max(ttft_i / slo.ttft, tpot_i / slo.tpot) (inf if it failed); the
+    answer is the ceil(target * n)-th smallest s_i."""
+    if not records:
+        return math.inf
+    need = []
+    for r in records:
+        if not r.ok or r.ttft_ms is None:
+            need.append(math.inf)
+        else:
+            tpot = 0.0 if r.tpot_ms is None else r.tpot_ms / slo.tpot_ms
+            need.append(max(r.ttft_ms / slo.ttft_ms, tpot))
+    need.sort()
+    k = max(1, math.ceil(target * len(need) - 1e-9))
+    return need[k - 1]
+
+
+@dataclass(frozen=True)
+class MaxGoodput:
+    """Result of a rate sweep. `rate` = highest passing rate below `first_fail` (0 when the
+    lowest tested rate already fails); `lower_bound` = no tested rate failed, so the true max
+    may be higher; `non_monotone` = some rate above `first_fail` passed again."""
+
+    rate: float
+    first_fail: float | None
+    lower_bound: bool
+    non_monotone: bool
+
+
+def max_goodput(
+    points: Iterable[tuple[float, float]], target: float = DEFAULT_TARGET
+) -> MaxGoodput:
+    """Max goodput from (rate, attainment-both) points (see the module docstring)."""
+    pts = sorted(points)
+    best, first_fail = 0.0, None
+    for rate, att in pts:
+        if att >= target:
+            best = rate
+        else:
+            first_fail = rate
+            break
+    non_monotone = first_fail is not None and any(r > first_fail and a >= target for r, a in pts)
+    return MaxGoodput(best, first_fail, first_fail is None and bool(pts), non_monotone)

@@ -1,0 +1,132 @@
+"""The configurations a goodput benchmark compares, as local clusters. Orchestrator process.
+
+Three named configurations with the same total torch threads (`threads`, default 2) and the
+same model, block size, KV blocks and batch limits:
+
+| name | workers | torch threads | prefill |
+|---|---|---|---|
+| `colocated` | 1 colocated | `threads` | chunked, `chunk_tokens` per step |
+| `colocated-nochunk` | 1 colocated | `threads` | whole prompts (step budget = context + seqs) |
+| `disagg` | 1 prefill + 1 decode | `threads // 2` each | chunked, `chunk_tokens` per step |
+
+`start_clusters` launches them (router + workers as local processes, `deploy.launcher`), all
+at once, so runs can interleave configurations without restarts; `ClusterSet.stop()` (also on
+exit from the context manager) stops every process it started, by PID. An idle cluster's
+workers only answer the router's status polls, so the others barely disturb a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deploy.config import ClusterConfig
+    from deploy.launcher import LocalCluster
+
+CONFIG_NAMES = ("colocated", "colocated-nochunk", "disagg")
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    """Engine settings shared by every compared configuration."""
+
+    context: int  # longest prompt + output the workload sends (tokens)
+    chunk_tokens: int = 256
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 32
+    device: str = "cpu"  # every worker's torch device ("cuda" on a GPU machine)
+
+
+def cluster_overrides(name: str, sizing: EngineSizing, threads: int = 2) -> dict[str, Any]:
+    """Dotted `ClusterConfig` keys of configuration `name` (ValueError for an unknown one)."""
+    if name not in CONFIG_NAMES:
+        raise ValueError(f"configuration must be one of {CONFIG_NAMES}, got {name!r}")
+    if threads < 2 and name == "disagg":
+        raise ValueError(f"disagg needs threads >= 2 (one per worker), got {threads}")
+    engine: dict[str, Any] = {
+        "block_size": sizing.block_size,
+        "num_kv_blocks": sizing.num_kv_blocks,
+        "max_num_seqs": sizing.max_num_seqs,
+        "max_num_batched_tokens": max(sizing.chunk_tokens, sizing.max_num_seqs),
+        "enable_chunked_prefill": True,
+        "device": sizing.device,
+    }
+    out: dict[str, Any] = {"launcher": "process", "router.port": 0, "engine": engine}
+    if name == "disagg":
+        out |= {"mode": "disagg", "workers.prefill": 1, "workers.decode": 1}
+        out["torch_threads"] = threads // 2
+        return out
+    out |= {"mode": "colocated", "workers.colocated": 1, "torch_threads": threads}
+    out["workers.prefill"] = out["workers.decode"] = 0
+    if name == "colocated-nochunk":
+        engine["enable_chunked_prefill"] = False
+        engine["max_num_batched_tokens"] = sizing.context + sizing.max_num_seqs
+    return out
+
+
+def cluster_config(
+    name: str, model: Path, sizing: EngineSizing, threads: int = 2, **extra: Any
+) -> ClusterConfig:
+    """The validated `ClusterConfig` of configuration `name`; `extra` adds dotted overrides."""
+    from deploy.config import load_cluster_config
+
+    return load_cluster_config(
+        None, {"model": str(model), **cluster_overrides(name, sizing, threads), **extra}
+    )
+
+
+@dataclass
+class ClusterSet:
+    """Running clusters by configuration name; `address(name)` is the router to load."""
+
+    clusters: dict[str, LocalCluster] = field(default_factory=dict)
+    external: dict[str, str] = field(default_factory=dict)
+
+    def address(self, name: str) -> str:
+        if name in self.external:
+            return self.external[name]
+        return self.clusters[name].address
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description of each configuration (effective cluster config)."""
+        out: dict[str, Any] = {
+            n: {"address": a, "external": True} for n, a in self.external.items()
+        }
+        for n, c in self.clusters.items():
+            out[n] = {"config": c.config.model_dump(mode="json"), "pids": c.pids()}
+        return out
+
+    def stop(self) -> None:
+        for c in self.clusters.values():
+            c.stop()
+        self.clusters.clear()
+
+
+@contextlib.contextmanager
+def start_clusters(
+    names: Sequence[str],
+    model: Path,
+    sizing: EngineSizing,
+    log_dir: Path,
+    threads: int = 2,
+    **extra: Any,
+) -> Iterator[ClusterSet]:
+    """Launch a local cluster per configuration name; stop all of them on exit (and on a
+    failure to start any of them)."""
+    from deploy.launcher import launch_local_cluster
+
+    configs = {n: cluster_config(n, model, sizing, threads, **extra) for n in names}
+    running = ClusterSet()
+    try:
+        for name, cfg in configs.items():
+            folder = log_dir / name
+            folder.mkdir(parents=True, exist_ok=True)
+            running.clusters[name] = launch_local_cluster(cfg, folder, port=0)
+        yield running
+    finally:
+        running.stop()

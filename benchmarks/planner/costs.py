@@ -1,0 +1,222 @@
+"""Cost model of the planner's simulator: step times of prefill and decode workers, KV transfer
+and serving overheads, as fitted coefficients (seconds). Pure (numpy/scipy), no torch; runs in
+`pdserve profile` / `pdserve plan` and the benchmarks.
+
+    prefill step  = a + b * tokens + c * attn      attn = sum over chunks of chunk * (start + chunk)
+    decode step   = a + b * batch  + c * context   context = sum of the batch's context lengths
+    transfer      = a + b * prompt_tokens          KV still in flight after the prefill compute
+    ttft overhead = a + b * prompt_tokens          router, RPCs, sampling, first-token delivery
+    token overhead = per generated token, added to each decode step's time per request batch
+
+CPU that the serving path burns outside the model steps, on other threads (a worker's gRPC
+loop, the KV transport) and other processes (router, client): it slows everything sharing the
+cores but does not lengthen a step by itself. `prefill_request_s` per request on the prefill
+worker, `decode_token_cpu_s` per token on the decode worker, and on the host's other processes
+`host_request_s` per request + `host_token_s` per streamed token.
+
+`attn` is the attention work of a chunked prefill (a chunk of `n` tokens starting at position
+`s` attends over `s + n` positions); for one whole prompt of `n` tokens it is `n**2`.
+
+Coefficients come from measurements only: `fit_linear` (non-negative least squares) over the
+samples `profiler.profile_engine` takes on this machine, `calibrate_overheads` over the
+records of a real low-load run, and `fit_cpu_overheads` over per-process CPU time of real
+loaded runs. A `CostModel` keeps its samples and fit errors for the report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import nnls
+
+
+@dataclass(frozen=True)
+class Linear:
+    """y = coef[0] + coef[1] * x1 + coef[2] * x2 (missing terms are 0)."""
+
+    coef: tuple[float, ...]
+    rel_err_p50: float = 0.0  # median |fit - sample| / sample over the fitting samples
+    rel_err_max: float = 0.0
+
+    def __call__(self, *x: float) -> float:
+        return self.coef[0] + sum(c * v for c, v in zip(self.coef[1:], x, strict=False))
+
+
+def fit_linear(xs: Sequence[tuple[float, ...]], ys: Sequence[float]) -> Linear:
+    """Non-negative least squares of y on [1, x...], weighted by 1/y so that small steps
+    count as much as large ones (relative error). ValueError for fewer samples than terms."""
+    if not xs or len(xs) != len(ys):
+        raise ValueError(f"need matching, non-empty samples, got {len(xs)} xs and {len(ys)} ys")
+    a = np.array([(1.0, *x) for x in xs], dtype=float)
+    y = np.array(ys, dtype=float)
+    if len(y) < a.shape[1]:
+        raise ValueError(f"need at least {a.shape[1]} samples, got {len(y)}")
+    w = 1.0 / np.maximum(y, 1e-9)
+    coef, _ = nnls(a * w[:, None], y * w)
+    fit = a @ coef
+    rel = np.abs(fit - y) / np.maximum(y, 1e-9)
+    return Linear(tuple(float(c) for c in coef), float(np.median(rel)), float(rel.max()))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Everything the simulator charges for, plus where the numbers came from."""
+
+    prefill: Linear  # (tokens, attn) -> s
+    decode: Linear  # (batch, context) -> s
+    transfer: Linear = Linear((0.0, 0.0))  # (prompt tokens) -> s
+    ttft_overhead: Linear = Linear((0.0, 0.0))  # (prompt tokens) -> s
+    token_overhead_s: float = 0.0
+    prefill_request_s: float = 0.0
+    decode_token_cpu_s: float = 0.0
+    host_request_s: float = 0.0
+    host_token_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)  # model, threads, machine, samples
+
+    def prefill_s(self, chunks: list[tuple[int, int]]) -> float:
+        """One prefill step over `chunks` = [(start, n_tokens), ...]."""
+        tokens = sum(n for _, n in chunks)
+        attn = sum(n * (s + n) for s, n in chunks)
+        return self.prefill(tokens, attn)
+
+    def decode_s(self, batch: int, context: int) -> float:
+        """One decode step of `batch` requests holding `context` tokens in all."""
+        return self.decode(batch, context) + self.token_overhead_s * batch
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CostModel:
+        def lin(key: str) -> Linear:
+            return Linear(
+                tuple(data[key]["coef"]), data[key]["rel_err_p50"], data[key]["rel_err_max"]
+            )
+
+        def num(key: str) -> float:
+            return float(data.get(key, 0.0))
+
+        return cls(
+            prefill=lin("prefill"),
+            decode=lin("decode"),
+            transfer=lin("transfer"),
+            ttft_overhead=lin("ttft_overhead"),
+            token_overhead_s=num("token_overhead_s"),
+            prefill_request_s=num("prefill_request_s"),
+            decode_token_cpu_s=num("decode_token_cpu_s"),
+            host_request_s=num("host_request_s"),
+            host_token_s=num("host_token_s"),
+            meta=data.get("meta", {}),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def summary(self) -> str:
+        """One line per term, in ms, for CLI output."""
+        p, d, t, o = (
+            self.prefill.coef,
+            self.decode.coef,
+            self.transfer.coef,
+            self.ttft_overhead.coef,
+        )
+        return "\n".join(
+            [
+                f"prefill step  = {p[0] * 1e3:.3f} ms + {p[1] * 1e6:.3f} us/token + "
+                f"{p[2] * 1e9:.3f} ns/token^2   (fit error p50 {self.prefill.rel_err_p50:.1%})",
+                f"decode step   = {d[0] * 1e3:.3f} ms + {d[1] * 1e6:.3f} us/request + "
+                f"{d[2] * 1e9:.3f} ns/context token   (fit error p50 "
+                f"{self.decode.rel_err_p50:.1%})",
+                f"transfer      = {t[0] * 1e3:.3f} ms + {t[1] * 1e6:.3f} us/prompt token",
+                f"ttft overhead = {o[0] * 1e3:.3f} ms + {o[1] * 1e6:.3f} us/prompt token; "
+                f"token overhead {self.token_overhead_s * 1e3:.3f} ms",
+                f"cpu beside the steps: prefill {self.prefill_request_s * 1e3:.3f} ms/request; "
+                f"decode {self.decode_token_cpu_s * 1e3:.3f} ms/token; host "
+                f"{self.host_request_s * 1e3:.3f} ms/request + "
+                f"{self.host_token_s * 1e3:.3f} ms/token",
+            ]
+        )
+
+
+def calibrate_overheads(
+    cost: CostModel, samples: list[tuple[int, float, float | None]]
+) -> CostModel:
+    """Fit the serving overheads from a real run with nothing queued (one request at a time).
+
+    `samples` = [(prompt tokens, client TTFT s, client TPOT s or None), ...]. The TTFT
+    overhead is what TTFT has beyond one whole-prompt prefill step (transfer included: the
+    transfer term is set to 0 and folded in here, since the client cannot tell them apart);
+    the token overhead is the median of what TPOT has beyond a batch-1 decode step.
+    """
+    if not samples:
+        raise ValueError("calibrate_overheads needs at least one sample")
+    xs: list[tuple[float, ...]] = []
+    ys: list[float] = []
+    extra_tok = []
+    for n, ttft, tpot in samples:
+        xs.append((float(n),))
+        ys.append(max(1e-6, ttft - cost.prefill_s([(0, n)])))
+        if tpot is not None:
+            extra_tok.append(tpot - cost.decode(1, n))
+    over = (
+        fit_linear(xs, ys) if len({x[0] for x in xs}) > 1 else Linear((float(np.median(ys)), 0.0))
+    )
+    tok = max(0.0, float(np.median(extra_tok))) if extra_tok else 0.0
+    meta = {**cost.meta, "calibration_samples": len(samples)}
+    return replace(
+        cost, transfer=Linear((0.0, 0.0)), ttft_overhead=over, token_overhead_s=tok, meta=meta
+    )
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """One loaded run: requests, generated tokens, the model-step seconds the simulator
+    charges each role for it (CPU overheads off), and the CPU seconds measured per role."""
+
+    requests: int
+    tokens: int  # generated, first tokens included
+    prefill_steps_s: float
+    decode_steps_s: float
+    prefill_cpu_s: float
+    decode_cpu_s: float
+    host_cpu_s: float  # router + client
+
+
+def fit_cpu_overheads(cost: CostModel, runs: Sequence[CpuSample]) -> CostModel:
+    """CPU beside the model steps, per unit of work, from loaded runs (>= 1; two runs with
+    different tokens per request separate the host's per-request and per-token parts):
+    prefill per request, decode per token, host per request + per token (non-negative).
+    `*_steps_s` must be the step seconds the simulator charges with `cost` (`sim.charged`)."""
+    if not runs:
+        raise ValueError("fit_cpu_overheads needs at least one run")
+    n = sum(r.requests for r in runs)
+    dec_tokens = sum(max(1, r.tokens - r.requests) for r in runs)
+    pre = max(0.0, sum(r.prefill_cpu_s - r.prefill_steps_s for r in runs) / n)
+    tok = max(0.0, sum(r.decode_cpu_s - r.decode_steps_s for r in runs) / dec_tokens)
+    a = np.array([[r.requests, r.tokens] for r in runs], dtype=float)
+    y = np.array([r.host_cpu_s for r in runs], dtype=float)
+    if len(runs) >= 2 and np.linalg.matrix_rank(a) == 2:
+        host_req, host_tok = (float(x) for x in nnls(a, y)[0])
+    else:
+        host_req, host_tok = 0.0, float(y.sum() / a[:, 1].sum())
+    meta = {**cost.meta, "cpu_runs": [asdict(r) for r in runs]}
+    return replace(
+        cost,
+        prefill_request_s=pre,
+        decode_token_cpu_s=tok,
+        host_request_s=host_req,
+        host_token_s=host_tok,
+        meta=meta,
+    )

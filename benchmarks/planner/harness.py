@@ -1,0 +1,288 @@
+"""Real-run harness of the ratio benchmark: one local cluster, ratios set in place, a load
+generator that reports each request as it ends, and the controller as a sidecar.
+
+Runs in the benchmark process (`benchmarks/bench_ratio.py`, the ratio integration test).
+
+- `start_cluster(...)`: N workers + one router, local processes (`deploy.launcher`); the
+  router is its own process, as in production.
+- `Sidecar`: a `WorkerPool` of this process over the same workers (its own status poll), used
+  to read worker views, to `set_ratio` between runs (Worker.SetRole: the same processes and
+  weights serve every configuration) and to run a `RatioController` *beside* the router: the
+  controller sees the pool's views and this load generator's per-request outcomes, and acts
+  through a `PoolActuator`. The router's own pool learns each new role at its next poll.
+- `send_all(...)`: sends `RequestSpec`s at their times over the public API (greedy,
+  `ignore_eos`, exact lengths: the goodput bench's `build_requests`), timestamps every token
+  on the client, and calls `on_end(record)` as each request ends; returns the records and the
+  run's duration (t = 0 to the last end).
+- `phase_summary(...)`: attainment and goodput of a run, overall and per workload phase;
+- `CpuMeter`: CPU time of the given processes vs the whole machine over a run (from /proc):
+  how many cores this cluster used and how many other processes took (`external_cores`) —
+  this machine is shared, and the simulator's CPU model needs the cores that were free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.goodput.analysis import SLO, attainment
+from benchmarks.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests
+from benchmarks.goodput.records import RequestRecord, RequestSpec
+from benchmarks.planner.workload import Phase, phase_starts
+from proto.pdserve.v1 import inference_pb2_grpc
+from router.policy import Role
+from router.pool import WorkerPool
+from router.ratio.actuator import PoolActuator
+from router.registry import InMemoryWorkerRegistry
+
+
+def start_cluster(
+    model: Path, workers: int, engine: dict[str, Any], threads: int, log_dir: Path
+) -> Any:
+    """A running `LocalCluster` of `workers` workers (half prefill, rounded down, at start)."""
+    from deploy.config import load_cluster_config
+    from deploy.launcher import launch_local_cluster
+
+    prefill = max(1, workers // 2)
+    config = load_cluster_config(
+        None,
+        {
+            "model": str(model),
+            "mode": "disagg",
+            "launcher": "process",
+            "workers.prefill": prefill,
+            "workers.decode": workers - prefill,
+            "torch_threads": threads,
+            "router.port": 0,
+            "router.status_poll_interval_s": 0.25,
+            "engine": engine,
+        },
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return launch_local_cluster(config, log_dir, port=0)
+
+
+def cluster_pids(cluster: Any) -> dict[str, int]:
+    """{label: pid} of a `LocalCluster`'s processes and this one ("client": the load
+    generator and the sidecar): "router", and each worker by its launch id."""
+    out = {"router": cluster.router.process.pid, "client": os.getpid()}
+    for w in cluster.workers.workers:
+        out[w.worker_id] = w.process.pid
+    return out
+
+
+class Sidecar:
+    """This process's own pool over the cluster's workers (module docstring)."""
+
+    def __init__(self, roles: dict[str, Role], poll_s: float = 0.25) -> None:
+        self.initial = dict(roles)
+        self.pool = WorkerPool(InMemoryWorkerRegistry(ttl_s=10.0), poll_s, 1.0)
+        self.actuator = PoolActuator(self.pool)
+
+    async def start(self) -> None:
+        for address, role in self.initial.items():
+            await self.pool.add(address, role)
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+    def roles(self) -> dict[str, str]:
+        return {v.address: v.role for v in self.pool.views()}
+
+    async def set_ratio(self, prefill: int, drain_timeout_s: float = 30.0) -> None:
+        """Make the first `prefill` workers (by address) prefill and the rest decode."""
+        addresses = sorted(self.initial)
+        want = {a: ("prefill" if i < prefill else "decode") for i, a in enumerate(addresses)}
+        now = self.roles()
+        await asyncio.gather(
+            *(
+                self.actuator.switch_role(a, want[a], drain_timeout_s)  # type: ignore[arg-type]
+                for a in addresses
+                if now.get(a) != want[a]
+            )
+        )
+        assert self.roles() == want, (self.roles(), want)
+
+
+async def _consume(
+    call: Any,
+    rec: RequestRecord,
+    t_sent: float,
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    first = prev = last = None
+    try:
+        async for resp in call:
+            now = loop.time()
+            last = now
+            if resp.token_ids:
+                if first is None:
+                    first = now
+                else:
+                    rec.itl_ms.append((now - prev) * 1e3)  # type: ignore[operator]
+                prev = now
+                rec.num_tokens += len(resp.token_ids)
+            if resp.HasField("final"):
+                rec.finish_reason = resp.final.finish_reason
+                rec.prefill_worker = resp.final.prefill_worker
+                rec.decode_worker = resp.final.decode_worker
+    except grpc.aio.AioRpcError as exc:
+        rec.status, rec.error = exc.code().name, exc.details() or ""
+    if rec.status == "OK" and rec.num_tokens < rec.output_len:
+        rec.status, rec.error = "INCOMPLETE", f"{rec.num_tokens} of {rec.output_len} tokens"
+    if first is not None:
+        rec.ttft_ms = (first - t_sent) * 1e3
+        if rec.num_tokens > 1 and prev is not None and prev > first:
+            rec.tpot_ms = (prev - first) * 1e3 / (rec.num_tokens - 1)
+    rec.e2e_ms = ((last if last is not None else loop.time()) - t_sent) * 1e3
+
+
+async def send_all(
+    address: str,
+    specs: Sequence[RequestSpec],
+    vocab_size: int,
+    token_seed: int,
+    label: str,
+    on_end: Callable[[RequestRecord], None] | None = None,
+    timeout_s: float = 120.0,
+    channels: int = 4,
+) -> tuple[list[RequestRecord], float]:
+    """Send every spec at its time; (records in spec order, duration s). Module docstring."""
+    job = LoadJob(address=address, specs=list(specs), token_seed=token_seed, label=label)
+    reqs = build_requests(job, vocab_size)
+    chans = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(channels)]
+    stubs = [inference_pb2_grpc.InferenceStub(c) for c in chans]  # type: ignore[no-untyped-call]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.05
+    records: list[RequestRecord] = []
+    tasks = []
+
+    async def one(i: int, rec: RequestRecord) -> None:
+        t_sent = loop.time()
+        rec.sent_s = t_sent - t0
+        call = stubs[i % channels].Generate(reqs[i], timeout=timeout_s)
+        await _consume(call, rec, t_sent, loop)
+        if on_end is not None:
+            on_end(rec)
+
+    try:
+        for i, spec in enumerate(specs):
+            delay = t0 + spec.arrival_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = RequestRecord(
+                index=spec.index,
+                request_id=reqs[i].request_id,
+                scheduled_s=spec.arrival_s,
+                sent_s=0.0,
+                input_len=spec.input_len,
+                output_len=spec.output_len,
+            )
+            records.append(rec)
+            tasks.append(asyncio.create_task(one(i, rec)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for c in chans:
+            with contextlib.suppress(Exception):
+                await c.close()
+    duration = max((r.end_s for r in records), default=0.0)
+    return records, duration
+
+
+def _pid_cpu_s(pid: int) -> float:
+    """utime + stime of `pid` in seconds (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy since boot (all cores)."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """`start({label: pid})` ... `stop()` -> CPU seconds per label, the cores they used in
+    all, the cores everything else used (`external_cores`), and the wall time."""
+
+    def __init__(self) -> None:
+        self._pids: dict[str, int] = {}
+        self._t0 = self._all0 = 0.0
+        self._cpu0: dict[str, float] = {}
+
+    def start(self, pids: Mapping[str, int]) -> None:
+        self._pids = dict(pids)
+        self._t0 = time.monotonic()
+        self._cpu0 = {k: _pid_cpu_s(p) for k, p in self._pids.items()}
+        self._all0 = _machine_busy_s()
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.monotonic() - self._t0
+        per = {k: _pid_cpu_s(p) - self._cpu0[k] for k, p in self._pids.items()}
+        ours = sum(per.values())
+        busy = _machine_busy_s() - self._all0
+        return {
+            "wall_s": wall,
+            "cpu_s": per,
+            "our_cores": ours / wall,
+            "external_cores": max(0.0, busy - ours) / wall,
+            "cpus": float(os.cpu_count() or 1),
+        }
+
+
+async def wait_quiet(max_load: float, max_wait_s: float) -> float:
+    """Wait (up to `max_wait_s`) until the 1-minute load average is <= `max_load`; return it."""
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        await asyncio.sleep(5.0)
+    return os.getloadavg()[0]
+
+
+def phase_summary(
+    records: list[RequestRecord], duration: float, slo: SLO, phases: list[Phase]
+) -> dict[str, Any]:
+    """Overall and per-phase attainment (a request's phase: its scheduled arrival) and the
+    run's goodput (requests meeting both SLOs / duration)."""
+    att = attainment(records, slo)
+    out: dict[str, Any] = {
+        "requests": att.n,
+        "errors": att.errors,
+        "attainment": att.both,
+        "ttft_attainment": att.ttft,
+        "tpot_attainment": att.tpot,
+        "good": att.good,
+        "duration_s": duration,
+        "goodput_rps": att.good / duration if duration > 0 else 0.0,
+        "phases": [],
+    }
+    for (start, name), (_, _, length) in zip(phase_starts(phases), phases, strict=True):
+        sub = [r for r in records if start <= r.scheduled_s < start + length]
+        a = attainment(sub, slo)
+        out["phases"].append(
+            {"phase": name, "requests": a.n, "attainment": a.both, "ttft": a.ttft, "tpot": a.tpot}
+        )
+    return out
+
+
+def meets_both(record: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+    """Whether a saved `RequestRecord` (JSON) met both SLOs."""
+    r = RequestRecord.from_json(record)
+    if not r.ok or r.ttft_ms is None:
+        return False
+    return r.ttft_ms <= slo_ttft_ms and (r.tpot_ms is None or r.tpot_ms <= slo_tpot_ms)

@@ -1,0 +1,87 @@
+"""Workloads for the planner and the ratio benchmark, from the goodput bench's generator.
+
+Pure numpy (through `benchmarks.goodput.workloads`); runs in `pdserve plan` and the
+benchmarks. The planner simulates exactly the requests a real run would send:
+
+- `requests(name, n, rate, context, seed, output_len)`: `make_requests` of the goodput bench
+  (same lengths, same Poisson arrivals for the same seed);
+- `shifting(phases, context, seed)`: phases run back to back, e.g.
+  ``[("chat", 4.0, 60.0), ("summarize", 1.0, 60.0)]`` = chat at 4 req/s for 60 s, then
+  summarize at 1 req/s for 60 s; each phase is its own seeded draw, cut at its duration and
+  shifted to start where the previous one ended; indexes are renumbered;
+- `to_sim(specs)`: the simulator's view of a request list; `phase_starts(phases)`: when each
+  phase begins;
+- `parse_phases("chat:4:60,summarize:1:60")`: the CLI's spelling of phases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from benchmarks.goodput.records import RequestSpec
+from benchmarks.goodput.workloads import WORKLOADS, make_requests
+from benchmarks.planner.sim import SimRequest
+
+Phase = tuple[str, float, float]  # (workload, rate req/s, duration s)
+
+
+def requests(
+    name: str,
+    n: int,
+    rate: float,
+    context: int,
+    seed: int = 0,
+    output_len: int | None = None,
+) -> list[RequestSpec]:
+    """`n` requests of workload `name` at `rate` (the goodput bench's `make_requests`)."""
+    return make_requests(name, n, rate, context=context, seed=seed, output_len=output_len)
+
+
+def shifting(
+    phases: list[Phase], context: int, seed: int = 0, output_len: int | None = None
+) -> list[RequestSpec]:
+    """Phases back to back (module docstring). ValueError names a bad phase."""
+    out: list[RequestSpec] = []
+    t0 = 0.0
+    for k, (name, rate, duration) in enumerate(phases):
+        if name not in WORKLOADS or rate <= 0 or duration <= 0:
+            raise ValueError(
+                f"phase {k}: need a workload in {sorted(WORKLOADS)}, rate > 0 and duration > 0, "
+                f"got ({name!r}, {rate}, {duration})"
+            )
+        n = max(1, math.ceil(rate * duration * 1.5) + 10)
+        specs = make_requests(
+            name, n, rate, context=context, seed=seed + 1000 * k, output_len=output_len
+        )
+        for s in specs:
+            if s.arrival_s >= duration:
+                break
+            out.append(dataclasses.replace(s, index=len(out), arrival_s=t0 + s.arrival_s))
+        t0 += duration
+    return out
+
+
+def phase_starts(phases: list[Phase]) -> list[tuple[float, str]]:
+    """[(start s, workload name)] of back-to-back phases."""
+    out, t = [], 0.0
+    for name, _, duration in phases:
+        out.append((t, name))
+        t += duration
+    return out
+
+
+def to_sim(specs: list[RequestSpec]) -> list[SimRequest]:
+    """The simulator's requests (arrival, prompt, output) in the same order."""
+    return [SimRequest(s.arrival_s, s.input_len, s.output_len) for s in specs]
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """'chat:4:60,summarize:1:60' -> [("chat", 4.0, 60.0), ("summarize", 1.0, 60.0)]."""
+    phases: list[Phase] = []
+    for part in text.split(","):
+        bits = part.strip().split(":")
+        if len(bits) != 3:
+            raise ValueError(f"phase must be WORKLOAD:RATE:SECONDS, got {part!r}")
+        phases.append((bits[0], float(bits[1]), float(bits[2])))
+    return phases

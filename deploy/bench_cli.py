@@ -1,0 +1,244 @@
+"""`pdserve bench`, `pdserve report` and `pdserve demo` (the goodput demo). CLI process.
+
+    pdserve bench [--configs colocated,colocated-nochunk,disagg | --addr HOST:PORT]
+                  [--workload summarize|chat|code|prefix|multiturn | --trace FILE]
+                  [--rates 0.5,1,2] [--ttft-slo-ms MS --tpot-slo-ms MS | --ttft-scale X ...]
+                  [--out DIR] ...
+    pdserve report DIR [DIR ...] [--out DIR]
+    pdserve demo [--model models/small] [--out runs/demo]
+
+Each prints the report's path and its headline on stdout (progress goes to stderr) and exits 0;
+2 for bad arguments, 1 when the benchmark failed. Heavy imports happen inside the subcommands.
+`add_*_parser(subparsers)` registers a parser and sets `func` (see deploy/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO = {
+    # The demo's experiment (see `demo_config`): summarize-style prompts within a 512-token
+    # budget, 24-token outputs, a TPOT SLO a few decode steps wide, a loose TTFT SLO.
+    "workload": "summarize",
+    "context": 512,
+    "output_len": 24,
+    "ttft_scale": 8.0,
+    "tpot_scale": 3.0,
+    "rel_rates": (0.15, 0.3, 0.6),
+    "duration_s": 20.0,
+    "min_requests": 8,
+    "bisect_steps": 1,
+    "chunk_tokens": 256,
+}
+
+
+def _floats(value: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {value!r}"
+        ) from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return out
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `bench`: max goodput of one or more configurations under SLOs."""
+    from benchmarks.goodput.clusters import CONFIG_NAMES
+    from benchmarks.goodput.workloads import WORKLOADS
+
+    p = subparsers.add_parser(
+        "bench",
+        help="goodput benchmark: SLO attainment vs rate, max goodput, report",
+        description="Start each configuration as a local cluster (or bench --addr), calibrate "
+        "the unloaded prefill/decode times, sweep request rates (refined by bisection, "
+        "configurations interleaved) with a separate load-generator process, and write "
+        "results.json + report.md + plots to --out.",
+    )
+    a = p.add_argument
+    a("--model", default="models/small", help="model folder to serve (default models/small)")
+    a("--addr", help="bench this running router instead of launching clusters")
+    a("--configs", type=_names, default=CONFIG_NAMES, help=f"comma list from {CONFIG_NAMES}")
+    a("--workload", choices=sorted(WORKLOADS), default="summarize")
+    a("--trace", help="replay a trace file (.csv/.jsonl) instead of a workload")
+    a("--context", type=int, help="length budget in tokens (default: the model's context)")
+    a("--output-len", type=int, help="fixed output length (default: the workload's draw)")
+    a("--arrival", choices=["poisson", "gamma"], default="poisson")
+    a("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
+    a("--seed", type=int, default=0)
+    a("--rates", type=_floats, help="sweep rates in req/s, e.g. 0.5,1,2")
+    a("--rel-rates", type=_floats, default=(0.25, 0.5, 0.75, 1.0),
+      help="sweep rates as fractions of 1000/unloaded-prefill-ms (when no --rates)")  # fmt: skip
+    a("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    a("--min-requests", type=int, default=20, help="fewest requests per run")
+    a("--ttft-slo-ms", type=float, help="TTFT SLO in ms (default: --ttft-scale x unloaded)")
+    a("--tpot-slo-ms", type=float, help="TPOT SLO in ms (default: --tpot-scale x unloaded)")
+    a("--ttft-scale", type=float, default=5.0)
+    a("--tpot-scale", type=float, default=5.0)
+    a("--target", type=float, default=0.9, help="attainment target (default 0.9)")
+    a("--bisect-steps", type=int, default=2)
+    a("--calibrate-on", help="configuration whose unloaded times set relative SLOs")
+    a("--threads", type=int, default=2, help="total torch threads per configuration")
+    a("--chunk-tokens", type=int, default=256, help="chunked-prefill step budget")
+    a("--num-kv-blocks", type=int, default=1024)
+    a("--max-num-seqs", type=int, default=32)
+    a("--device", default="cpu", help="workers' torch device (cuda on a GPU machine)")
+    a("--request-timeout-s", type=float)
+    a("--title", default="pdserve goodput benchmark")
+    a("--out", help="run folder (default runs/bench-YYYYmmdd-HHMMSS)")
+    p.set_defaults(func=bench_main)
+
+
+def bench_config(args: argparse.Namespace) -> Any:
+    """Namespace -> validated `BenchConfig` (raises ValueError / ValidationError)."""
+    from benchmarks.goodput.bench import BenchConfig
+
+    out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    configs = args.configs
+    if args.addr and configs == _default_configs():
+        configs = ("external",)  # one running cluster; --configs NAME names it
+    return BenchConfig(
+        out=Path(out), model=Path(args.model), address=args.addr, configs=configs,
+        workload=args.workload, trace=args.trace, context=args.context,
+        output_len=args.output_len, arrival=args.arrival, cv=args.cv, seed=args.seed,
+        rates=args.rates, rel_rates=args.rel_rates, duration_s=args.duration,
+        min_requests=args.min_requests, ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms, ttft_scale=args.ttft_scale, tpot_scale=args.tpot_scale,
+        target=args.target, bisect_steps=args.bisect_steps, calibrate_on=args.calibrate_on,
+        threads=args.threads, chunk_tokens=args.chunk_tokens, num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, device=args.device,
+        request_timeout_s=args.request_timeout_s, title=args.title,
+    )  # fmt: skip
+
+
+def _default_configs() -> tuple[str, ...]:
+    from benchmarks.goodput.clusters import CONFIG_NAMES
+
+    return CONFIG_NAMES
+
+
+def _run(prog: str, cfg: Any) -> int:
+    from benchmarks.goodput.bench import run_bench
+
+    try:
+        summary = run_bench(cfg)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"pdserve {prog}: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # clusters were stopped on the way out; results.json is kept
+        print(f"pdserve {prog}: interrupted; runs so far in {cfg.out}/results.json",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    print(f"report: {summary.report}")
+    print(summary.headline)
+    return 0
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    try:
+        cfg = bench_config(args)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    if cfg.address is None and not (cfg.model / "config.json").is_file():
+        print(f"pdserve bench: --model {cfg.model} is not a model folder", file=sys.stderr)
+        return 2
+    return _run("bench", cfg)
+
+
+def add_report_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `report`: render one saved run, or compare several."""
+    p = subparsers.add_parser(
+        "report",
+        help="render or compare saved `pdserve bench` runs",
+        description="With one DIR and no --out, re-render DIR/report.md and its plots from "
+        "DIR/results.json. With several DIRs (or --out), write a side-by-side comparison.",
+    )
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="run folders (with results.json)")
+    p.add_argument("--out", help="comparison folder (default: report-compare-YYYYmmdd-HHMMSS)")
+    p.set_defaults(func=report_main)
+
+
+def report_main(args: argparse.Namespace) -> int:
+    from benchmarks.goodput.report import write_comparison, write_report
+
+    try:
+        if len(args.dirs) == 1 and not args.out:
+            summary = write_report(args.dirs[0])
+        else:
+            out = args.out or f"report-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+            summary = write_comparison(args.dirs, out)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"pdserve report: {exc!r}", file=sys.stderr)
+        return 2
+    print(f"report: {summary.report}")
+    print(summary.headline)
+    return 0
+
+
+def add_goodput_demo_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Register `demo`: the short disaggregated-vs-colocated goodput comparison."""
+    p = subparsers.add_parser(
+        "demo",
+        help="make the small model if missing; compare disaggregated vs colocated goodput",
+        description="Build the random `small` model into --model unless present, then run a "
+        "short goodput sweep (summarize-style workload, TPOT-tight SLO) against colocated "
+        "(chunked prefill, 2 threads), colocated without chunking, and disaggregated 1P+1D "
+        "(1 thread each), interleaved; write the report and print its headline.",
+    )
+    p.add_argument("--model", default="models/small", help="model folder (default models/small)")
+    p.add_argument("--preset", choices=["tiny", "small"], default="small")
+    p.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=demo_main)
+
+
+def demo_config(model: Path, out: Path, seed: int = 0) -> Any:
+    """The demo's `BenchConfig` (the `DEMO` settings, every configuration)."""
+    from benchmarks.goodput.bench import BenchConfig
+
+    return BenchConfig(
+        out=out, model=model, seed=seed, calibrate_on="colocated",
+        title="pdserve demo: disaggregated vs colocated goodput", **DEMO,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def demo_main(args: argparse.Namespace) -> int:
+    from model_runtime.random_model import make_random_model
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        print(f"pdserve demo: building the {args.preset} random model in {model} ...",
+              file=sys.stderr)  # fmt: skip
+        make_random_model(model, args.preset, seed=0)
+    t0 = time.monotonic()
+    rc = _run("demo", demo_config(model, Path(args.out), args.seed))
+    print(f"demo took {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deploy.bench_cli bench|report|demo ...` (the same as `pdserve ...`)."""
+    parser = argparse.ArgumentParser(prog="python -m deploy.bench_cli")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_bench_parser(sub)
+    add_report_parser(sub)
+    add_goodput_demo_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""The ratio controller's pure core: `decide(window, state, now, config) -> Decision`.
+
+Runs in the router process, inside the controller's driver (`driver.py`), once per
+`interval_s`. No I/O, no clock: the same inputs always give the same decision, so tests drive
+it with scripted windows. Every answer — changes *and* holds — carries a one-line reason that
+names the numbers it used; the driver records it with the window (`DecisionRecord`).
+
+The rules, in order (the first that applies wins):
+
+1. a change is in progress -> hold; a change started less than `interval_s` ago -> hold
+   (at most one change per interval); the last change completed less than `cooldown_s` ago ->
+   hold; a worker is draining (a switch made elsewhere) -> hold;
+2. the last switch is judged once `min_requests` requests finished after it (`revert_worse`):
+   it made things worse when the role that gave the worker now misses its SLO (attainment
+   below target - hysteresis; it had slack before), or when a switch to decode lowered TPOT
+   attainment — each drop by more than `hysteresis` and more than sampling noise (`dropped`:
+   a two-proportion z-test at 95%). Then the same worker switches back and that
+   direction is barred for `tabu_s`: on a shared CPU another worker of a role can add a
+   process without adding capacity, and only the outcome tells. (A switch to prefill is not
+   judged by TTFT: the queue built before it keeps TTFT high for a while whatever it does.)
+   A switch is not judged when the request rate changed by more than `judge_rate_change`
+   between the two windows: the load, not the switch, would explain the difference;
+3. attainment (both SLOs) below `attainment_target - hysteresis` even at the upper end of its
+   Wilson interval at `evidence_z` (few requests are weak evidence, but 0 of 4 is not none),
+   with at least `min_requests` finished requests in the window -> find the bottleneck phase
+   (`bottleneck`): decode when decode KV utilisation >= `kv_high` (reservations start to
+   fail), else the phase whose SLO miss rate exceeds the other's by more than `hysteresis`,
+   else none (hold: both miss alike — nothing a ratio change can fix);
+4. the needy role must be below its `max_*` bound. Then, preferring what costs nothing:
+   - switch one worker from the other role when that role is above its `min_*` bound and its
+     own SLO attainment is inside the band (>= target - hysteresis; not required of prefill
+     when decode KV is saturated, since that is what makes TTFT miss): the least-loaded
+     usable worker of that role drains and switches — unless that direction is barred;
+   - else add a worker of the needy role when `allow_scale_out`, the launcher has room
+     (`window.spare_workers > 0`) and `max_workers` allows;
+   - else hold, saying which bound or which miss stopped it;
+5. attainment at or above `attainment_target + hysteresis` and `allow_scale_in`: remove the
+   least-loaded worker of the most lightly loaded role whose mean requests per worker is below
+   `scale_in_load` and whose count is above its `min_*` bound;
+6. otherwise hold ("meets target" / "inside the dead band" / "too few requests").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.ratio.config import RatioConfig
+from router.ratio.metrics import MetricsWindow, WorkerLoad
+
+Action = Literal["hold", "switch", "add", "remove"]
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now. `switch`: `address` moves `from_role` -> `to_role`; `add`: a new
+    worker of `to_role`; `remove`: `address` (of `from_role`) leaves; `hold`: nothing."""
+
+    action: Action
+    reason: str
+    address: str | None = None
+    from_role: Phase | None = None
+    to_role: Phase | None = None
+    revert: bool = False  # undoes the previous change (which made attainment worse)
+
+    def __post_init__(self) -> None:
+        need = {
+            "hold": (False, False, False),
+            "switch": (True, True, True),
+            "add": (False, False, True),
+            "remove": (True, True, False),
+        }[self.action]
+        have = (self.address is not None, self.from_role is not None, self.to_role is not None)
+        assert have == need, f"inconsistent decision {self}"
+
+
+@dataclass
+class ControllerState:
+    """What the core remembers between evaluations; the driver updates it via `begin`/`end`."""
+
+    pending: Decision | None = None
+    last_change_start: float | None = None
+    last_change_end: float | None = None
+    changes: int = 0
+    last: Decision | None = None  # the last completed switch, until judged (rule 2)
+    before: MetricsWindow | None = None  # the window the pending / last change was decided on
+    tabu: dict[tuple[str, str], float] = field(default_factory=dict)  # (from, to) -> until
+
+    def begin(self, decision: Decision, now: float, before: MetricsWindow | None = None) -> None:
+        """A change starts (or, in advisory mode, is only advised) at `now`; `before` is the
+        window it was decided on (what rule 2 compares with)."""
+        assert self.pending is None, f"change {self.pending} still pending"
+        assert decision.action != "hold", decision
+        self.pending = decision
+        self.last_change_start = now
+        self.before = before
+
+    def end(self, now: float, ok: bool = True) -> None:
+        """The pending change completed (`ok`) or failed at `now`: the cooldown starts. A
+        completed switch that is not itself a revert waits to be judged."""
+        assert self.pending is not None, "no change pending"
+        done = self.pending
+        self.pending = None
+        self.last_change_end = now
+        self.changes += 1
+        judge = ok and done.action == "switch" and not done.revert and self.before is not None
+        self.last = done if judge else None
+
+
+def _hold(reason: str) -> Decision:
+    return Decision("hold", reason)
+
+
+def _other(role: Phase) -> Phase:
+    return "decode" if role == "prefill" else "prefill"
+
+
+def wilson_upper(p: float, n: int, z: float) -> float:
+    """Upper end of the Wilson score interval of a share `p` of `n` (1.0 for n = 0): unlike
+    p + z * sqrt(p(1-p)/n) it stays honest at p = 0 ("0 of 4" is evidence, not certainty)."""
+    if n <= 0:
+        return 1.0
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return min(1.0, centre + half)
+
+
+def dropped(before: float, n_before: int, after: float, n_after: int, band: float) -> bool:
+    """True when a share fell from `before` (of `n_before`) to `after` (of `n_after`) by more
+    than `band` *and* by more than sampling noise explains (two-proportion z-test, z = 1.96):
+    with a handful of requests per window one request more or less is not evidence."""
+    diff = before - after
+    if diff <= band or n_before < 1 or n_after < 1:
+        return False
+    pooled = (before * n_before + after * n_after) / (n_before + n_after)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n_before + 1 / n_after))
+    return diff > 1.96 * se
+
+
+def _phase_att(window: MetricsWindow, role: Phase) -> float:
+    """The attainment of the SLO a role is responsible for: TTFT (prefill), TPOT (decode)."""
+    return window.ttft_attainment if role == "prefill" else window.tpot_attainment
+
+
+def _bound(config: RatioConfig, kind: str, role: Phase) -> int | None:
+    value: int | None = getattr(config, f"{kind}_{role}")
+    return value
+
+
+def bottleneck(window: MetricsWindow, config: RatioConfig) -> tuple[Phase | None, str]:
+    """The phase that limits attainment (or None) and why (rule 2 of the module docstring)."""
+    ttft_miss = 1.0 - window.ttft_attainment
+    tpot_miss = 1.0 - window.tpot_attainment
+    misses = f"TTFT miss {ttft_miss:.0%}, TPOT miss {tpot_miss:.0%}"
+    if window.decode_workers and window.decode_kv_utilisation >= config.kv_high:
+        return "decode", (
+            f"decode KV utilisation {window.decode_kv_utilisation:.0%} >= kv_high "
+            f"{config.kv_high:.0%} ({misses})"
+        )
+    if ttft_miss - tpot_miss > config.hysteresis:
+        return "prefill", (
+            f"{misses}; prefill queue {window.prefill_waiting_tokens:.0f} tokens/worker"
+        )
+    if tpot_miss - ttft_miss > config.hysteresis:
+        return "decode", f"{misses}; decode batch {window.decode_batch:.1f}/worker"
+    return None, f"{misses}: within hysteresis {config.hysteresis:.0%} of each other"
+
+
+def _least_loaded(workers: list[WorkerLoad]) -> WorkerLoad:
+    return min(workers, key=lambda w: (w.requests, w.waiting_tokens, w.kv_utilisation, w.address))
+
+
+def _gate(window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig) -> str:
+    """Rule 1: why no change may start now ('' when one may)."""
+    if state.pending is not None:
+        p = state.pending
+        return f"change in progress: {p.action} {p.address or ''} -> {p.to_role or ''}".strip()
+    if state.last_change_start is not None and now - state.last_change_start < config.interval_s:
+        return f"a change started {now - state.last_change_start:.1f}s ago (< interval_s)"
+    if state.last_change_end is not None and now - state.last_change_end < config.cooldown_s:
+        left = config.cooldown_s - (now - state.last_change_end)
+        return f"cooldown: {left:.1f}s left"
+    draining = [w.address for w in window.workers if w.draining]
+    if draining:
+        return f"worker(s) draining: {', '.join(draining)}"
+    return ""
+
+
+def decide(
+    window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig
+) -> Decision:
+    """The decision for `window` at `now` (see the module docstring for the rules). Reads
+    `state`; its only writes are rule 2's bookkeeping: the last switch is marked judged
+    (`state.last = None`) and a reverted direction is barred (`state.tabu`)."""
+    gate = _gate(window, state, now, config)
+    if gate:
+        return _hold(gate)
+    target, band = config.attainment_target, config.hysteresis
+    att = f"attainment {window.attainment:.0%} of {window.requests} requests"
+    judged = _judge(window, state, now, config, att)
+    if judged is not None:
+        return judged
+    if window.attainment < target - band:
+        if window.requests < config.min_requests:
+            return _hold(f"{att}: fewer than min_requests={config.min_requests}")
+        upper = wilson_upper(window.attainment, window.requests, config.evidence_z)
+        if upper >= target - band:
+            return _hold(
+                f"{att} below target, but within sampling noise of the band (upper bound "
+                f"{upper:.0%} at z={config.evidence_z:g}): wait for more requests"
+            )
+        return _grow(window, state, now, config, att)
+    if window.attainment >= target + band and config.allow_scale_in:
+        removal = _shrink(window, config, att)
+        if removal is not None:
+            return removal
+    if window.attainment >= target:
+        return _hold(f"{att} meets target {target:.0%}")
+    return _hold(f"{att} inside the dead band {target - band:.0%}..{target:.0%}")
+
+
+def _judge(
+    window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig, att: str
+) -> Decision | None:
+    """Rule 2: a revert of the last switch when it made attainment worse, else None (and the
+    switch counts as judged once enough requests finished after it)."""
+    last, before = state.last, state.before
+    if last is None or before is None or window.requests < config.min_requests:
+        return None
+    state.last = None
+    if not config.revert_worse:
+        return None
+    if (
+        before.rate_rps <= 0
+        or abs(window.rate_rps / before.rate_rps - 1) > config.judge_rate_change
+    ):
+        return None
+    assert last.address is not None and last.from_role is not None and last.to_role is not None
+    low = config.attainment_target - config.hysteresis
+    donor_now, donor_before = _phase_att(window, last.from_role), _phase_att(before, last.from_role)
+    n0, n1, band = before.requests, window.requests, config.hysteresis
+    tpot0, tpot1 = before.tpot_attainment, window.tpot_attainment
+    if donor_now < low <= donor_before and dropped(donor_before, n0, donor_now, n1, band):
+        why = f"{last.from_role} now misses its SLO ({donor_before:.0%} -> {donor_now:.0%})"
+    elif last.to_role == "decode" and dropped(tpot0, n0, tpot1, n1, band):
+        why = f"TPOT attainment fell ({tpot0:.0%} of {n0} -> {tpot1:.0%} of {n1})"
+    else:
+        return None
+    state.tabu[(last.from_role, last.to_role)] = now + config.tabu_s
+    if not any(w.address == last.address and w.usable for w in window.workers):
+        return None
+    return Decision(
+        "switch",
+        f"{att}: the last switch ({last.address} {last.from_role} -> {last.to_role}) made it "
+        f"worse: {why}; revert, and no {last.from_role} -> {last.to_role} switch for "
+        f"{config.tabu_s:g}s",
+        address=last.address,
+        from_role=last.to_role,
+        to_role=last.from_role,
+        revert=True,
+    )
+
+
+def _grow(
+    window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig, att: str
+) -> Decision:
+    """Rules 2-3: more capacity for the bottleneck phase, by switch or by scale-out."""
+    need, why = bottleneck(window, config)
+    if need is None:
+        return _hold(f"{att} below target, no clear bottleneck: {why}")
+    donor = _other(need)
+    cap = _bound(config, "max", need)
+    if cap is not None and window.count(need) >= cap:
+        return _hold(f"{att}; need {need} ({why}) but max_{need}={cap} reached")
+    donor_att = _phase_att(window, donor)
+    low = config.attainment_target - config.hysteresis
+    # KV saturation makes TTFT miss too (reservations fail or wait): not the donor's fault
+    kv_bound = need == "decode" and window.decode_kv_utilisation >= config.kv_high
+    donor_min = _bound(config, "min", donor)
+    assert donor_min is not None
+    candidates = [w for w in window.workers if w.role == donor and w.usable]
+    blocked = ""
+    if window.count(donor) <= donor_min:
+        blocked = f"{donor} at min_{donor}={donor_min}"
+    elif donor_att < low and not kv_bound:
+        blocked = f"{donor} misses its own SLO ({donor_att:.0%} < {low:.0%})"
+    elif not candidates:
+        blocked = f"no usable {donor} worker"
+    elif state.tabu.get((donor, need), -1.0) > now:
+        left = state.tabu[(donor, need)] - now
+        blocked = f"{donor} -> {need} made attainment worse lately (barred {left:.0f}s more)"
+    if not blocked:
+        pick = _least_loaded(candidates)
+        return Decision(
+            "switch",
+            f"{att}; {need} is the bottleneck ({why}); {donor} has slack "
+            f"({donor_att:.0%} attainment): move least-loaded {pick.address}",
+            address=pick.address,
+            from_role=donor,
+            to_role=need,
+        )
+    total = window.prefill_workers + window.decode_workers
+    if config.allow_scale_out:
+        if window.spare_workers <= 0:
+            blocked += "; no room to add a worker"
+        elif config.max_workers is not None and total >= config.max_workers:
+            blocked += f"; max_workers={config.max_workers} reached"
+        else:
+            return Decision(
+                "add",
+                f"{att}; {need} is the bottleneck ({why}); cannot switch ({blocked}): add one",
+                to_role=need,
+            )
+    return _hold(f"{att}; need {need} ({why}) but {blocked}")
+
+
+def _shrink(window: MetricsWindow, config: RatioConfig, att: str) -> Decision | None:
+    """Rule 4: a removal when a role is lightly loaded, else None."""
+    options: list[tuple[float, Phase]] = []
+    for role, load in (("prefill", window.prefill_requests), ("decode", window.decode_requests)):
+        phase: Phase = "prefill" if role == "prefill" else "decode"
+        lo = _bound(config, "min", phase)
+        assert lo is not None
+        if window.count(phase) > lo and load < config.scale_in_load:
+            options.append((load, phase))
+    if not options:
+        return None
+    load, role = min(options)
+    candidates = [w for w in window.workers if w.role == role and w.usable]
+    if not candidates:
+        return None
+    pick = _least_loaded(candidates)
+    return Decision(
+        "remove",
+        f"{att} >= target + hysteresis; {role} load {load:.2f} requests/worker < "
+        f"scale_in_load={config.scale_in_load}: remove least-loaded {pick.address}",
+        address=pick.address,
+        from_role=role,
+    )

@@ -1,0 +1,113 @@
+"""A real role switch made by the ratio controller under load drops nothing.
+
+Runs in the pytest process: a tiny-model cluster of 1 prefill + 2 decode worker processes and
+a router process (`benchmarks.planner.harness.start_cluster`), and in this process a sidecar
+pool + `RatioController` (adaptive) acting through the real `PoolActuator` (Worker.SetRole).
+While requests stream, the controller is fed TTFT misses, decides "decode -> prefill", drains
+the least-loaded decode worker and switches it. Checked: every request completes with all its
+tokens; the decision and its `done` record are logged with their inputs; the pool and the
+worker report the new role; the router then prefills on the switched worker; every worker's
+free KV blocks return to their totals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.goodput.records import RequestSpec
+from benchmarks.planner.harness import Sidecar, send_all, start_cluster
+from model_runtime.config import ModelConfig
+from router.ratio.config import RatioConfig
+from router.ratio.driver import RatioController
+
+pytestmark = pytest.mark.slow
+
+ENGINE = {"block_size": 16, "num_kv_blocks": 256, "max_num_batched_tokens": 128, "max_num_seqs": 16}
+
+
+def specs(n: int, rate: float, t0: float = 0.0) -> list[RequestSpec]:
+    return [RequestSpec(i, t0 + i / rate, 24 + 8 * (i % 5), 40) for i in range(n)]
+
+
+async def _scenario(model: Path, tmp: Path) -> None:
+    vocab = ModelConfig.from_model_dir(model).vocab_size
+    cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs")
+    try:
+        roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
+        sc = Sidecar(roles)  # type: ignore[arg-type]
+        await sc.start()
+        config = RatioConfig(
+            mode="adaptive",
+            slo_ttft_ms=50,
+            slo_tpot_ms=1000,
+            min_requests=5,
+            window_s=30,
+            interval_s=1,
+            cooldown_s=1,
+            drain_timeout_s=30,
+            decisions_path=tmp / "decisions.jsonl",
+        )
+        controller = RatioController(config, sc.pool, sc.actuator)
+        load = asyncio.create_task(send_all(cluster.address, specs(60, 12.0), vocab, 3, "pre"))
+        # wait until both decode workers hold running requests
+        for _ in range(400):
+            await sc.pool.poll_once()
+            dec = [v for v in sc.pool.views() if v.role == "decode"]
+            if all(v.num_running > 0 for v in dec):
+                break
+            await asyncio.sleep(0.02)
+        busy = {v.address: v.num_running for v in sc.pool.views() if v.role == "decode"}
+        assert all(busy.values()), f"decode workers never all busy: {busy}"
+        for _ in range(6):
+            controller.observe(0.5, 0.01, True)  # TTFT misses (50 ms SLO), TPOT fine
+        controller.sample()
+        rec = await controller.evaluate()
+        assert rec is not None and rec.action == "switch", rec
+        assert (rec.from_role, rec.to_role) == ("decode", "prefill") and rec.applied
+        mover = rec.address
+        assert mover is not None
+        await controller.wait_idle()
+        records, _ = await load
+        # nothing dropped: every request completed with every token
+        bad = [(r.request_id, r.status, r.error) for r in records if not r.ok]
+        assert not bad, bad
+        done = controller.records[-1]
+        assert done.event == "done" and done.decision_seq == rec.seq, done
+        assert (done.prefill_workers, done.decode_workers) == (2, 1)
+        assert sc.roles()[mover] == "prefill"
+        stub = sc.pool.stub(mover)
+        from proto.pdserve.v1 import worker_pb2
+
+        status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+        assert status.role == "prefill" and not status.draining
+        # the router learns the role from its own poll and prefills on the mover
+        mover_id = status.worker_id
+        await asyncio.sleep(1.0)
+        after, _ = await send_all(cluster.address, specs(16, 8.0), vocab, 4, "post")
+        assert all(r.ok for r in after)
+        assert any(r.prefill_worker == mover_id for r in after), {r.prefill_worker for r in after}
+        assert all(r.decode_worker != mover_id for r in after)
+        # the decision log holds the decision with its inputs, then its result
+        lines = [json.loads(x) for x in (tmp / "decisions.jsonl").read_text().splitlines()]
+        assert [x["event"] for x in lines] == ["decision", "done"]
+        assert lines[0]["inputs"]["ttft_attainment"] == 0.0
+        assert mover in {w["address"] for w in lines[0]["inputs"]["workers"]}
+        # no leaks
+        for _ in range(100):
+            await sc.pool.poll_once()
+            views = sc.pool.views()
+            if all(v.free_blocks == v.total_blocks for v in views):
+                break
+            await asyncio.sleep(0.05)
+        assert all(v.free_blocks == v.total_blocks for v in views), views
+        await sc.stop()
+    finally:
+        cluster.stop()
+
+
+def test_controller_switch_under_load_drops_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    asyncio.run(_scenario(tiny_model_dir, tmp_path))

@@ -1,0 +1,84 @@
+"""`pdserve bench / report / demo` argument handling (no clusters started)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks.goodput.clusters import CONFIG_NAMES, EngineSizing, cluster_config
+from deploy.bench_cli import (
+    add_bench_parser,
+    add_goodput_demo_parser,
+    add_report_parser,
+    bench_config,
+    demo_config,
+    main,
+)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    add_report_parser(sub)
+    add_goodput_demo_parser(sub)
+    return parser.parse_args(argv)
+
+
+def test_bench_flags_become_a_config(tmp_path: Path) -> None:
+    args = parse(["bench", "--configs", "colocated,disagg", "--rates", "0.5,1", "--out",
+                  str(tmp_path), "--ttft-slo-ms", "900", "--tpot-slo-ms", "80"])  # fmt: skip
+    cfg = bench_config(args)
+    assert cfg.configs == ("colocated", "disagg") and cfg.rates == (0.5, 1.0)
+    assert (cfg.ttft_slo_ms, cfg.tpot_slo_ms, cfg.out) == (900.0, 80.0, tmp_path)
+    assert cfg.workload == "summarize" and cfg.target == 0.9
+
+
+def test_bench_against_an_address_names_it_external() -> None:
+    cfg = bench_config(parse(["bench", "--addr", "127.0.0.1:50051"]))
+    assert cfg.address == "127.0.0.1:50051" and cfg.configs == ("external",)
+    cfg = bench_config(parse(["bench", "--addr", "h:1", "--configs", "gpu-2p2d"]))
+    assert cfg.configs == ("gpu-2p2d",)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--configs", "colocated,fancy"], "configs"),
+        (["bench", "--calibrate-on", "disagg", "--configs", "colocated"], "calibrate_on"),
+        (["bench", "--model", "/nonexistent/model"], "not a model folder"),
+    ],
+)
+def test_bad_bench_arguments_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_rates_are_rejected_by_argparse() -> None:
+    with pytest.raises(SystemExit):
+        parse(["bench", "--rates", "fast"])
+
+
+def test_report_of_a_folder_without_results(tmp_path: Path) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+
+
+def test_demo_config_is_valid(tmp_path: Path) -> None:
+    cfg = demo_config(Path("models/small"), tmp_path)
+    assert set(cfg.configs) == set(CONFIG_NAMES) and cfg.calibrate_on in CONFIG_NAMES
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_compared_configurations_use_the_same_threads(name: str) -> None:
+    cc = cluster_config(name, Path("models/small"), EngineSizing(context=512, chunk_tokens=128))
+    threads = cc.torch_threads * cc.num_workers
+    assert threads == 2 and cc.launcher == "process"
+    assert cc.engine.enable_chunked_prefill == (name != "colocated-nochunk")
+    if name == "colocated-nochunk":
+        assert cc.engine.max_num_batched_tokens >= 512
+    else:
+        assert cc.engine.max_num_batched_tokens == 128
