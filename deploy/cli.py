@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.batch import add_batch_parser
+from deploy.bench_cli import add_bench_parser, add_report_parser
+from deploy.plan_cli import add_plan_parser, add_profile_parser
 from deploy.client import add_generate_parser
 
 if TYPE_CHECKING:
@@ -285,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_up_parser(sub)
     add_generate_parser(sub)
+    add_bench_parser(sub)
+    add_report_parser(sub)
+    add_profile_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
