@@ -8,12 +8,14 @@ Prefill (or colocated) choice, for each usable worker `w`:
     load(w)   = in_flight_tokens(w) + max(0, waiting_tokens(w) - in_flight_prompt_tokens(w))
     score(w)  = cache_weight * cached(w) - load_weight * load(w)
 
-The default weights value a cached token at twice a queued one: an engine batches queued
+The default weights value a cached token at four queued ones: an engine batches queued
 prompts (chunked prefill) rather than running them one after another, so queued work delays a
-newcomer less than its own uncached prompt costs, and every request a prefix follows to its
-worker keeps the other workers' caches free for other prefixes. On the shared-prefix benchmark
-(benchmarks/bench_prefix_routing.py) 1:1 split 3 of 4 groups over both workers (hit rate 88 %
-of the oracle) where 2:1 kept every group on one worker (98 %) and halved the mean TTFT.
+newcomer less than its own uncached prompt costs; a prefix that follows its requests to one
+worker leaves the other workers' caches to other prefixes; and the balance threshold, not the
+score, is what bounds the pile-up. On the shared-prefix benchmark (benchmarks/
+bench_prefix_routing.py, 2 prefill workers) 1:1 split 3 of 4 groups over both workers (hit rate
+86-88 % of the oracle); 2:1 and 4:1 kept (nearly) every group on one worker (93-99 %), 4:1 also
+under a queue of 8 concurrent requests, where 2:1 started to split.
 
 `in_flight_tokens` is what this router's own in-flight requests leave the worker to compute
 (prompt minus expected hit); the worker's polled `waiting_tokens` counts whole prompts of every
@@ -52,7 +54,7 @@ class PrefixRoutingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cache_weight: float = Field(
-        default=2.0, ge=0, description="Score per prompt token the worker has cached already."
+        default=4.0, ge=0, description="Score per prompt token the worker has cached already."
     )
     load_weight: float = Field(
         default=1.0, ge=0, description="Score penalty per token of queued prefill work."

@@ -114,12 +114,6 @@ class RatioConfig(BaseModel):
     tabu_s: float = Field(
         default=60.0, ge=0, description="How long a reverted direction is not tried again."
     )
-    judge_rate_change: float = Field(
-        default=0.3,
-        gt=0,
-        description="A switch is judged only when the request rate after it is within this "
-        "fraction of the rate before it (else the load explains the difference).",
-    )
     kv_high: float = Field(
         default=0.9,
         gt=0,

@@ -10,16 +10,16 @@ The rules, in order (the first that applies wins):
 1. a change is in progress -> hold; a change started less than `interval_s` ago -> hold
    (at most one change per interval); the last change completed less than `cooldown_s` ago ->
    hold; a worker is draining (a switch made elsewhere) -> hold;
-2. the last switch is judged once `min_requests` requests finished after it (`revert_worse`):
+2. the last switch is judged once a full `window_s` has passed since it completed and
+   `min_requests` requests that started after it finished (`revert_worse`):
    it made things worse when the role that gave the worker now misses its SLO (attainment
    below target - hysteresis; it had slack before), or when a switch to decode lowered TPOT
    attainment — each drop by more than `hysteresis` and more than sampling noise (`dropped`:
    a two-proportion z-test at 95%). Then the same worker switches back and that
    direction is barred for `tabu_s`: on a shared CPU another worker of a role can add a
    process without adding capacity, and only the outcome tells. (A switch to prefill is not
-   judged by TTFT: the queue built before it keeps TTFT high for a while whatever it does.)
-   A switch is not judged when the request rate changed by more than `judge_rate_change`
-   between the two windows: the load, not the switch, would explain the difference;
+   judged by TTFT: the queue built before it keeps TTFT high for a while whatever it does.
+   A load change between the two windows can also explain a drop; the bar is temporary.)
 3. attainment (both SLOs) below `attainment_target - hysteresis` even at the upper end of its
    Wilson interval at `evidence_z` (few requests are weak evidence, but 0 of 4 is not none),
    with at least `min_requests` finished requests in the window -> find the bottleneck phase
@@ -230,13 +230,10 @@ def _judge(
     last, before = state.last, state.before
     if last is None or before is None or window.requests < config.min_requests:
         return None
+    if state.last_change_end is not None and now - state.last_change_end < config.window_s:
+        return None  # judge on a full window after the change
     state.last = None
     if not config.revert_worse:
-        return None
-    if (
-        before.rate_rps <= 0
-        or abs(window.rate_rps / before.rate_rps - 1) > config.judge_rate_change
-    ):
         return None
     assert last.address is not None and last.from_role is not None and last.to_role is not None
     low = config.attainment_target - config.hysteresis

@@ -97,12 +97,6 @@ class MetricsWindow:
     workers: tuple[WorkerLoad, ...] = ()
     spare_workers: int = 0  # workers the launcher could add now
 
-    @property
-    def rate_rps(self) -> float:
-        """Finished requests per second over the window."""
-        span = self.end - self.start
-        return self.requests / span if span > 0 else 0.0
-
     def count(self, role: str) -> int:
         """Workers now in `role` ('prefill' or 'decode')."""
         return self.prefill_workers if role == "prefill" else self.decode_workers

@@ -71,7 +71,7 @@ CASES = [
         320,
     ),
     (
-        "the default 2:1 weights keep affinity up to twice the saving",
+        "2:1 weights keep affinity up to twice the saving",
         replace(REQ, prefix_matches=hits(p1=32)),
         [view("p1", in_flight_tokens=1100), view("p2", in_flight_tokens=100)],
         {"cache_weight": 2.0},
@@ -254,8 +254,8 @@ def test_pending_prefixes_table() -> None:
     assert pending.leading("w", [1, 9], now=1.8) == 0
 
 
-def test_defaults_favour_the_cache_two_to_one() -> None:
-    assert PrefixRoutingConfig().cache_weight == 2 * PrefixRoutingConfig().load_weight
+def test_defaults_favour_the_cache_four_to_one() -> None:
+    assert PrefixRoutingConfig().cache_weight == 4 * PrefixRoutingConfig().load_weight
 
 
 def test_registered_and_configurable() -> None:

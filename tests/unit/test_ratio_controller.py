@@ -277,13 +277,15 @@ def test_no_revert_on_noise_on_a_load_change_or_for_prefill_backlog() -> None:
         TO_DECODE,
     )
     assert not noisy.revert
-    # the rate quadrupled: the load, not the switch, explains worse TPOT
-    load = judged(
-        window(ttft=1.0, tpot=0.7, requests=10),
-        window(ttft=1.0, tpot=0.3, p=1, d=3, requests=40),
-        TO_DECODE,
-    )
-    assert not load.revert
+    # judged only on a full window after the change (window_s = 10 s), however short the
+    # cooldown: at 105 s the switch stands (and rules 3-6 apply), at 112 s it is reverted
+    quick = CFG.model_copy(update={"cooldown_s": 2.0})
+    st = ControllerState()
+    st.begin(TO_DECODE, 100.0, window(ttft=1.0, tpot=0.7, requests=40))
+    st.end(101.0)
+    after = window(ttft=1.0, tpot=0.4, p=1, d=3, requests=40)
+    assert not decide(after, st, 105.0, quick).revert
+    assert decide(after, st, 112.0, quick).revert
     # TTFT still missing after a switch to prefill (the queue built before) is not judged
     backlog = judged(
         window(ttft=0.6, tpot=1.0, requests=40),
