@@ -104,11 +104,13 @@ def test_run_bench_against_a_fake_cluster(threaded_fake_cluster: str, tmp_path: 
     cfg = BenchConfig(
         out=out, address=threaded_fake_cluster, configs=("fake",), workload="chat",
         context=256, output_len=8, rates=(20.0, 40.0), duration_s=1.0, min_requests=20,
-        ttft_slo_ms=200.0, tpot_slo_ms=50.0, bisect_steps=1,
+        ttft_slo_ms=5000.0, tpot_slo_ms=1000.0, bisect_steps=1,
     )  # fmt: skip
+    # SLOs are loose on purpose: this test checks the sweep's mechanics (every rate passes, so
+    # the sweep steps up once), not the fake cluster's speed on a loaded 2-core machine.
     summary = run_bench(cfg)
     data = json.loads((out / "results.json").read_text())
-    assert data["meta"]["slo"] == {"ttft_ms": 200.0, "tpot_ms": 50.0}
+    assert data["meta"]["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 1000.0}
     assert data["meta"]["calibration"]["decode_ms"] > 0
     assert data["meta"]["machine"]["matmul_gflops"] > 0
     assert [r["rate"] for r in data["runs"]] == [20.0, 40.0, 80.0]  # all pass: one step up
