@@ -165,7 +165,7 @@ class Bench:
         for name in names:  # every cluster: warm-up request, then its unloaded latencies
             addr = self.clusters.address(name)
             say(f"warming up and calibrating {name} ({addr}) ...")
-            calib = asyncio.run(calibrate(name, addr, prompt, out, repeats=3 if name == ref else 2))
+            calib = asyncio.run(calibrate(name, addr, prompt, out, repeats=5 if name == ref else 2))
             unloaded[name] = calib.to_json()
             say(f"  unloaded {name}: TTFT {calib.prefill_ms:.1f} ms, TPOT {calib.decode_ms:.1f} ms")
         c = self.meta["calibration"] = unloaded[ref]

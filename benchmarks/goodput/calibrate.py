@@ -4,9 +4,9 @@ SLOs can be given relative to the model's unloaded prefill and decode step time,
 command means the same on a laptop CPU and on a GPU. `calibrate` measures both through the
 public API on an idle cluster: after one discarded warm-up request it sends `repeats` requests
 one at a time (each waits for the previous to end), each with `prompt_len` prompt tokens and
-`output_len` output tokens, and keeps the best (smallest) of each, as `benchmarks.machine`
-does: the unloaded time is the floor, and the minimum is the estimate that other processes
-on a shared machine disturb least:
+`output_len` output tokens, and takes the medians (robust to one disturbed sample either
+way; on a machine shared with other work they track the speed the runs will actually get,
+where a best-of-N would describe an idle moment):
 
 - `prefill_ms` = client TTFT (router + prefill + transfer + first token, nothing queued);
 - `decode_ms` = client TPOT (one decode step per token at batch size 1).
@@ -14,6 +14,7 @@ on a shared machine disturb least:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from benchmarks.goodput.records import RequestSpec
 
 @dataclass(frozen=True)
 class Calibration:
-    """Unloaded best-of-N times and every sample (ms), and what was sent to get them."""
+    """Unloaded median times and every sample (ms), and what was sent to get them."""
 
     config: str
     prompt_len: int
@@ -78,8 +79,8 @@ async def calibrate(
         config=config,
         prompt_len=prompt_len,
         output_len=output_len,
-        prefill_ms=min(ttft),
-        decode_ms=min(tpot),
+        prefill_ms=statistics.median(ttft),
+        decode_ms=statistics.median(tpot),
         ttft_samples=ttft,
         tpot_samples=tpot,
     )

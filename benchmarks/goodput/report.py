@@ -162,13 +162,13 @@ def _setup(src: Source) -> list[str]:
         lines.append(
             f"- unloaded on `{calib['config']}` ({calib['prompt_len']} prompt tokens, "
             f"{calib['output_len']} output): TTFT {calib['prefill_ms']:.1f} ms, decode step "
-            f"{calib['decode_ms']:.1f} ms (best of {len(calib['ttft_samples'])}); SLO scales "
+            f"{calib['decode_ms']:.1f} ms (medians of {len(calib['ttft_samples'])}); SLO scales "
             f"TTFT x{cfg['ttft_scale']:g}, TPOT x{cfg['tpot_scale']:g} unless given in ms"
         )
     for name, u in m.get("unloaded", {}).items():
         lines.append(
             f"- unloaded `{name}`: TTFT {u['prefill_ms']:.1f} ms, TPOT {u['decode_ms']:.1f} ms "
-            f"(best of {len(u['ttft_samples'])}; samples TTFT "
+            f"(medians of {len(u['ttft_samples'])}; samples TTFT "
             f"{', '.join(f'{x:.0f}' for x in u['ttft_samples'])}, TPOT "
             f"{', '.join(f'{x:.1f}' for x in u['tpot_samples'])})"
         )
