@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.batch import add_batch_parser
 from deploy.bench_cli import add_bench_parser, add_report_parser
-from deploy.plan_cli import add_plan_parser, add_profile_parser
 from deploy.client import add_generate_parser
+from deploy.plan_cli import add_plan_parser, add_profile_parser
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
@@ -166,6 +166,10 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--torch-threads", type=int, help="torch threads per worker")
     p.add_argument("--ray-address", help="join this Ray cluster ('auto', 'ray://h:10001')")
     p.add_argument("--no-ray", action="store_true", help="workers as plain local processes")
+    p.add_argument(
+        "--redis-url",
+        help="shared prefix index in Redis (redis://host:port/db); default: in-memory",
+    )
     p.add_argument("--log-dir", help="worker logs with --no-ray (default: a temp folder)")
     p.set_defaults(func=up_main, default_log_level="INFO")
 
@@ -182,6 +186,8 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "workers.colocated": args.colocated,
         "router.port": args.port,
         "router.host": args.host,
+        "router.prefix_index.kind": "redis" if args.redis_url else None,
+        "router.prefix_index.url": args.redis_url,
         "torch_threads": args.torch_threads,
         "ray.address": args.ray_address,
         "launcher": "process" if args.no_ray else None,
