@@ -30,7 +30,7 @@ DEMO = {
     "tpot_scale": 3.0,
     "rel_rates": (0.15, 0.3, 0.6),
     "duration_s": 20.0,
-    "min_requests": 8,
+    "min_requests": 12,
     "bisect_steps": 1,
     "chunk_tokens": 256,
 }

@@ -103,6 +103,9 @@ def headline(src: Source, mgs: dict[str, MaxGoodput]) -> str:
             elif b.rate > 0:
                 bound = ">= " if d.lower_bound else "<= " if b.lower_bound else ""
                 ratios.append(f"disagg/{base} = {bound}{d.rate / b.rate:.2f}x")
+            elif d.rate > 0 and b.first_fail is not None:  # base's max < its first failing rate
+                ratios.append(f"disagg/{base} > {d.rate / b.first_fail:.2f}x ({base} met the "
+                              f"target at no tested rate)")  # fmt: skip
             else:
                 ratios.append(f"disagg/{base} = n/a ({base} met the target at no tested rate)")
     text = (
