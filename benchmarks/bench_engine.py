@@ -40,11 +40,16 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _weight_bytes(engine: LLMEngine) -> int:
     """Bytes of every weight a decode step reads (the embedding table is only gathered)."""
+    from model_runtime.linear import Linear
+
     model = engine.runner.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    return total
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    norms = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if name.endswith("layernorm.weight") or name == "norm.weight"
+    )
+    return sum(m.nbytes() for m in linears) + norms
 
 
 def _model_flops_per_token(cfg: ModelConfig, context: int) -> float:
@@ -109,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument(
+        "--linear-kernel", default="auto", choices=["auto", "torch", "onednn"],
+        help="the engine's GEMM (model_runtime.linear)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-torch-gemm-row", action="store_true",
+        help="skip the extra decode run of our engine on torch's F.linear (HF's GEMM), which "
+        "separates the GEMM's share of the speed-up from the engine's",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -129,8 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_blocks=tokens // 16 + 2 * max_b + 8,
         max_num_batched_tokens=max(max_b * args.prompt_len, 512),
         max_num_seqs=max_b,
+        linear_kernel=args.linear_kernel,
     )
     engine = LLMEngine.from_model_dir(args.model, config)
+    torch_gemm = None
+    if not args.no_torch_gemm_row and engine.runner.linear_kernel != "torch":
+        torch_gemm = LLMEngine.from_model_dir(
+            args.model, config.model_copy(update={"linear_kernel": "torch"})
+        )
     cfg = engine.model_config
     hf = None
     if not args.no_hf:
@@ -148,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         t_pre = bench_ours_prefill(engine, pre)
         say(f"batch {b}: decode ...")
         t_step = bench_ours_decode(engine, dec, args.decode_steps)
-        row: dict[str, Any] = {
-            "batch": b,
+        row: dict[str, Any] = {"batch": b}
+        if torch_gemm is not None:
+            say(f"batch {b}: decode on torch's GEMM ...")
+            t_torch = bench_ours_decode(torch_gemm, dec, args.decode_steps)
+            row["decode_tokens_per_s_torch_gemm"] = b / t_torch
+        row |= {
             "prefill_tokens_per_s": b * args.prompt_len / t_pre,
             "decode_tokens_per_s": b / t_step,
             "decode_step_ms": t_step * 1e3,
@@ -178,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "engine",
         "model": str(args.model),
-        "params": sum(p.numel() for p in engine.runner.model.parameters()),
+        "params": engine.runner.model.num_parameters(),
+        "linear_kernel": engine.runner.linear_kernel,
         "prompt_len": args.prompt_len,
         "decode_prompt_len": args.decode_prompt_len,
         "decode_steps": args.decode_steps,
@@ -201,7 +226,8 @@ def render_table(result: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} "
         f"threads; memory bandwidth {m['memory_bandwidth_gbs']:.1f} GB/s, fp32 matmul "
-        f"{m['matmul_gflops']:.0f} GFLOP/s (measured in this run).",
+        f"{m['matmul_gflops']:.0f} GFLOP/s (best of torch.mm {m['matmul_gflops_torch_mm']:.0f} "
+        f"and oneDNN {m['matmul_gflops_onednn']:.0f}; measured in this run).",
         "",
         "| batch | prefill tok/s | MFU | HF prefill tok/s | decode tok/s | step ms | MBU "
         "| HF decode tok/s | decode vs HF |",

@@ -304,6 +304,9 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--linear-kernel", choices=["auto", "torch", "onednn"], help="GEMM for weight matmuls"
+    )
     p.set_defaults(func=batch_main)
 
 
@@ -319,6 +322,7 @@ def batch_main(args: argparse.Namespace) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
+        "linear_kernel": args.linear_kernel,
     }
     fields: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if args.max_num_seqs is None and args.max_batch_tokens is not None:

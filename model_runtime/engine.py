@@ -132,6 +132,7 @@ class LLMEngine:
             device=config.device,
             dtype=config.dtype,
             attention_backend=config.attention_backend,
+            linear_kernel=config.linear_kernel,
         )
         return cls(runner, config, kv_event_listener)
 

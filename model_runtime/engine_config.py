@@ -45,6 +45,11 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         default="auto", description="'auto' = Triton on CUDA when importable, else torch."
     )
+    linear_kernel: Literal["auto", "torch", "onednn"] = Field(
+        default="auto",
+        description="GEMM behind the weight matmuls; 'auto' = oneDNN prepacked weights on CPU "
+        "(float32/bfloat16) where torch has oneDNN, else torch's F.linear.",
+    )
     device: str = Field(
         default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."
     )

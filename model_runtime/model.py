@@ -19,6 +19,7 @@ from torch import nn
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import ModelConfig, RopeScaling
 from model_runtime.kv_cache import KVCache
+from model_runtime.linear import Linear
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -82,13 +83,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         h = config.hidden_size
-        self.qkv_weight = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h))
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size))
-            if config.attention_bias
-            else None
-        )
-        self.o_weight = nn.Parameter(torch.empty(h, self.q_size))
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, h)
 
     def forward(
         self,
@@ -99,7 +95,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -107,19 +103,19 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = backend.forward(q, k, v.contiguous(), cache[0], cache[1], meta, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * self.inter, config.hidden_size))
-        self.down_weight = nn.Parameter(torch.empty(config.hidden_size, self.inter))
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter)
+        self.down_proj = Linear(self.inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -152,11 +148,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        )
+        # With tied embeddings the loader puts the embedding tensor in lm_head.weight as well.
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         cos, sin = rope_tables(config)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -181,6 +174,18 @@ class LlamaModel(nn.Module):
                 on_layer_done(idx)
         return self.norm(x)
 
+    def num_parameters(self) -> int:
+        """Parameter count as in the checkpoint, packed or not (a tied LM head counts once)."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
+                total += module.in_features * module.out_features
+                total += module.bias.numel() if module.bias is not None else 0
+            else:
+                total += sum(p.numel() for p in module.parameters(recurse=False))
+        return total
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return self.lm_head(hidden).float()

@@ -16,6 +16,7 @@ import torch
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata, get_backend
 from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache
+from model_runtime.linear import LinearKernel, pack_linears
 from model_runtime.model import LlamaModel
 from model_runtime.weights import load_model
 
@@ -55,8 +56,10 @@ class ModelRunner:
         model: LlamaModel,
         kv_cache: KVCache,
         backend: AttentionBackend,
+        linear_kernel: str = "torch",
     ) -> None:
         self.config = config
+        self.linear_kernel = linear_kernel  # as resolved by `pack_linears`
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -72,16 +75,23 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         dtype: str | None = None,
         attention_backend: str = "auto",
+        linear_kernel: LinearKernel = "auto",
     ) -> ModelRunner:
-        """Load config and weights from an HF folder and allocate `num_blocks` KV blocks."""
+        """Load config and weights from an HF folder and allocate `num_blocks` KV blocks.
+
+        `linear_kernel` picks the GEMM behind every weight matmul (`model_runtime.linear`):
+        'auto' packs weights for oneDNN on CPU where the build supports it.
+        """
         config = ModelConfig.from_model_dir(model_dir)
         device = torch.device(device)
         torch_dtype = resolve_dtype(dtype, config)
         model = load_model(model_dir, config, torch_dtype, device)
+        resolved = pack_linears(model, linear_kernel)
         kv_cache = KVCache(
             config, num_blocks, block_size, torch_dtype, device, model_name=Path(model_dir).name
         )
-        return cls(config, model, kv_cache, get_backend(attention_backend, device))
+        backend = get_backend(attention_backend, device)
+        return cls(config, model, kv_cache, backend, linear_kernel=resolved)
 
     def build_metadata(
         self, items: Sequence[StepInput]

@@ -3,7 +3,7 @@
 Runs in worker processes. Every expected tensor must be present with the expected shape; an
 unknown tensor, a missing one, a wrong shape or an unsupported dtype is a ValueError naming the
 tensor, what was expected and what was found. HF's separate q/k/v and gate/up projections are
-fused here into the model's `qkv_weight` / `gate_up_weight`.
+fused here into the model's `qkv_proj` / `gate_up_proj`.
 """
 
 from __future__ import annotations
@@ -122,23 +122,25 @@ def load_model(
 
     put(model.embed_tokens, w["model.embed_tokens.weight"])
     put(model.norm.weight, w["model.norm.weight"])
-    if model.lm_head is not None:
-        put(model.lm_head, w["lm_head.weight"])
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens  # one tensor, two uses
+    else:
+        put(model.lm_head.weight, w["lm_head.weight"])
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         put(
-            attn.qkv_weight,
+            attn.qkv_proj.weight,
             torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
         )
-        if attn.qkv_bias is not None:
-            put(attn.qkv_bias, torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-        put(attn.o_weight, w[p + "self_attn.o_proj.weight"])
+        if attn.qkv_proj.bias is not None:
+            put(attn.qkv_proj.bias, torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+        put(attn.o_proj.weight, w[p + "self_attn.o_proj.weight"])
         put(
-            mlp.gate_up_weight,
+            mlp.gate_up_proj.weight,
             torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
         )
-        put(mlp.down_weight, w[p + "mlp.down_proj.weight"])
+        put(mlp.down_proj.weight, w[p + "mlp.down_proj.weight"])
         put(layer.input_layernorm.weight, w[p + "input_layernorm.weight"])
         put(layer.post_attention_layernorm.weight, w[p + "post_attention_layernorm.weight"])
     model.requires_grad_(False)

@@ -1,8 +1,9 @@
 """Reference attention in plain torch: correct on any device, the oracle for the Triton kernels.
 
 Decode sequences (one new token each) are batched into one padded gather over their block
-tables; prefill sequences (several new tokens, possibly after a cached prefix or an earlier
-chunk) are handled one by one with an offset causal mask.
+tables and one masked `scaled_dot_product_attention`; prefill sequences (several new tokens,
+possibly after a cached prefix or an earlier chunk) are handled one by one with an offset
+causal mask.
 """
 
 from __future__ import annotations
@@ -24,19 +25,22 @@ def paged_decode_attention(
     """One query token per sequence attending over its first seq_lens[b] cached tokens."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    max_blocks = block_tables.shape[1]
+    max_len = block_tables.shape[1] * block_size
     bt = block_tables.long()
-    keys = key_cache[bt].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    values = value_cache[bt].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    qg = q.view(batch, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
-    positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [B, L]
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    # [B, max_len, kv_heads, D] -> [B, kv_heads, max_len, D] (a view: SDPA takes strides)
+    keys = key_cache[bt].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = value_cache[bt].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(max_len, device=q.device)
+    allowed = positions[None, :] < seq_lens.to(q.device).long()[:, None]  # [B, max_len]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        keys,
+        values,
+        attn_mask=allowed[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(2)
 
 
 def prefill_attention(

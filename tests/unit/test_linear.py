@@ -1,0 +1,93 @@
+"""`model_runtime.linear`: the packed oneDNN GEMM computes what F.linear computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_runtime.linear import Linear, onednn_supported, pack_linears, resolve_linear_kernel
+from model_runtime.model_runner import ModelRunner, StepInput
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    not onednn_supported(CPU, torch.float32), reason="torch build without oneDNN"
+)
+
+
+def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype) -> Linear:
+    torch.manual_seed(0)
+    layer = Linear(in_f, out_f, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(0, in_f**-0.5)
+        if layer.bias is not None:
+            layer.bias.normal_()
+    return layer.requires_grad_(False)
+
+
+@needs_onednn
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_matches_f_linear(dtype: torch.dtype, tol: float, bias: bool, rows: int) -> None:
+    layer = _linear(96, 160, bias, dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    expected = F.linear(x, layer.weight, layer.bias)
+    plain_bytes = layer.nbytes()
+    layer.pack()
+    assert layer.packed is not None and layer.weight.numel() == 0
+    assert layer.nbytes() == plain_bytes == 96 * 160 * x.element_size()
+    got = layer(x)
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_onednn
+def test_packed_accepts_leading_dims() -> None:
+    layer = _linear(32, 48, False, torch.float32)
+    x = torch.randn(3, 5, 32)
+    expected = F.linear(x, layer.weight)
+    layer.pack()
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_resolve_kernel() -> None:
+    assert resolve_linear_kernel("torch", CPU, torch.float32) == "torch"
+    assert resolve_linear_kernel("auto", CPU, torch.float16) == "torch"  # no fp16 oneDNN path
+    assert resolve_linear_kernel("auto", torch.device("meta"), torch.float32) == "torch"
+    with pytest.raises(ValueError, match="'auto', 'torch' or 'onednn', got 'mkl'"):
+        resolve_linear_kernel("mkl", CPU, torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"needs a CPU device.*float16"):
+        resolve_linear_kernel("onednn", CPU, torch.float16)
+
+
+@needs_onednn
+def test_pack_linears_is_idempotent_and_reports_kernel() -> None:
+    model = torch.nn.Sequential(_linear(8, 8, False, torch.float32))
+    assert pack_linears(model, "torch") == "torch" and model[0].packed is None
+    assert pack_linears(model, "auto") == "onednn"
+    packed = model[0].packed
+    assert pack_linears(model, "onednn") == "onednn" and model[0].packed is packed
+
+
+@needs_onednn
+def test_runner_logits_same_on_both_kernels(tiny_model_dir: Path) -> None:
+    """Whole-model check on the tiny preset: prefill + decode logits agree to float rounding,
+    and so do the greedy tokens (the fidelity tests run the default, packed, kernel)."""
+    runners = {
+        k: ModelRunner.from_model_dir(tiny_model_dir, 16, 16, linear_kernel=k)
+        for k in ("torch", "onednn")
+    }
+    assert [r.linear_kernel for r in runners.values()] == ["torch", "onednn"]
+    prompt = list(range(5, 45))
+    logits = {}
+    for kernel, runner in runners.items():
+        table = list(range(4))
+        rows = [runner.execute([StepInput(prompt, 0, table)])[0]]
+        rows.append(runner.execute([StepInput([7], len(prompt), table)])[0])
+        logits[kernel] = torch.stack(rows)
+    torch.testing.assert_close(logits["onednn"], logits["torch"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits["onednn"].argmax(-1), logits["torch"].argmax(-1))
+    assert runners["onednn"].model.num_parameters() == runners["torch"].model.num_parameters()
