@@ -17,6 +17,8 @@ sub-model per TOML table; every field is described and defaulted where a default
     [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6379/0"   (default: memory)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
     [transfer] timeout_s = 30  kv_host = "auto"
+    [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
+               (a `router.ratio` RatioConfig; default mode "fixed": the ratio never changes)
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
@@ -40,6 +42,7 @@ from model_runtime.engine_config import EngineConfig
 from router.config import RouterConfig
 from router.policy import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
+from router.ratio.config import RatioConfig
 
 Mode = Literal["disagg", "colocated"]
 Role = Literal["prefill", "decode", "colocated"]
@@ -163,6 +166,11 @@ class ClusterConfig(_Frozen):
     transfer: TransferSection = Field(
         default_factory=TransferSection, description="KV transfer between workers."
     )
+    ratio: RatioConfig = Field(
+        default_factory=RatioConfig,
+        description="Prefill:decode ratio controller run by the router (default mode 'fixed': "
+        "off). Its bounds must contain workers.prefill / workers.decode.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -204,6 +212,7 @@ class ClusterConfig(_Frozen):
             raise ValueError(
                 f"router.policy must be one of {sorted(POLICIES)}, got {self.router.policy!r}"
             )
+        self._check_ratio()
         r = self.ray
         if r.address and r.num_cpus is not None:
             raise ValueError(
@@ -228,6 +237,30 @@ class ClusterConfig(_Frozen):
                 f"ray.gpus_per_worker >= 1 (Ray hides GPUs from actors that reserve none)"
             )
         return self
+
+    def _check_ratio(self) -> None:
+        """`[ratio]` against the topology: disagg only, no scaling (no launcher implements a
+        `WorkerScaler` yet), and the starting counts inside the bounds."""
+        ratio, w = self.ratio, self.workers
+        if not ratio.enabled:
+            return
+        if self.mode != "disagg":
+            raise ValueError(
+                f"ratio.mode={ratio.mode!r} tunes prefill:decode workers; it needs mode "
+                f"'disagg', got mode={self.mode!r}"
+            )
+        if ratio.allow_scale_out or ratio.allow_scale_in:
+            raise ValueError(
+                "ratio.allow_scale_out / ratio.allow_scale_in: no launcher can add or remove "
+                f"workers yet (got allow_scale_out={ratio.allow_scale_out}, "
+                f"allow_scale_in={ratio.allow_scale_in}); the controller only switches roles"
+            )
+        try:
+            ratio.check_counts(w.prefill, w.decode)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (workers.prefill={w.prefill}, workers.decode={w.decode})"
+            ) from None
 
     # ------------------------------------------------------------------ derived values
 
@@ -267,6 +300,7 @@ class ClusterConfig(_Frozen):
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
+            "ratio": self.ratio,
         }
         return RouterConfig(**{**fields, **overrides})
 

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.config import ClusterConfig, Role, check_model_dir
 from router.config import RouterConfig
+from router.ratio.config import RatioConfig
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,10 @@ def router_argv(rc: RouterConfig) -> list[str]:
         argv += ["--model-name", rc.model_name]
     if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default
         argv += ["--redis-url", rc.prefix_index.url]
+    if rc.ratio.enabled:  # a relative decisions_path means this process's directory
+        path = rc.ratio.decisions_path
+        ratio = rc.ratio.model_copy(update={"decisions_path": path and path.resolve()})
+        argv += ["--ratio-json", ratio.model_dump_json()]
     return argv
 
 
@@ -360,8 +365,9 @@ class LocalCluster:
         return [r.process.pid for r in routers] + self.workers.pids()
 
     def add_router(self, **overrides: object) -> RouterProcess:
-        """Another router over the same workers (e.g. with a smaller queue); stopped with
-        the cluster."""
+        """Another router over the same workers (e.g. a smaller queue), stopped with the
+        cluster; no ratio controller unless `ratio=` is given (one controller per cluster)."""
+        overrides.setdefault("ratio", RatioConfig())
         rc = self.config.router_config(self.workers.addresses(), port=0, **overrides)
         r = launch_router_process(rc, self.workers.log_dir)
         self.extra_routers.append(r)

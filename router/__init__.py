@@ -22,5 +22,8 @@ Module map:
 - `textstream`  text deltas with stop-string matching
 - `errors`      `RouterError` (a request's final status) and worker-error mapping
 - `flow`        one request's worker calls (disagg and colocated) and cleanup aborts
-- `server`      the `Inference` servicer; `app` wires everything (`start_router`)
+- `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
+                driver task, the `SetRole` actuator); fed by `server`'s outcome hook
+- `server`      the `Inference` servicer; `app` wires everything (`start_router`, and the
+                ratio controller when `config.ratio.mode` is not 'fixed')
 """

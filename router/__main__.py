@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from router.app import start_router
 from router.config import RouterConfig
 from router.policy import POLICIES
+from router.ratio.config import RatioConfig
 
 
 def _addrs(values: list[str] | None) -> tuple[str, ...]:
@@ -46,6 +47,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
+    p.add_argument(
+        "--ratio-json",
+        default=None,
+        help="ratio controller settings as JSON (a RatioConfig, e.g. "
+        '\'{"mode": "advisory", "slo_ttft_ms": 500, "slo_tpot_ms": 50}\'); default: off',
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -67,6 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
             prefix_index=RouterConfig.prefix_index_from_url(args.redis_url),
+            ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
         )
     except ValidationError as exc:
         p.error(str(exc))

@@ -4,7 +4,16 @@ Start-up order: read the model's config and tokenizer (torch-free) -> register t
 workers and poll each once (so health is right from the first call) -> build the prefix index
 (in-memory, or Redis with `prefix_index.kind = "redis"`; no I/O yet: Redis being down only
 means load-only routing) and start one indexer per prefill/colocated worker -> start the
-grpc.aio server with the `Inference` service and the standard `grpc.health.v1.Health` service.
+grpc.aio server with the `Inference` service and the standard `grpc.health.v1.Health` service
+-> with `ratio.mode` 'adaptive' or 'advisory', start the ratio controller
+(`make_ratio_controller`).
+
+Ratio controller: one `RatioController` task on the router's loop (`handle.ratio`), fed every
+finished request by the `Inference` service (`server.OutcomeObserver`) and the pool's views.
+'adaptive' acts through a `PoolActuator` (Worker.SetRole) whose role-change callback keeps the
+indexers right: a worker that becomes prefill (or colocated) gets an indexer, one that stops
+being prefill loses it. 'advisory' gets no actuator at all: it records decisions, never calls
+SetRole. Decisions go to the log and, with `ratio.decisions_path`, to a JSONL file.
 
 Health: both the overall service ("") and `pdserve.v1.Inference` report SERVING while at least
 one usable route exists (disagg: a usable prefill *and* a usable decode worker; colocated: a
@@ -30,6 +39,8 @@ from router.policy import Role, WorkerView, make_policy
 from router.pool import WorkerPool
 from router.prefix_index.config import RedisIndexConfig, make_index
 from router.prefix_index.guard import GuardedPrefixIndex
+from router.ratio.actuator import PoolActuator
+from router.ratio.driver import RatioController
 from router.registry import InMemoryWorkerRegistry, WorkerRegistry
 from router.server import SERVICE_NAME, InferenceService
 from router.validation import ModelLimits
@@ -79,6 +90,7 @@ class RouterHandle:
     health: health.aio.HealthServicer
     prefix_index: GuardedPrefixIndex
     indexers: Indexers
+    ratio: RatioController | None = None  # None: ratio.mode 'fixed'
 
     @property
     def address(self) -> str:
@@ -86,8 +98,11 @@ class RouterHandle:
         return f"{self.config.host}:{self.port}"
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """NOT_SERVING, stop taking calls (in-flight ones get `grace_s`), send pending aborts,
+        """Stop the ratio controller (no role change starts from here on), NOT_SERVING, stop
+        taking calls (in-flight ones get `grace_s`), send pending aborts, stop the indexers,
         stop polling and close the worker channels."""
+        if self.ratio is not None:
+            await self.ratio.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
@@ -149,15 +164,16 @@ async def start_router(
     await pool.start()
     prefix_index = make_index(config.prefix_index)
     indexers = Indexers(prefix_index, config.prefix_index.heartbeat_s, config.prefix_index.ttl_s)
-    if kv_sources is None:
 
-        def kv_sources(addr: str) -> KVEventSource:
-            return GrpcKVEventSource(addr, lambda: pool.stub(addr))
+    def grpc_source(addr: str) -> KVEventSource:
+        return GrpcKVEventSource(addr, lambda: pool.stub(addr))
 
+    sources = kv_sources if kv_sources is not None else grpc_source
     for addr in (*config.prefill_addrs, *config.colocated_addrs):
-        indexers.add(addr, kv_sources(addr))
+        indexers.add(addr, sources(addr))
+    ratio = make_ratio_controller(config, pool, indexers, sources)
     policy = make_policy(config.policy, config.prefix_routing)
-    service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index)
+    service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index, ratio)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -170,6 +186,32 @@ async def start_router(
         raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
     await server.start()
     log.info("router listening on %s:%d (mode=%s)", config.host, port, config.mode)
+    if ratio is not None:
+        ratio.start()
     return RouterHandle(
-        config, port, server, pool, service, health_servicer, prefix_index, indexers
+        config, port, server, pool, service, health_servicer, prefix_index, indexers, ratio
     )
+
+
+def make_ratio_controller(
+    config: RouterConfig,
+    pool: WorkerPool,
+    indexers: Indexers,
+    sources: Callable[[str], KVEventSource],
+) -> RatioController | None:
+    """The (not yet started) ratio controller for `config.ratio`: None in mode 'fixed';
+    'advisory' without an actuator; 'adaptive' with a `PoolActuator` whose `on_role_change`
+    adds an indexer for a worker that became prefill/colocated and removes the indexer of one
+    that became anything else or left."""
+    if not config.ratio.enabled:
+        return None
+    if config.ratio.mode == "advisory":
+        return RatioController(config.ratio, pool)
+
+    async def on_role_change(address: str, role: Role | None) -> None:
+        if role in ("prefill", "colocated"):
+            indexers.add(address, sources(address))
+        else:
+            await indexers.remove(address)
+
+    return RatioController(config.ratio, pool, PoolActuator(pool, on_role_change=on_role_change))

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from router.policy import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
 from router.prefix_policy import PrefixRoutingConfig
+from router.ratio.config import RatioConfig
 
 Mode = Literal["disagg", "colocated"]
 
@@ -48,6 +49,12 @@ class RouterConfig(BaseModel):
     prefix_routing: PrefixRoutingConfig = Field(
         default_factory=PrefixRoutingConfig,
         description="Weights of the 'prefix_aware' policy.",
+    )
+    ratio: RatioConfig = Field(
+        default_factory=RatioConfig,
+        description="Prefill:decode ratio controller (`router.ratio`); default mode 'fixed' "
+        "(off). 'adaptive' / 'advisory' need mode 'disagg' and start with the configured "
+        "prefill/decode counts inside its bounds.",
     )
     prefill_addrs: tuple[str, ...] = Field(
         default=(), description="Prefill workers' host:port (disagg)."
@@ -117,6 +124,28 @@ class RouterConfig(BaseModel):
                 raise ValueError("mode 'colocated' needs colocated_addrs (>= 1)")
             if self.prefill_addrs or self.decode_addrs:
                 raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
+        return self
+
+    @model_validator(mode="after")
+    def _ratio(self) -> RouterConfig:
+        r = self.ratio
+        if not r.enabled:
+            return self
+        if self.mode != "disagg":
+            raise ValueError(
+                f"ratio.mode={r.mode!r} tunes prefill:decode workers; it needs mode 'disagg', "
+                f"got mode={self.mode!r}"
+            )
+        if r.allow_scale_out or r.allow_scale_in:
+            raise ValueError(
+                "ratio.allow_scale_out / ratio.allow_scale_in: the router has no launcher to "
+                f"add or remove workers (got allow_scale_out={r.allow_scale_out}, "
+                f"allow_scale_in={r.allow_scale_in}); it can only switch roles"
+            )
+        try:
+            r.check_counts(len(self.prefill_addrs), len(self.decode_addrs))
+        except ValueError as exc:
+            raise ValueError(f"prefill_addrs / decode_addrs: {exc}") from None
         return self
 
     @classmethod

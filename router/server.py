@@ -13,6 +13,13 @@
 Cleanup rule: whenever a request ends with workers still holding it (`RequestRun.holders`), an
 `Abort(request_id)` goes to each of them from a task owned by the service, not by the handler,
 so it still runs when the handler itself was cancelled.
+
+Outcome hook: every request that passed validation and ended with a status — OK or an error,
+a full queue and a passed deadline included; not a client cancel — is reported once to the
+optional `OutcomeObserver` (the ratio controller) with its TTFT, TPOT and end-to-end time as the
+router saw them (`request_outcome`). The hook runs after the worker cleanup is scheduled and
+before the status goes out; it is synchronous, and an exception it raises is logged, never sent
+to the client.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
@@ -48,6 +56,27 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.v1.Inference"
 
 
+class OutcomeObserver(Protocol):
+    """Told how each request ended (`router.ratio.RatioController` satisfies it). `observe`
+    must be cheap and non-blocking: it runs on the request's task."""
+
+    def observe(
+        self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float | None = None
+    ) -> None: ...
+
+
+def request_outcome(run: RequestRun, e2e_s: float) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) in seconds of a request that ended `e2e_s` after it arrived. TTFT: arrival
+    to the first token sent (None: no token was sent); TPOT: the time after the first token
+    divided by the tokens after it (None: fewer than two tokens)."""
+    if not run.timings.ttft_ms:
+        return None, None
+    ttft = run.timings.ttft_ms / 1e3
+    if run.completion_tokens < 2:
+        return ttft, None
+    return ttft, max(0.0, e2e_s - ttft) / (run.completion_tokens - 1)
+
+
 class InferenceService:
     """Handlers of the `Inference` service; register with `server.add_generic_rpc_handlers`."""
 
@@ -59,8 +88,10 @@ class InferenceService:
         pool: WorkerPool,
         policy: RoutingPolicy,
         prefix_index: GuardedPrefixIndex | None = None,
+        observer: OutcomeObserver | None = None,
     ) -> None:
         self._config = config
+        self._observer = observer
         self._tokenizer = tokenizer
         self._limits = limits
         self._pool = pool
@@ -157,8 +188,20 @@ class InferenceService:
             run.close()
             if run.holders:
                 self.abort_later(request_id, sorted(run.holders))
+        # Reached only when the handler was not cancelled (the client did not go away).
+        self._report(run, error is None, time.perf_counter() - t_arrival)
         if error is not None:
             await context.abort(error.code, error.message)
+
+    def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
+        """Tell the observer how `run` ended; never raises (a failing hook is logged)."""
+        if self._observer is None:
+            return
+        try:
+            ttft_s, tpot_s = request_outcome(run, e2e_s)
+            self._observer.observe(ttft_s, tpot_s, ok, e2e_s)
+        except Exception:
+            log.exception("outcome observer failed for request %s", run.request_id)
 
     async def _run_admitted(self, run: RequestRun) -> None:
         t0 = time.perf_counter()
