@@ -14,7 +14,7 @@ setup:  ## install pdserve, its test tools and redis-server (CPU torch 2.13.0 fi
 		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || \
 		echo "warning: could not install redis-server; Redis tests will skip"; }
 
-demo: setup  ## make the small random model if missing, run a batch through the engine
+demo: setup  ## make the small model if missing; goodput of disaggregated vs colocated (<10 min)
 	$(PYTHON) -m deploy.cli demo --model $(MODEL_DIR) --out $(RUN_DIR)
 
 up: setup  ## start a local 1 prefill + 1 decode cluster on the small model (Ctrl-C stops it)

@@ -28,10 +28,10 @@ DEMO = {
     "output_len": 24,
     "ttft_scale": 8.0,
     "tpot_scale": 3.0,
-    "rel_rates": (0.15, 0.3, 0.6),
+    "rel_rates": (0.3, 0.6, 1.2),
     "duration_s": 20.0,
     "min_requests": 12,
-    "bisect_steps": 1,
+    "bisect_steps": 2,
     "chunk_tokens": 256,
 }
 

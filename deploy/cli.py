@@ -5,7 +5,8 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
 
     pdserve make-model --preset tiny|small --out DIR [--seed N]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
-    pdserve demo [--model DIR] [--preset small] [--out RUN_DIR]   (what `make demo` runs)
+    pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: the goodput demo)
+    pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
     pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
                [--decode M] [--colocated K] [--port P] [--ray-address ADDR] [--no-ray]
     pdserve generate --addr HOST:PORT (--prompt TEXT | --token-ids 1,2,3) [sampling] [--json]
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.batch import add_batch_parser
-from deploy.bench_cli import add_bench_parser, add_report_parser
+from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_report_parser
 from deploy.client import add_generate_parser
 from deploy.plan_cli import add_plan_parser, add_profile_parser
 
@@ -72,10 +73,13 @@ def make_model_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_demo_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `demo`: make a random model if missing, then batch a few prompts through it."""
+def add_batch_demo_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Register `batch-demo`: make a random model if missing, then batch a few prompts through
+    the colocated engine (a quick check that a machine can run models; `demo` is the main job)."""
     p = subparsers.add_parser(
-        "demo",
+        "batch-demo",
         help="make a random model if missing and run a small batch through the engine",
         description="Build a random-weight model into --model unless it already holds one, "
         "write demo prompts to OUT/input.jsonl, run `pdserve batch` on them into "
@@ -83,10 +87,10 @@ def add_demo_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     p.add_argument("--model", default="models/small", help="model folder (default models/small)")
     p.add_argument("--preset", choices=["tiny", "small"], default="small")
-    p.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
+    p.add_argument("--out", default="runs/batch-demo", help="run folder (default runs/batch-demo)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.set_defaults(func=demo_main)
+    p.set_defaults(func=batch_demo_main)
 
 
 def demo_prompts(n: int, max_tokens: int) -> list[dict[str, object]]:
@@ -107,16 +111,16 @@ def demo_prompts(n: int, max_tokens: int) -> list[dict[str, object]]:
     return lines
 
 
-def demo_main(args: argparse.Namespace) -> int:
+def batch_demo_main(args: argparse.Namespace) -> int:
     from deploy.batch import run_batch
     from model_runtime.random_model import make_random_model
 
     model, out = Path(args.model), Path(args.out)
     if args.num_prompts < 1 or args.max_tokens < 1:
-        print("pdserve demo: --num-prompts and --max-tokens must be >= 1", file=sys.stderr)
+        print("pdserve batch-demo: --num-prompts and --max-tokens must be >= 1", file=sys.stderr)
         return 2
     if not (model / "config.json").is_file():
-        print(f"pdserve demo: building the {args.preset} random model in {model} ...")
+        print(f"pdserve batch-demo: building the {args.preset} random model in {model} ...")
         make_random_model(model, args.preset, seed=0)
     out.mkdir(parents=True, exist_ok=True)
     inp = out / "input.jsonl"
@@ -126,7 +130,7 @@ def demo_main(args: argparse.Namespace) -> int:
     try:
         summary = run_batch(model, inp, out / "output.jsonl")
     except ValueError as exc:
-        print(f"pdserve demo: {exc}", file=sys.stderr)
+        print(f"pdserve batch-demo: {exc}", file=sys.stderr)
         return 2
     results = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
     for r in results[:4]:
@@ -290,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_make_model_parser(sub)
     add_batch_parser(sub)
-    add_demo_parser(sub)
+    add_goodput_demo_parser(sub)
+    add_batch_demo_parser(sub)
     add_up_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)

@@ -204,7 +204,7 @@ def test_batch_greedy_matches_hf_transformers(tiny_model_dir: Path, tmp_path: Pa
 
 def test_demo_builds_a_model_then_runs_a_batch(tmp_path: Path) -> None:
     model, run = tmp_path / "model", tmp_path / "run"
-    argv = ["demo", "--model", str(model), "--preset", "tiny", "--out", str(run)]
+    argv = ["batch-demo", "--model", str(model), "--preset", "tiny", "--out", str(run)]
     assert main([*argv, "--num-prompts", "4", "--max-tokens", "3"]) == 0
     assert (model / "model.safetensors").is_file()
     results = [json.loads(x) for x in (run / "output.jsonl").read_text().splitlines()]

@@ -82,3 +82,13 @@ def test_compared_configurations_use_the_same_threads(name: str) -> None:
         assert cc.engine.max_num_batched_tokens >= 512
     else:
         assert cc.engine.max_num_batched_tokens == 128
+
+
+def test_pdserve_demo_is_the_goodput_demo() -> None:
+    """`pdserve demo` (the README's main command) runs the goodput comparison; the engine-only
+    batch demo moved to `batch-demo`."""
+    from deploy import bench_cli, cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["demo"]).func is bench_cli.demo_main
+    assert parser.parse_args(["batch-demo"]).func is cli.batch_demo_main
