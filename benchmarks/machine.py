@@ -31,6 +31,21 @@ class MachineInfo:
         """The larger of the two bandwidth measurements (the stricter denominator for MBU)."""
         return max(self.copy_bandwidth_gbs, self.read_bandwidth_gbs)
 
+    def best_of(self, other: MachineInfo) -> MachineInfo:
+        """Field-wise maximum of two measurements of the same machine (e.g. before and after a
+        workload): on a shared host either can land in a slow moment."""
+        return MachineInfo(
+            cpu_count=self.cpu_count,
+            torch_threads=self.torch_threads,
+            platform=self.platform,
+            torch_version=self.torch_version,
+            copy_bandwidth_gbs=max(self.copy_bandwidth_gbs, other.copy_bandwidth_gbs),
+            read_bandwidth_gbs=max(self.read_bandwidth_gbs, other.read_bandwidth_gbs),
+            matmul_gflops=max(self.matmul_gflops, other.matmul_gflops),
+            matmul_gflops_torch_mm=max(self.matmul_gflops_torch_mm, other.matmul_gflops_torch_mm),
+            matmul_gflops_onednn=max(self.matmul_gflops_onednn, other.matmul_gflops_onednn),
+        )
+
     def to_json(self) -> dict[str, object]:
         return asdict(self) | {"memory_bandwidth_gbs": self.memory_bandwidth_gbs}
 
