@@ -129,7 +129,7 @@ def _spawn(args: list[str], ready: str) -> tuple[subprocess.Popen[str], int]:
 
 
 async def _start_inproc(
-    colocated: bool, model_dir: Path, stack: contextlib.AsyncExitStack
+    colocated: bool, model_dir: Path, stack: contextlib.AsyncExitStack, token_delay_s: float
 ) -> tuple[str, list[str]]:
     """Fake workers and the router on this loop; returns (router address, worker addresses)."""
     from router.app import start_router
@@ -143,7 +143,7 @@ async def _start_inproc(
     roles = ["colocated"] if colocated else ["prefill", "decode"]
     addrs = []
     for role in roles:
-        w = FakeWorker(FakeWorkerConfig(role=role, total_blocks=4096))
+        w = FakeWorker(FakeWorkerConfig(role=role, total_blocks=4096, token_delay_s=token_delay_s))
         addrs.append(await w.start())
         stack.push_async_callback(w.stop)
     router = await start_router(_config(colocated, model_dir, addrs))
@@ -164,13 +164,14 @@ def _config(colocated: bool, model_dir: Path, addrs: list[str]) -> Any:
 
 
 def _start_procs(
-    colocated: bool, model_dir: Path, stack: contextlib.ExitStack
+    colocated: bool, model_dir: Path, stack: contextlib.ExitStack, token_delay_s: float
 ) -> tuple[str, list[str]]:
     """Fake workers and the router as processes; returns (router address, worker addresses)."""
     roles = ["colocated"] if colocated else ["prefill", "decode"]
     addrs = []
     for role in roles:
-        args = ["-m", "tests.fakes.fake_worker", "--role", role, "--total-blocks", "4096"]
+        args = ["-m", "tests.fakes.fake_worker", "--role", role, "--total-blocks", "4096",
+                "--token-delay-s", str(token_delay_s)]  # fmt: skip
         proc, port = _spawn(args, "fake-worker")
         stack.callback(_stop, proc)
         addrs.append(f"127.0.0.1:{port}")
@@ -212,13 +213,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     """Start the layout, run `warmup + requests` interleaved pairs, summarise."""
     colocated = args.mode == "colocated"
+    delay = args.token_delay_ms / 1e3
     res: dict[str, list[float]] = {k: [] for k in ("d_ttft", "d_e2e", "r_ttft", "r_e2e")}
     with contextlib.ExitStack() as procs:
         async with contextlib.AsyncExitStack() as stack:
             if args.layout == "inproc":
-                router_addr, addrs = await _start_inproc(colocated, model_dir, stack)
+                router_addr, addrs = await _start_inproc(colocated, model_dir, stack, delay)
             else:
-                router_addr, addrs = _start_procs(colocated, model_dir, procs)
+                router_addr, addrs = _start_procs(colocated, model_dir, procs, delay)
             opts = [("grpc.enable_http_proxy", 0)]
             chans = [grpc.aio.insecure_channel(a, options=opts) for a in [router_addr, *addrs]]
             for c in chans:
@@ -247,6 +249,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {
         "layout": args.layout,
         "mode": args.mode,
+        "token_delay_ms": args.token_delay_ms,
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
@@ -266,7 +269,8 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
 def _table(r: dict[str, Any]) -> str:
     lines = [
-        f"router overhead ({r['mode']}, layout {r['layout']}, {r['requests']} requests, "
+        f"router overhead ({r['mode']}, layout {r['layout']}, token delay "
+        f"{r['token_delay_ms']} ms, {r['requests']} requests, "
         f"{r['prompt_tokens']} prompt / {r['max_tokens']} output tokens), ms",
         f"{'metric':<6} {'q':<4} {'direct':>8} {'routed':>8} {'overhead':>9}",
     ]
@@ -289,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument(
+        "--token-delay-ms", type=float, default=0.0,
+        help="fake workers' time per token (0: back to back, the worst case for relaying; "
+        "a real decode step is 10-50 ms, during which the router relays the previous token)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here (else stdout)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
