@@ -165,8 +165,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
         dtype = x.dtype
-        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         backend.prepare(meta)
         for idx, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.layer(idx), meta, backend)
