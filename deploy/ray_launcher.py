@@ -44,7 +44,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.config import ClusterConfig, Role, check_model_dir
-from deploy.launcher import wait_serving
+from deploy.processes import wait_serving
 
 log = logging.getLogger(__name__)
 

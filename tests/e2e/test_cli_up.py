@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deploy.client import build_request, stream_generate
-from deploy.launcher import child_env, spawn, stop_processes, wait_for_lines
+from deploy.processes import child_env, spawn, stop_processes, wait_for_lines
 from tests.e2e.helpers import pid_alive, wait_until
 
 pytestmark = pytest.mark.slow

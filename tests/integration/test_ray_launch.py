@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray", reason="ray not installed")
 
 from deploy.client import build_request, stream_generate  # noqa: E402
 from deploy.config import ClusterConfig, load_cluster_config  # noqa: E402
-from deploy.launcher import (  # noqa: E402
+from deploy.processes import (  # noqa: E402
     child_env,
     spawn,
     stop_processes,
