@@ -103,10 +103,13 @@ def build_requests(job: LoadJob, vocab_size: int) -> list[inference_pb2.Generate
     return out
 
 
-async def _consume(
+async def consume_stream(
     call: Any, rec: RequestRecord, t_sent: float, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """Read one stream into `rec` (client timestamps relative to `t_sent`)."""
+    """Read one Generate stream into `rec`: tokens, inter-token gaps, TTFT/TPOT/e2e (client
+    clock, relative to `t_sent`), the final's usage, server timings and workers; a gRPC error
+    becomes `rec.status`/`rec.error`, a short OK stream INCOMPLETE. Shared by every load
+    generator (goodput bench, ratio harness)."""
     first = last = prev = None
     try:
         async for resp in call:
@@ -181,7 +184,7 @@ async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
                 prefix_group=spec.prefix_group,
             )
             records.append(rec)
-            task = asyncio.create_task(_consume(call, rec, t_sent, loop))
+            task = asyncio.create_task(consume_stream(call, rec, t_sent, loop))
             task.add_done_callback(lambda _t: bar.update(1))
             tasks.append(task)
         await asyncio.gather(*tasks)

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from benchmarks.goodput.analysis import SLO, attainment
-from benchmarks.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests
+from benchmarks.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests, consume_stream
 from benchmarks.goodput.records import RequestRecord, RequestSpec
 from benchmarks.planner.workload import Phase, phase_starts
 from proto.pdserve.v1 import inference_pb2_grpc
@@ -112,39 +112,6 @@ class Sidecar:
         assert self.roles() == want, (self.roles(), want)
 
 
-async def _consume(
-    call: Any,
-    rec: RequestRecord,
-    t_sent: float,
-    loop: asyncio.AbstractEventLoop,
-) -> None:
-    first = prev = last = None
-    try:
-        async for resp in call:
-            now = loop.time()
-            last = now
-            if resp.token_ids:
-                if first is None:
-                    first = now
-                else:
-                    rec.itl_ms.append((now - prev) * 1e3)  # type: ignore[operator]
-                prev = now
-                rec.num_tokens += len(resp.token_ids)
-            if resp.HasField("final"):
-                rec.finish_reason = resp.final.finish_reason
-                rec.prefill_worker = resp.final.prefill_worker
-                rec.decode_worker = resp.final.decode_worker
-    except grpc.aio.AioRpcError as exc:
-        rec.status, rec.error = exc.code().name, exc.details() or ""
-    if rec.status == "OK" and rec.num_tokens < rec.output_len:
-        rec.status, rec.error = "INCOMPLETE", f"{rec.num_tokens} of {rec.output_len} tokens"
-    if first is not None:
-        rec.ttft_ms = (first - t_sent) * 1e3
-        if rec.num_tokens > 1 and prev is not None and prev > first:
-            rec.tpot_ms = (prev - first) * 1e3 / (rec.num_tokens - 1)
-    rec.e2e_ms = ((last if last is not None else loop.time()) - t_sent) * 1e3
-
-
 async def send_all(
     address: str,
     specs: Sequence[RequestSpec],
@@ -169,7 +136,7 @@ async def send_all(
         t_sent = loop.time()
         rec.sent_s = t_sent - t0
         call = stubs[i % channels].Generate(reqs[i], timeout=timeout_s)
-        await _consume(call, rec, t_sent, loop)
+        await consume_stream(call, rec, t_sent, loop)
         if on_end is not None:
             on_end(rec)
 
