@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if torch_gemm is not None:
             bench_ours_decode(torch_gemm, dec, 2)
         if hf_pre is not None and hf_dec is not None:
-            hf_pre.generate_s(1), hf_dec.generate_s(steps + 1)
+            hf_pre.generate_s(1)
+            hf_dec.generate_s(steps + 1)
         t: dict[str, list[float]] = {}
         for rnd in range(REPEATS):
             say(f"batch {b}: round {rnd + 1}/{REPEATS} ...")

@@ -21,8 +21,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
+    allowed: torch.Tensor | None = None,  # [B, max_blocks * block_size] bool, if precomputed
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """One query token per sequence attending over its first seq_lens[b] cached tokens."""
+    """One query token per sequence attending over its first seq_lens[b] cached tokens.
+
+    `allowed` is `decode_mask(seq_lens, max_blocks * block_size)`; a caller that runs many
+    layers over the same sequences builds it once and passes it in."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     max_len = block_tables.shape[1] * block_size
@@ -32,8 +36,8 @@ def paged_decode_attention(
     keys = key_cache.index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
     values = value_cache.index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-    positions = torch.arange(max_len, device=q.device)
-    allowed = positions[None, :] < seq_lens.to(q.device).long()[:, None]  # [B, max_len]
+    if allowed is None:
+        allowed = decode_mask(seq_lens.to(q.device), max_len)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, H, 1, D]
         keys,
@@ -43,6 +47,12 @@ def paged_decode_attention(
         enable_gqa=num_heads != num_kv_heads,
     )
     return out.squeeze(2)
+
+
+def decode_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, max_len] bool: position p of sequence b is attended to iff p < seq_lens[b]."""
+    positions = torch.arange(max_len, device=seq_lens.device)
+    return positions[None, :] < seq_lens.long()[:, None]
 
 
 def prefill_attention(
@@ -87,6 +97,18 @@ class TorchAttentionBackend:
         idx = torch.as_tensor(meta.decode_indices, dtype=torch.long).to(meta.block_tables.device)
         self._decode_tables = meta.block_tables.index_select(0, idx)
         self._decode_lens = meta.seq_lens_tensor.index_select(0, idx)
+        # Longest decode context: the gather covers the decode rows' own blocks only, not the
+        # padding a long prefill in the same step puts into meta.block_tables.
+        self._decode_max_len = max((meta.seq_lens[i] for i in meta.decode_indices), default=0)
+        self._decode_mask: torch.Tensor | None = None  # built by the first layer's forward
+
+    def _decode_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables trimmed to the decode rows' longest context, its mask), once a step."""
+        if self._decode_mask is None:
+            blocks = -(-self._decode_max_len // block_size)
+            self._decode_tables = self._decode_tables[:, :blocks]
+            self._decode_mask = decode_mask(self._decode_lens, blocks * block_size)
+        return self._decode_tables, self._decode_mask
 
     def forward(
         self,
@@ -101,13 +123,15 @@ class TorchAttentionBackend:
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_indices:
+            tables, allowed = self._decode_inputs(key_cache.shape[1])
             out[self._decode_rows] = paged_decode_attention(
                 q.index_select(0, self._decode_rows),
                 key_cache,
                 value_cache,
-                self._decode_tables,
+                tables,
                 self._decode_lens,
                 scale,
+                allowed,
             )
         for i in meta.prefill_indices:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]

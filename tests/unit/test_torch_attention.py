@@ -1,0 +1,65 @@
+"""The torch backend on a mixed step: decode rows beside a long prefill give what each row's
+own single-sequence attention gives (the decode gather is trimmed to the decode rows' context
+and its mask is built once per step, not per layer)."""
+
+from __future__ import annotations
+
+import torch
+
+from model_runtime.attention.base import AttentionMetadata
+from model_runtime.attention.torch_ref import (
+    TorchAttentionBackend,
+    decode_mask,
+    paged_decode_attention,
+    prefill_attention,
+)
+
+BS, H, HKV, D = 4, 4, 2, 8
+
+
+def test_decode_mask() -> None:
+    mask = decode_mask(torch.tensor([1, 3]), 4)
+    assert mask.tolist() == [[True, False, False, False], [True, True, True, False]]
+
+
+def test_mixed_step_matches_per_sequence_reference() -> None:
+    torch.manual_seed(0)
+    kc, vc = torch.randn(32, BS, HKV, D), torch.randn(32, BS, HKV, D)
+    # Sequence 0: decode at context 5 (2 blocks); 1: a 20-token prefill (5 blocks, so
+    # meta.block_tables is 5 wide); 2: decode at context 3 (1 block).
+    tables = torch.tensor([[3, 7, 0, 0, 0], [10, 11, 12, 13, 14], [20, 0, 0, 0, 0]])
+    seq_lens, query_lens = [5, 20, 3], [1, 20, 1]
+    starts = [0, 1, 21, 22]
+    t = starts[-1]
+    q = torch.randn(t, H, D)
+    k, v = torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    slots = [tables[0, 4 // BS].item() * BS + 4 % BS]  # each new token's cache slot
+    slots += [tables[1, p // BS].item() * BS + p % BS for p in range(20)]
+    slots += [tables[2, 2 // BS].item() * BS + 2 % BS]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=starts,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        decode_indices=[0, 2],
+        prefill_indices=[1],
+    )
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.3)
+    assert backend._decode_tables.shape == (2, 2)  # trimmed from 5 blocks to the decodes' 2
+    for i in range(3):
+        lo, hi = starts[i], starts[i + 1]
+        want = prefill_attention(q[lo:hi], kc, vc, tables[i], seq_lens[i], 0.3)
+        torch.testing.assert_close(out[lo:hi], want, atol=1e-5, rtol=1e-5)
+    # A second layer of the same step reuses the trimmed tables and the mask.
+    mask = backend._decode_mask
+    backend.forward(q, k, v, kc, vc, meta, 0.3)
+    assert backend._decode_mask is mask
+    # The precomputed mask changes nothing against the function building its own.
+    rows = torch.tensor([starts[0], starts[2]])  # the decode rows' token positions
+    lens = torch.tensor([5, 3])
+    own = paged_decode_attention(q.index_select(0, rows), kc, vc, tables[[0, 2], :2], lens, 0.3)
+    torch.testing.assert_close(out.index_select(0, rows), own)
