@@ -12,7 +12,9 @@ one run:
 
 - transfer: the prompt's KV (already in the cache) pushed layer by layer, from ``open`` on the
   prefill side to the decode side's ``poll()`` reporting every layer written (the header, GO
-  handshake and the scatter into the paged cache are inside);
+  handshake and the scatter into the paged cache are inside). Source blocks are consecutive,
+  so each layer goes out straight from the cache (zero-copy); ``scattered`` repeats it with
+  the same blocks in reverse order, which forces the copy-out path (`KVCache.gather_layer`);
 - raw gloo: the same bytes (the prompt's layers, gathered beforehand) as the same number of
   messages, one per layer, over a bare 2-rank gloo group between the same processes, from the
   first send to the last receive — no gather, no scatter, no handshake;
@@ -34,6 +36,7 @@ import os
 import statistics
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +58,23 @@ def _decode_cache(model_dir: str, num_blocks: int) -> KVCache:
 
 
 def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
-    """The decode worker: issues tickets, polls its transport, and hosts the raw-gloo receiver."""
+    """The decode worker: issues tickets, polls its transport, and hosts the raw-gloo receiver.
+
+    Its loop waits like a decode engine's (`decode_worker.engine_thread`): for a command or the
+    transport's waker, at most 2 ms while a transfer is in flight, then polls the transport.
+    """
     cache = _decode_cache(model_dir, num_blocks)
     tr = TorchDistTransport(cache, "bench-d", connect_timeout_s=60.0)
+    wake_r, wake_w = os.pipe()
+    tr.set_waker(lambda: os.write(wake_w, b"."))
     conn.send(("ready", tr.endpoint.port))
     raw: rdv.PairGroup | None = None
     busy = False
     while True:
-        if conn.poll(0.0005 if busy else 0.01):
+        ready = mp_wait([conn, wake_r], 0.002 if busy else 0.01)
+        if wake_r in ready:
+            os.read(wake_r, 4096)  # drained before polling: a later wake is not lost
+        if conn in ready:
             cmd, arg = conn.recv()
             if cmd == "stop":
                 tr.close()
@@ -135,10 +147,14 @@ def _finish(p: TorchDistTransport, d: Decode, tid: str) -> float:
     return float(done["t"])
 
 
-def bench_transfer(p: TorchDistTransport, d: Decode, n_tokens: int) -> float:
+def bench_transfer(
+    p: TorchDistTransport, d: Decode, n_tokens: int, scattered: bool = False
+) -> float:
     """Seconds from open to the decode side holding every layer (KV already computed)."""
     ticket = d.ticket(n_tokens)
     src = list(range(ticket.num_blocks))
+    if scattered:
+        src.reverse()
     t0 = time.monotonic()
     p.open(ticket, src)
     for layer in range(ticket.layout.num_layers):
@@ -204,12 +220,13 @@ def measure_bandwidth(
     ids = list(range(blocks_needed(n, BLOCK)))
     layers = [cache.gather_layer(i, ids) for i in range(cache.num_layers)]  # the same bytes
     nbytes = sum(t.numel() * t.element_size() for t in layers)
-    xfer, rawt = [], []
+    xfer, rawt, scat = [], [], []
     for _ in range(reps):
         xfer.append(bench_transfer(p, d, n))
         rawt.append(bench_raw(raw, d, layers))
+        scat.append(bench_transfer(p, d, n, scattered=True))
     mem = min(bench_memcpy(nbytes) for _ in range(reps))
-    x, r = _stats(xfer), _stats(rawt)
+    x, r, sc = _stats(xfer), _stats(rawt), _stats(scat)
     return {
         "tokens": n,
         "bytes": nbytes,
@@ -221,6 +238,9 @@ def measure_bandwidth(
         "memcpy_gbs": nbytes / mem / 1e9,
         "vs_raw_gloo": r["min"] / x["min"],
         "vs_raw_gloo_median": r["median"] / x["median"],
+        "scattered_s": sc,
+        "scattered_vs_raw_gloo": r["min"] / sc["min"],
+        "scattered_vs_raw_gloo_median": r["median"] / sc["median"],
         "vs_memcpy": mem / x["min"],
     }
 
@@ -324,14 +344,15 @@ def _meets(bandwidth: list[dict[str, Any]], streaming: list[dict[str, Any]]) -> 
 def table(res: dict[str, Any]) -> str:
     lines = [
         "| tokens | MB | transfer ms best (median) | GB/s | raw gloo GB/s | vs raw best (median) "
-        "| memcpy GB/s | vs memcpy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scattered src: vs raw best (median) | memcpy GB/s | vs memcpy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for b in res["bandwidth"]:
         lines.append(
             f"| {b['tokens']} | {b['bytes'] / 1e6:.1f} | {b['transfer_s']['min'] * 1e3:.1f} "
             f"({b['transfer_s']['median'] * 1e3:.1f}) | {b['transfer_gbs']:.2f} | "
             f"{b['raw_gloo_gbs']:.2f} | {b['vs_raw_gloo']:.0%} ({b['vs_raw_gloo_median']:.0%}) | "
+            f"{b['scattered_vs_raw_gloo']:.0%} ({b['scattered_vs_raw_gloo_median']:.0%}) | "
             f"{b['memcpy_gbs']:.2f} | {b['vs_memcpy']:.1%} |"
         )
     lines += [

@@ -7,6 +7,7 @@ command) and read `snapshot` (an immutable object swapped each iteration). One i
 
 1. wait for commands — up to 50 ms when idle, 2 ms while KV transfers are in flight, not at
    all while the engine has work — and run every queued one (RPCs in, aborts, role changes);
+   the KV transport's waker ends the wait as soon as a transfer has news;
 2. `role.expire(now)`: deadlines and reservation lifetimes;
 3. one engine step if any request is unfinished (`role.before_forward` opens KV transfers,
    `role.on_outputs` delivers tokens);
@@ -73,6 +74,10 @@ class _Drain:
     aborted: bool = False
 
 
+def _nothing() -> None:
+    """The command the transport's waker enqueues: it only ends the wait."""
+
+
 class EngineThread:
     """Runs the loop in the module docstring on a daemon thread (`start`, `stop`)."""
 
@@ -90,6 +95,12 @@ class EngineThread:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.snapshot = self._make_snapshot()
+        ctx.transport.set_waker(self._wake)
+
+    def _wake(self) -> None:
+        """The transport has news (KV arrived, an ack, a failure): end the wait for commands
+        now rather than at the next poll tick."""
+        self._commands.put((_nothing, None))
 
     # ---- thread-safe API ---------------------------------------------------------------------
 

@@ -11,8 +11,9 @@ Life of one transfer (numbered as in docs/architecture.md):
    calls ``expect(ticket)``. The ticket travels to the prefill worker (router / gRPC).
 2. The prefill worker calls ``open(ticket, src_block_ids)`` before its forward pass, then
    ``send_layer(transfer_id, l)`` from the model runner's ``on_layer_done(l)`` callback for
-   l = 0 .. num_layers-1, in order, each exactly once. Each call copies layer l of the source
-   blocks out of the cache and sends it as one message (never one message per block; besides
+   l = 0 .. num_layers-1, in order, each exactly once. Each call sends layer l of the source
+   blocks as one message (straight from the cache when the blocks are consecutive, else a
+   copy) (never one message per block; besides
    the layers a transfer costs one small header and one acknowledgement), so the network
    overlaps the remaining layers' compute. Prefix-cached source blocks are sent like any
    other: what moves is exactly the prompt's KV, its first ``ticket.num_blocks`` blocks.
@@ -26,7 +27,8 @@ Ownership rules (every implementation keeps them; callers rely on them):
 
 - **Sender keeps its source blocks until the result is known.** From ``open`` until ``poll()``
   has returned this transfer's result, the source blocks are neither freed nor overwritten.
-  After the result (ok or not) the transport never reads them again.
+  After an ok result the transport never reads them again; after a failed one a send still
+  in flight may, but what it reads then never completes a transfer on the receiver.
 - **Receiver does not schedule the request until the transfer is complete.** The destination
   blocks hold valid KV only once ``poll()`` returned ``ok=True`` for the ticket; before that
   they may hold any mix of layers.
@@ -35,7 +37,9 @@ Ownership rules (every implementation keeps them; callers rely on them):
   deadline or cancel). The sender releases its source blocks when it sees the result, ok or
   not; the receiver frees its destination blocks when it sees a failed one (an ok one leaves
   them holding the request's KV). After ``cancel`` the result still arrives through
-  ``poll()`` (at the next call) and that is when blocks are freed. The transport itself never
+  ``poll()`` — at the next call, or, for a sender whose sends read straight from the cache,
+  once those sends are done (never later than the deadline) — and that is when blocks are
+  freed. The transport itself never
   frees anything: blocks belong to the worker's block pool. Each side's result is its own: a
   sender that cancels after its last layer left may see "cancelled" while the receiver
   completes, so the request's fate is decided on the decode side.
@@ -58,7 +62,7 @@ them — and never after ``poll()`` has reported the transfer's result.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from kvtransfer.types import (
@@ -109,11 +113,19 @@ class KVTransport(Protocol):
         ...
 
     def cancel(self, transfer_id: str) -> None:
-        """Either side: give up on a transfer; its failed result comes from the next poll()."""
+        """Either side: give up on a transfer; its failed result comes from a later poll() (the
+        next one, or once a zero-copy sender's sends are done; by the deadline at the latest)."""
         ...
 
     def poll(self) -> list[TransferResult]:
         """Advance transfers: write arrived layers, enforce deadlines, return finished results."""
+        ...
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """`waker` is called (from any thread, cheaply, never under the transport's locks in a
+        way that may block) whenever ``poll()`` may have a result it did not have before, so
+        an engine that waits for work can wake at once instead of polling on a timer. Polls
+        for deadlines are still the caller's job."""
         ...
 
     def close(self) -> None:

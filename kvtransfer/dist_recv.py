@@ -27,7 +27,7 @@ completion independent of how often the engine polls.
 from __future__ import annotations
 
 import logging
-import queue
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore, Work
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.staging import write_layer
+from kvtransfer.staging import StagingPool, write_layer
 from kvtransfer.types import (
     Code,
     LayoutMismatchError,
@@ -47,7 +47,15 @@ from kvtransfer.types import (
     check_layout,
     header_verdict,
 )
-from kvtransfer.wire import CLOSE_WAIT_S, Event, HelperThreads, control_tensor, remaining, td
+from kvtransfer.wire import (
+    CLOSE_WAIT_S,
+    Event,
+    EventQueue,
+    HelperThreads,
+    control_tensor,
+    remaining,
+    td,
+)
 from model_runtime.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -100,13 +108,12 @@ class Receiver:
         host: str,
         port: int,
         connect_timeout_s: float,
-        events: queue.SimpleQueue[Event],
+        events: EventQueue,
     ) -> None:
         self._worker_id = worker_id
         self._cache = cache
         self._layout = cache.layout
         self._device = cache.device
-        self._shape = (cache.block_size, cache.num_kv_heads, cache.head_dim)
         self._dtype = cache.dtype
         self._host = host
         self._backend = rdv.backend_for(cache.device)
@@ -124,6 +131,7 @@ class Receiver:
         self._live: dict[str, RecvTransfer] = {}
         self._stopped = False
         self._helpers = HelperThreads()
+        self._staging = StagingPool()
         self._thread = threading.Thread(
             target=self._control_loop, name=f"kvx-ctl-{worker_id}", daemon=True
         )
@@ -304,7 +312,7 @@ class Receiver:
         try:
             group = self._group(pair, deadline)
             scratch = torch.empty(
-                (2, n_blocks, *self._shape), dtype=self._dtype, device=self._device
+                self._cache.message_shape(n_blocks), dtype=self._dtype, device=self._device
             )
             for _ in range(self._layout.num_layers):
                 group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
@@ -315,19 +323,14 @@ class Receiver:
     def _post_receives(
         self, group: rdv.PairGroup, t: TransferTicket, tag: int
     ) -> tuple[list[torch.Tensor], list[Work]]:
-        """Staging tensors for every layer, each with its receive posted.
+        """Staging buffers (from the pool, flat) for every layer, each with its receive posted.
 
         All up front: gloo only moves a message once its receive is posted, so receiving a few
-        layers ahead would cost a round trip per layer. One tensor per layer, not one for all:
-        allocations past glibc's mmap threshold (32 MB) come fresh from the kernel and fault in
-        page by page.
+        layers ahead would cost a round trip per layer.
         """
-        shape = (2, t.num_blocks, *self._shape)
-        staging = [
-            torch.empty(shape, dtype=self._dtype, device=self._device)
-            for _ in range(t.layout.num_layers)
-        ]
-        return staging, [group.recv([buf], 1, tag) for buf in staging]
+        shape = self._cache.message_shape(t.num_blocks)
+        bufs = self._staging.take(math.prod(shape), self._dtype, self._device, t.layout.num_layers)
+        return bufs, [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
 
     def _run_transfer(
         self,
@@ -341,19 +344,25 @@ class Receiver:
         layers, dst = t.layout.num_layers, t.dst_block_ids[: t.num_blocks]
         try:
             group = self._group(pair, tr.deadline)
-            staging, works = posted or self._post_receives(group, t, tag)
+            bufs, works = posted or self._post_receives(group, t, tag)
+            shape = self._cache.message_shape(t.num_blocks)
             for i, work in enumerate(works):
                 work.wait(td(remaining(tr.deadline)))
                 if i == layers - 1 and self._sender_cancelled(tid, epoch):
                     self._events.put(Event("recv_failed", tid, epoch, error="cancelled by sender"))
                     break
                 with tr.lock:
+                    if time.monotonic() >= tr.deadline:
+                        # Never complete with bytes that arrived late: past the sender's own
+                        # deadline (later than ours) it may have reused the blocks it sends from.
+                        raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
                     if not tr.finished:
-                        write_layer(self._cache, i, dst, staging[i])
+                        write_layer(self._cache, i, dst, StagingPool.view(bufs[i], shape))
                         tr.layers_written += 1
             else:
-                nbytes = layers * staging[0].numel() * staging[0].element_size()
+                nbytes = layers * math.prod(shape) * bufs[0].element_size()
                 self._events.put(Event("recv_done", tid, epoch, nbytes=nbytes))
+            self._staging.give(bufs)  # every receive completed: nothing writes into them now
         except (RuntimeError, TimeoutError) as exc:
             self._events.put(
                 Event("recv_failed", tid, epoch, error=f"receive failed: {exc}", pair_broken=True)

@@ -6,10 +6,13 @@ check the receiver still serves the pair's generation (else re-join once and ann
 wait for each layer's send to complete, wait for the acknowledgement. Every wait is bounded by
 the transfer's deadline.
 
-The engine thread only gathers a layer out of its cache (`KVCache.gather_layer`, a copy) and
-posts it: with a non-blocking ``send`` once the transfer is announced, else into
-`SendTransfer.pending`, which the thread posts when it announces. Because layers are copied
-out when posted, nothing in flight refers to the cache's source blocks.
+The engine thread only picks a layer's data and posts it: with a non-blocking ``send`` once
+the transfer is announced, else into `SendTransfer.pending`, which the thread posts when it
+announces. The data is the cache itself when the source blocks are consecutive
+(`KVCache.layer_run`, a view: **zero-copy**), else a copy (`KVCache.gather_layer`). A send in
+flight may therefore read the source blocks until it completes; the thread sets
+`SendTransfer.sends_done` once no send it posted can read them any more, and the transport
+holds a cancelled transfer's result (so its blocks) until then (`kvtransfer.torch_dist`).
 
 `SendTransfer.cond` guards the fields the two threads share (pending, works, announced, the
 flags). With NCCL (no message tags) a pair carries one transfer at a time (`SendPair.serial`);
@@ -19,7 +22,6 @@ gloo multiplexes concurrent transfers on one pair by tag.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from kvtransfer.types import Code, PeerEndpoint, TransferError, TransferTicket
 from kvtransfer.wire import (
     CLOSE_WAIT_S,
     Event,
+    EventQueue,
     HelperThreads,
     empty_control,
     read_code,
@@ -85,6 +88,8 @@ class SendTransfer:
     post_error: str | None = None
     cancelled: bool = False
     pair: SendPair | None = None
+    sends_done: bool = False  # set by the thread past its sends (each done, or the pair failed)
+    zero_copy: bool = False  # engine thread only: some layer was sent straight from the cache
     next_layer: int = 0  # engine thread only
     nbytes: int = 0  # engine thread only
     finished: bool = False  # engine thread only
@@ -99,13 +104,13 @@ class Sender:
         cache: KVCache,
         host: str,
         connect_timeout_s: float,
-        events: queue.SimpleQueue[Event],
+        events: EventQueue,
     ) -> None:
         self._worker_id = worker_id
         self._layout = cache.layout
         self._device = cache.device
         self._dtype = cache.dtype
-        self._shape = (cache.block_size, cache.num_kv_heads, cache.head_dim)
+        self._message_shape = cache.message_shape
         self._host = host
         self._backend = rdv.backend_for(cache.device)
         self._serialize = self._backend == "nccl"
@@ -158,13 +163,16 @@ class Sender:
         try:
             self._send(tr)
         except TransferError as exc:
+            tr.sends_done = True
             self._events.put(Event("send_done", tid, epoch, error=str(exc)))
             return
         except (RuntimeError, TimeoutError) as exc:
+            tr.sends_done = True
             self._events.put(
                 Event("send_done", tid, epoch, error=f"send failed: {exc}", pair_broken=True)
             )
             return
+        tr.sends_done = True
         self._events.put(Event("send_done", tid, epoch))
 
     def _send(self, tr: SendTransfer) -> None:
@@ -268,6 +276,7 @@ class Sender:
             tr.pending.clear()
         for i in range(t.layout.num_layers):
             self._wait_layer(tr, pair, i).wait(td(remaining(deadline)))
+        tr.sends_done = True  # every send completed: the cache is not read any more
         ack = empty_control(self._device)
         group.recv([ack], 0, tag).wait(td(remaining(deadline)))
         code = read_code(ack)
@@ -293,7 +302,7 @@ class Sender:
         # checks the mark after the last layer arrives, never completes it.
         pair.connected()[0].set(rdv.cancel_key(tr.ticket.transfer_id, tr.ticket.epoch), "1")
         filler = torch.zeros(
-            (2, tr.ticket.num_blocks, *self._shape), dtype=self._dtype, device=self._device
+            self._message_shape(tr.ticket.num_blocks), dtype=self._dtype, device=self._device
         )
         with tr.cond:
             while len(tr.works) < tr.ticket.layout.num_layers and tr.post_error is None:

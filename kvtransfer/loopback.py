@@ -12,7 +12,7 @@ peer).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +81,7 @@ class LoopbackTransport:
         self._sends: dict[str, _Send] = {}
         self._recvs: dict[str, _Recv] = {}
         self._closed = False
+        self._waker: Callable[[], None] | None = None
         hub.join(self)
 
     @property
@@ -118,11 +119,20 @@ class LoopbackTransport:
         rec = self._recvs.get(transfer_id)
         if rec is not None and rec.ticket.epoch == epoch and rec.error is None:
             rec.inbox.append((layer, data))
+            self._wake()
 
     def _sender_gave_up(self, transfer_id: str, epoch: int, why: str) -> None:
         rec = self._recvs.get(transfer_id)
         if rec is not None and rec.ticket.epoch == epoch and rec.error is None:
             rec.error = why
+            self._wake()
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self._waker = waker
+
+    def _wake(self) -> None:
+        if self._waker is not None:
+            self._waker()
 
     # ---- sender side ------------------------------------------------------------------------
 
@@ -170,6 +180,7 @@ class LoopbackTransport:
             snd.acked = True
         else:
             snd.error = code.describe()
+        self._wake()
 
     # ---- both -------------------------------------------------------------------------------
 

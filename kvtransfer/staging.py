@@ -1,4 +1,9 @@
-"""How a receiving thread writes a layer into the destination blocks (decode workers).
+"""Where a receiving thread puts a layer, and how it writes it into the destination blocks
+(decode workers).
+
+`StagingPool` recycles the receive buffers: a fresh multi-megabyte allocation comes straight
+from the kernel and faults in page by page while gloo writes into it, which on this kind of
+host costs about as much as the copy into the cache.
 
 `write_layer` does what `KVCache.scatter_layer` does, but on CPU through a numpy fancy-index
 assignment over a same-width integer view of the cache: single-threaded, GIL-free and
@@ -11,6 +16,8 @@ and its freshly allocated result from torch's allocator is cheaper to send than 
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,14 +35,68 @@ def _as_int(t: torch.Tensor) -> npt.NDArray[np.generic]:
 
 
 def write_layer(cache: KVCache, layer: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
-    """Write a ``[2, len(block_ids), bs, H, D]`` layer into `block_ids` of `layer`."""
+    """Write a ``cache.message_shape(len(block_ids))`` layer into `block_ids` of `layer`."""
     if cache.device.type != "cpu":
         cache.scatter_layer(layer, block_ids, data)
         return
-    expected = (2, len(block_ids), cache.block_size, cache.num_kv_heads, cache.head_dim)
+    expected = cache.message_shape(len(block_ids))
     if tuple(data.shape) != expected or data.dtype != cache.dtype:
         raise ValueError(
             f"write_layer: got {tuple(data.shape)} {data.dtype}, want {expected} {cache.dtype}"
         )
     dst = _as_int(cache.kv[layer])
-    dst[:, np.asarray(block_ids, dtype=np.int64)] = _as_int(data.contiguous())
+    dst[np.asarray(block_ids, dtype=np.int64)] = _as_int(data.contiguous())
+
+
+STAGING_POOL_BYTES = 256 << 20  # receive buffers kept for reuse, per receiver
+
+
+class StagingPool:
+    """Receive buffers for reuse, in power-of-two sizes (thread-safe).
+
+    ``take`` hands out flat buffers (fresh ones when none of the size class is free);
+    ``view`` shapes one for a message; ``give`` returns buffers once no receive can still
+    write into them — a transfer that failed with receives outstanding drops its buffers
+    instead. At most `max_bytes` are kept; the rest go back to the allocator.
+    """
+
+    def __init__(self, max_bytes: int = STAGING_POOL_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._kept_bytes = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._kept_bytes
+
+    def take(
+        self, numel: int, dtype: torch.dtype, device: torch.device, count: int
+    ) -> list[torch.Tensor]:
+        """`count` flat buffers of at least `numel` elements each."""
+        size = 1 << max(math.ceil(math.log2(max(numel, 1))), 0)
+        key = (size, dtype, device)
+        out: list[torch.Tensor] = []
+        with self._lock:
+            free = self._free.get(key, [])
+            while free and len(out) < count:
+                buf = free.pop()
+                self._kept_bytes -= buf.numel() * buf.element_size()
+                out.append(buf)
+        while len(out) < count:
+            out.append(torch.empty(size, dtype=dtype, device=device))
+        return out
+
+    @staticmethod
+    def view(buf: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """The first ``prod(shape)`` elements of `buf`, shaped (contiguous, no copy)."""
+        return buf[: math.prod(shape)].view(tuple(shape))
+
+    def give(self, bufs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            for buf in bufs:
+                nbytes = buf.numel() * buf.element_size()
+                if self._kept_bytes + nbytes > self._max_bytes:
+                    continue
+                self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+                self._kept_bytes += nbytes

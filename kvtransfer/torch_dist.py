@@ -13,19 +13,27 @@ through a queue drained by ``poll()``; ``poll()`` writes arrived layers into the
 enforces each transfer's deadline by the clock (whatever the helper threads are stuck in), and
 on a failure that leaves the pair's connection in doubt drops the pair so the next use re-joins
 with a fresh group.
+
+Zero-copy sends: a layer whose source blocks are consecutive is sent straight from the cache
+(`KVCache.layer_run`), so a send still in flight after the sender's result could read blocks
+the prefill worker has already reused. Two rules keep that from ever reaching a decode cache:
+a cancelled zero-copy transfer reports its result only once its sends are done (or at its
+deadline), and a receiving thread never writes a layer after the ticket's deadline — which
+comes before the sender's (both count ``ticket.timeout_ms``, the sender from the later
+``open``), so bytes read after a sender's deadline never complete a transfer.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver, RecvTransfer
 from kvtransfer.dist_send import Sender, SendTransfer
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
-from kvtransfer.wire import Event
+from kvtransfer.wire import Event, EventQueue
 from model_runtime.kv_cache import KVCache, KVLayout
 
 
@@ -52,7 +60,7 @@ class TorchDistTransport:
         if connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be positive, got {connect_timeout_s}")
         self._cache = cache
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._events = EventQueue()
         self._receiver = (
             Receiver(worker_id, cache, host, port, connect_timeout_s, self._events)
             if serve
@@ -72,6 +80,9 @@ class TorchDistTransport:
     @property
     def layout(self) -> KVLayout:
         return self._cache.layout
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self._events.waker = waker
 
     def expect(self, ticket: TransferTicket) -> None:
         self._check_usable()
@@ -107,7 +118,11 @@ class TorchDistTransport:
         tr.next_layer += 1
         if tr.cancelled or tr.stop_posting:
             return
-        data = self._cache.gather_layer(layer, tr.src)
+        data = self._cache.layer_run(layer, tr.src)  # zero-copy when the blocks are a run
+        if data is None:
+            data = self._cache.gather_layer(layer, tr.src)
+        else:
+            tr.zero_copy = True
         tr.nbytes += data.numel() * data.element_size()
         self._sender.post_layer(tr, data)
 
@@ -163,7 +178,9 @@ class TorchDistTransport:
             if why or rcv.cancelled:
                 self._finish_recv(rcv, why or "cancelled by receiver", out)
         for snd in list(self._sends.values()):
-            if why or snd.cancelled:
+            # A cancelled zero-copy send may still be reading the source blocks: its result
+            # (which frees them) waits until the thread is past its sends or the deadline.
+            if why or (snd.cancelled and (snd.sends_done or not snd.zero_copy)):
                 self._finish_send(snd, why or "cancelled by sender", out)
 
     def _on_event(self, ev: Event, out: list[TransferResult]) -> None:
@@ -171,7 +188,8 @@ class TorchDistTransport:
             snd = self._sends.get(ev.transfer_id)
             if snd is None or snd.ticket.epoch != ev.epoch:
                 return  # already finished (deadline, cancel): its result went out then
-            self._finish_send(snd, ev.error, out)
+            error = ev.error or ("cancelled by sender" if snd.cancelled else None)
+            self._finish_send(snd, error, out)
             if ev.pair_broken and snd.pair is not None:
                 self._sender.drop_pair(snd.pair)
             return

@@ -5,7 +5,7 @@ Per transfer, on the pair's process group and the transfer's own tag::
 
     decode (rank 0)                         prefill (rank 1)
       <- control queue: xfer record -------   (TCPStore, not the group)
-      <- layer 0  [2, n, bs, H, D] --------   one message per layer, sent as each layer's
+      <- layer 0  [n, 2, bs, H, D] --------   one message per layer, sent as each layer's
       <- ...                                  forward finishes; no round trip before the
       <- layer L-1 ------------------------   first one (a refused transfer is drained)
       -- ack code [int64 x4] -------------->  OK, or why not (`kvtransfer.types.Code`)
@@ -16,6 +16,7 @@ Each side issues its operations in exactly this order, so the same sequence is v
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,25 @@ class Event:
     nbytes: int = 0
     error: str | None = None
     pair_broken: bool = False
+
+
+class EventQueue:
+    """Helper threads -> engine thread. ``put`` also calls the engine's waker (if set), so an
+    engine waiting for work wakes as soon as ``poll()`` has something to report."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.waker: Callable[[], None] | None = None
+
+    def put(self, event: Event) -> None:
+        self._queue.put(event)
+        waker = self.waker
+        if waker is not None:
+            waker()
+
+    def get_nowait(self) -> Event:
+        """The oldest event; `queue.Empty` when there is none."""
+        return self._queue.get_nowait()
 
 
 def control_tensor(code: Code | int, device: torch.device) -> torch.Tensor:

@@ -1,15 +1,22 @@
 """Paged KV cache storage for one worker process (owned by its engine thread).
 
-Layout — one tensor for the whole cache, so a layer's blocks are one strided view::
+Layout — one tensor for the whole cache, block-major within a layer::
 
-    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-                     ^ 0 = key, 1 = value
+    kv: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+                                 ^ 0 = key, 1 = value
+
+Block-major means one block's K and V of a layer sit side by side, so a run of consecutive
+block ids is one contiguous region of a layer: the KV transfer sends it as one message without
+copying it out first (`layer_run`). The attention backends see a layer as two strided views,
+key and value cache, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a block
+stride of ``2 * block_size * num_kv_heads * head_dim`` (`layer`).
 
 A token at position p of a sequence with block table `bt` lives in block `bt[p // block_size]`
 at offset `p % block_size`; its *slot* is `block_id * block_size + offset`.
 
 The KV transfer moves one layer of one request as a single contiguous tensor
-`[2, n_blocks, block_size, num_kv_heads, head_dim]` (`gather_layer` / `scatter_layer`).
+`[n_blocks, 2, block_size, num_kv_heads, head_dim]` (`message_shape`; `layer_run`,
+`gather_layer` / `scatter_layer`).
 Which blocks are free or cached is the `BlockPool`'s business, not this class's.
 """
 
@@ -68,7 +75,7 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv = torch.zeros(
-            (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim),
+            (self.num_layers, num_blocks, 2, block_size, self.num_kv_heads, self.head_dim),
             dtype=dtype,
             device=self.device,
         )
@@ -95,24 +102,39 @@ class KVCache:
         )
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) views of one layer, each [num_blocks, block_size, H, D]."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        """(key_cache, value_cache) views of one layer, each [num_blocks, block_size, H, D]
+        (strided: the block stride skips the other half of each block)."""
+        return self.kv[layer_idx, :, 0], self.kv[layer_idx, :, 1]
+
+    def message_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer of `num_blocks` blocks as the KV transfer moves it."""
+        return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def layer_run(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor | None:
+        """A view (no copy) of one layer's `block_ids` when they are consecutive ascending ids,
+        shaped `message_shape(len(block_ids))` and contiguous; None otherwise."""
+        if not block_ids:
+            return None
+        first = block_ids[0]
+        if any(b != first + i for i, b in enumerate(block_ids)):
+            return None
+        return self.kv[layer_idx, first : first + len(block_ids)]
 
     def gather_layer(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy one layer's blocks out: a new contiguous [2, len(block_ids), bs, H, D] tensor."""
+        """Copy one layer's blocks out: a new contiguous `message_shape(len(block_ids))` tensor."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        return self.kv[layer_idx].index_select(1, idx)
+        return self.kv[layer_idx].index_select(0, idx)
 
     def scatter_layer(self, layer_idx: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write a `gather_layer`-shaped tensor into this cache's `block_ids` of one layer."""
-        expected = (2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
+        expected = self.message_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"scatter_layer: got shape {tuple(data.shape)}, want {expected}")
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self.kv[layer_idx].index_copy_(1, idx, data.to(self.kv.device, self.kv.dtype))
+        self.kv[layer_idx].index_copy_(0, idx, data.to(self.kv.device, self.kv.dtype))
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy whole blocks (all layers) src[i] -> dst[i] inside this cache."""
         s = torch.as_tensor(list(src), dtype=torch.long, device=self.device)
         d = torch.as_tensor(list(dst), dtype=torch.long, device=self.device)
-        self.kv.index_copy_(2, d, self.kv.index_select(2, s))
+        self.kv.index_copy_(1, d, self.kv.index_select(1, s))

@@ -68,10 +68,38 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Store new tokens' K/V at their slots (slot = block_id * block_size + offset).
+
+    The caches may be strided over blocks (`KVCache.layer`: K and V halves interleave block by
+    block); within a block, rows must be contiguous.
+    """
+    rows = _slot_rows(key_cache, slot_mapping)
+    _token_rows(key_cache).index_copy_(0, rows, k)
+    _token_rows(value_cache).index_copy_(0, rows, v)
+
+
+def _token_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A [rows, H, D] view of a [num_blocks, bs, H, D] cache whose block stride is a multiple
+    m of the block's size: row ``b * m * bs + o`` is token offset o of block b."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    row = num_kv_heads * head_dim
+    if cache.stride()[1:] != (row, head_dim, 1) or cache.stride(0) % (block_size * row):
+        raise ValueError(f"cache rows must be contiguous within a block, got {cache.stride()}")
+    m = cache.stride(0) // (block_size * row)
+    return cache.as_strided(
+        ((num_blocks - 1) * m * block_size + block_size, num_kv_heads, head_dim),
+        (row, head_dim, 1),
+        cache.storage_offset(),
+    )
+
+
+def _slot_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The `_token_rows` row of each slot."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    m = cache.stride(0) // (block_size * num_kv_heads * head_dim)
+    if m == 1:
+        return slot_mapping
+    return slot_mapping + (slot_mapping // block_size) * ((m - 1) * block_size)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

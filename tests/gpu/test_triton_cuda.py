@@ -126,8 +126,8 @@ def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype) -> None:
         decode_indices=[i for i, (_, n) in enumerate(steps) if n == 1],
         prefill_indices=[i for i, (_, n) in enumerate(steps) if n != 1],
     )
-    # Two layers of one [L, 2, N, bs, H, D] tensor, like KVCache.layer() returns.
-    kv = torch.randn(2, 2, num_blocks, block_size, kv_heads, head_dim, device=CUDA).to(dtype)
+    # Two layers of one [L, N, 2, bs, H, D] tensor, like KVCache.layer() returns.
+    kv = torch.randn(2, num_blocks, 2, block_size, kv_heads, head_dim, device=CUDA).to(dtype)
     ref_kv = kv.clone()
     reference = TorchAttentionBackend()
     backend.prepare(meta)
@@ -136,8 +136,8 @@ def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype) -> None:
         q = torch.randn(qsl[-1], heads, head_dim, device=CUDA).to(dtype)
         qkv = torch.randn(qsl[-1], 2, kv_heads, head_dim, device=CUDA).to(dtype)
         k, v = qkv[:, 0], qkv[:, 1]
-        got = backend.forward(q, k, v, kv[layer, 0], kv[layer, 1], meta, head_dim**-0.5)
-        want = reference.forward(q, k, v, ref_kv[layer, 0], ref_kv[layer, 1], meta,
+        got = backend.forward(q, k, v, kv[layer, :, 0], kv[layer, :, 1], meta, head_dim**-0.5)
+        want = reference.forward(q, k, v, ref_kv[layer, :, 0], ref_kv[layer, :, 1], meta,
                                  head_dim**-0.5)  # fmt: skip
         assert torch.equal(kv[layer], ref_kv[layer]), f"layer {layer}: caches differ"
         assert_close(f"backend {dtype} layer {layer}", got, want, TOL[dtype])

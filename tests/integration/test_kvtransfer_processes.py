@@ -5,7 +5,9 @@ Each worker is a spawned process running `_worker_main`: a small engine loop tha
 and reports transfer results (with a SHA-256 of the KV it sent or received, so the test compares
 bytes without shipping tensors). Blocks are held by the rules of `kvtransfer.base`: the decode
 side from `expect` until the result, the prefill side from `open` until the result; the ledger's
-free count must come back to `BLOCKS` after any fault. Processes are stopped by PID.
+free count must come back to `BLOCKS` after any fault. A prefill worker scribbles over source
+blocks the moment it frees them, as a reused block would be, so a transfer that still read
+them after its result would show up as a wrong digest. Processes are stopped by PID.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ DEADLINE_S = 2.0  # the faulted transfer's deadline: the bound under test
 LONG = 30.0  # every other transfer's (joins may meet the sandbox's 5 s connect stalls)
 
 
-def _cache(seed: int | None) -> KVCache:
+def _cache(seed: int | None, head_dim: int = HEAD_DIM) -> KVCache:
     cfg = ModelConfig(
         architecture="llama",
         vocab_size=64,
@@ -51,7 +53,7 @@ def _cache(seed: int | None) -> KVCache:
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=HEADS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         rope_theta=1e4,
@@ -69,9 +71,10 @@ def _digest(cache: KVCache, blocks: list[int]) -> str:
     return h.hexdigest()
 
 
-def _worker_main(conn: Connection, role: str, worker_id: str, seed: int) -> None:
+def _worker_main(conn: Connection, role: str, worker_id: str, seed: int, head_dim: int) -> None:
     """One worker process: engine loop over commands, transport polls and layer pacing."""
-    cache = _cache(seed if role != "decode" else None)
+    cache = _cache(seed if role != "decode" else None, head_dim)
+    scribble = torch.Generator().manual_seed(seed + 1000)
     tr = TorchDistTransport(cache, worker_id, serve=role != "prefill", connect_timeout_s=LONG)
     held: Counter[int] = Counter()
     blocks: dict[str, list[int]] = {}  # transfer id -> blocks held for it
@@ -103,6 +106,10 @@ def _worker_main(conn: Connection, role: str, worker_id: str, seed: int) -> None
                 tr.open(ticket, arg["src"])
                 pacing[ticket.transfer_id] = [0, arg["interval_s"], time.monotonic()]
                 conn.send(("opened", {"digest": _digest(cache, arg["src"])}))
+            elif cmd == "cancel":
+                tr.cancel(arg["tid"])
+                pacing.pop(arg["tid"], None)
+                conn.send(("cancelled", {}))
         now = time.monotonic()
         for tid, pace in list(pacing.items()):
             if now >= pace[2]:
@@ -114,6 +121,9 @@ def _worker_main(conn: Connection, role: str, worker_id: str, seed: int) -> None
             mine = blocks.pop(res.transfer_id)
             digest = _digest(cache, mine) if res.ok and res.role == "recv" else None
             held.subtract(mine)  # the request finishes (ok) or is abandoned: free once
+            if res.role == "send":  # freed source blocks get reused: scribble over them
+                for b in (b for b in mine if held[b] == 0):
+                    cache.kv[:, b].copy_(torch.randn(cache.kv[:, b].shape, generator=scribble))
             pacing.pop(res.transfer_id, None)
             conn.send(
                 (
@@ -132,14 +142,14 @@ def _worker_main(conn: Connection, role: str, worker_id: str, seed: int) -> None
 class Peer:
     """The test's handle on one worker process."""
 
-    def __init__(self, role: str, worker_id: str, seed: int = 0) -> None:
+    def __init__(self, role: str, worker_id: str, seed: int = 0, head_dim: int = HEAD_DIM) -> None:
         """`role`: "prefill" (sends), "decode" (receives) or "both" (a worker that does both,
         as after a role switch)."""
         ctx = mp.get_context("forkserver")
         self.role, self.worker_id = role, worker_id
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_worker_main, args=(child, role, worker_id, seed), daemon=True
+            target=_worker_main, args=(child, role, worker_id, seed, head_dim), daemon=True
         )
         self.proc.start()
         self.results: list[dict[str, Any]] = []
@@ -292,3 +302,49 @@ def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int
     tid, digest = start_transfer(d, p, 5 * BLOCK + 1, [40, 41, 42, 43, 44, 45])
     check_exact(d, p, tid, digest)
     assert_all_free(d, p)
+
+
+BIG_HEAD_DIM = 4096  # 256 KB per block and layer: a 48-block layer overflows socket buffers
+
+
+def test_cancelled_zero_copy_send_holds_its_blocks_until_its_sends_are_done():
+    """Consecutive source blocks go out straight from the cache. Cancelled while its sends
+    are stuck (the receiver is frozen), the sender reports the result — which frees, and here
+    scribbles over, the blocks — only once the sends are done or at the deadline; and the
+    receiver never completes a transfer with bytes read after that."""
+    d = Peer("decode", "bd", head_dim=BIG_HEAD_DIM)
+    p = Peer("prefill", "bp", seed=3, head_dim=BIG_HEAD_DIM)
+    try:
+        d.wait_ready()
+        p.wait_ready()
+        tid, digest = start_transfer(d, p, 2 * BLOCK, [0, 1])
+        check_exact(d, p, tid, digest)  # the pair is established
+        ticket = d.call("expect", "ticket", num_tokens=48 * BLOCK, timeout_s=DEADLINE_S)
+        d.signal(signal.SIGSTOP)
+        try:
+            p.call("open", "opened", ticket=ticket, src=list(range(48)), interval_s=0.0)
+            time.sleep(0.2)  # every layer handed over; the sends are stuck
+            p.call("cancel", "cancelled", tid=ticket["transfer_id"])
+            cancelled = time.monotonic()
+            with pytest.raises(TimeoutError):
+                p.result(ticket["transfer_id"], 0.5)
+            res = p.result(ticket["transfer_id"], DEADLINE_S + 5.0)
+            assert not res["ok"] and time.monotonic() - cancelled <= DEADLINE_S + 1.0, res
+        finally:
+            d.signal(signal.SIGCONT)
+        assert not d.result(ticket["transfer_id"], DEADLINE_S + 5.0)["ok"]
+        assert_all_free(d, p)
+        # Cancelled right after its last layer, on a live pair: the receiver either fails it
+        # or holds exactly the blocks' content at open (never the scribble).
+        for _ in range(3):
+            tid, digest = start_transfer(d, p, 48 * BLOCK, list(range(8, 56)))
+            p.call("cancel", "cancelled", tid=tid)
+            got_p, got_d = p.result(tid, LONG), d.result(tid, LONG)
+            assert not got_p["ok"], got_p
+            assert not got_d["ok"] or got_d["digest"] == digest, got_d
+        tid, digest = start_transfer(d, p, 48 * BLOCK, list(range(8, 56)))
+        check_exact(d, p, tid, digest)
+        assert_all_free(d, p)
+    finally:
+        d.stop()
+        p.stop()

@@ -144,7 +144,7 @@ def test_control_tensor_codes():
 def test_write_layer_matches_scatter_layer_bit_for_bit(dtype: torch.dtype):
     cfg = tiny_config()
     a, b = KVCache(cfg, 10, 4, dtype), KVCache(cfg, 10, 4, dtype)
-    data = torch.randn((2, 3, 4, 2, 8), generator=torch.Generator().manual_seed(0)).to(dtype)
+    data = torch.randn((3, 2, 4, 2, 8), generator=torch.Generator().manual_seed(0)).to(dtype)
     ids = [7, 2, 5]
     a.scatter_layer(1, ids, data)
     write_layer(b, 1, ids, data)

@@ -75,9 +75,9 @@ def random_caches(
     num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer view of a KVCache-shaped tensor (so the caches are strided like the real ones)."""
-    kv = torch.randn(2, 2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    kv = torch.randn(2, num_blocks, 2, block_size, kv_heads, head_dim, device=DEVICE)
     kv = kv.to(dtype)
-    return kv[1, 0], kv[1, 1]
+    return kv[1, :, 0], kv[1, :, 1]
 
 
 def random_tables(seq_lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
