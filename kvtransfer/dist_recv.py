@@ -329,7 +329,8 @@ class Receiver:
         layers ahead would cost a round trip per layer.
         """
         shape = self._cache.message_shape(t.num_blocks)
-        bufs = self._staging.take(math.prod(shape), self._dtype, self._device, t.layout.num_layers)
+        n, layers = math.prod(shape), t.layout.num_layers
+        bufs = self._staging.take_many(n, self._dtype, self._device, layers)
         return bufs, [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
 
     def _run_transfer(

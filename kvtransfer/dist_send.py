@@ -9,7 +9,10 @@ the transfer's deadline.
 The engine thread only picks a layer's data and posts it: with a non-blocking ``send`` once
 the transfer is announced, else into `SendTransfer.pending`, which the thread posts when it
 announces. The data is the cache itself when the source blocks are consecutive
-(`KVCache.layer_run`, a view: **zero-copy**), else a copy (`KVCache.gather_layer`). A send in
+(`KVCache.layer_run`, a view: **zero-copy**), else a copy (`kvtransfer.staging.read_layer`) into a
+buffer from the sender's `StagingPool` — reused memory: a fresh multi-megabyte buffer faults
+in page by page, which costs more than the copy. Buffers go back to the pool once every send of
+the transfer completed (dropped if one failed: gloo may still read them). A send in
 flight may therefore read the source blocks until it completes; the thread sets
 `SendTransfer.sends_done` once no send it posted can read them any more, and the transport
 holds a cancelled transfer's result (so its blocks) until then (`kvtransfer.torch_dist`).
@@ -30,6 +33,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore, Work
 
 from kvtransfer import rendezvous as rdv
+from kvtransfer.staging import StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferError, TransferTicket
 from kvtransfer.wire import (
     CLOSE_WAIT_S,
@@ -81,6 +85,8 @@ class SendTransfer:
     pending: list[torch.Tensor] = field(default_factory=list)  # gathered before announcing
     works: list[Work] = field(default_factory=list)  # posted sends, in layer order
     keep: list[torch.Tensor] = field(default_factory=list)  # their buffers, kept alive
+    pooled: list[torch.Tensor] = field(default_factory=list)  # copies' buffers, from the pool
+    sends_completed: bool = False  # every send completed without error (thread only)
     announced: bool = False
     group: rdv.PairGroup | None = None
     tag: int = 0
@@ -111,6 +117,7 @@ class Sender:
         self._device = cache.device
         self._dtype = cache.dtype
         self._message_shape = cache.message_shape
+        self.staging = StagingPool()
         self._host = host
         self._backend = rdv.backend_for(cache.device)
         self._serialize = self._backend == "nccl"
@@ -163,17 +170,20 @@ class Sender:
         try:
             self._send(tr)
         except TransferError as exc:
-            tr.sends_done = True
-            self._events.put(Event("send_done", tid, epoch, error=str(exc)))
-            return
+            event = Event("send_done", tid, epoch, error=str(exc))
         except (RuntimeError, TimeoutError) as exc:
-            tr.sends_done = True
-            self._events.put(
-                Event("send_done", tid, epoch, error=f"send failed: {exc}", pair_broken=True)
-            )
-            return
+            event = Event("send_done", tid, epoch, error=f"send failed: {exc}", pair_broken=True)
+        else:
+            event = Event("send_done", tid, epoch)
         tr.sends_done = True
-        self._events.put(Event("send_done", tid, epoch))
+        self._recycle(tr)
+        self._events.put(event)
+
+    def _recycle(self, tr: SendTransfer) -> None:
+        """Return the transfer's copy buffers to the pool when no send can read them now."""
+        if tr.sends_completed and tr.pooled:
+            self.staging.give(tr.pooled)
+        tr.pooled = []
 
     def _send(self, tr: SendTransfer) -> None:
         """Connect if needed and run the exchange; re-join once if the receiver had dropped a
@@ -276,7 +286,7 @@ class Sender:
             tr.pending.clear()
         for i in range(t.layout.num_layers):
             self._wait_layer(tr, pair, i).wait(td(remaining(deadline)))
-        tr.sends_done = True  # every send completed: the cache is not read any more
+        tr.sends_done = tr.sends_completed = True  # the cache is not read any more
         ack = empty_control(self._device)
         group.recv([ack], 0, tag).wait(td(remaining(deadline)))
         code = read_code(ack)

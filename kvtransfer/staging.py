@@ -1,17 +1,18 @@
-"""Where a receiving thread puts a layer, and how it writes it into the destination blocks
-(decode workers).
+"""The KV transport's copies between the paged cache and message buffers, and the buffers.
 
-`StagingPool` recycles the receive buffers: a fresh multi-megabyte allocation comes straight
-from the kernel and faults in page by page while gloo writes into it, which on this kind of
-host costs about as much as the copy into the cache.
+Runs in both kinds of worker: a prefill worker copies a layer of scattered source blocks out
+(`read_layer`; consecutive blocks are sent as a view of the cache, no copy), a decode worker's
+receiving thread writes an arrived layer into the destination blocks (`write_layer`).
 
-`write_layer` does what `KVCache.scatter_layer` does, but on CPU through a numpy fancy-index
-assignment over a same-width integer view of the cache: single-threaded, GIL-free and
-bit-exact for every dtype. Torch's 2-thread ``index_copy_`` stalls on the second OpenMP thread
-on a busy 2-core host (~5 ms per 4 MB against ~0.1 ms here), and a helper thread should not fan
-out an OpenMP team that competes with the engine's own anyway. Other devices use
-`KVCache.scatter_layer`. (The sender keeps `KVCache.gather_layer`: it runs on the engine thread,
-and its freshly allocated result from torch's allocator is cheaper to send than a numpy one.)
+Both copy on CPU through numpy (``take`` / fancy-index assignment over a same-width integer
+view of the cache): single-threaded, GIL-free and bit-exact for every dtype. Torch's 2-thread
+``index_select`` / ``index_copy_`` stall on the second OpenMP thread on a busy 2-core host (~5
+ms per 4 MB against ~0.1 ms here) — and during a transfer the other core is busy with gloo.
+Other devices use `KVCache.gather_layer` / `KVCache.scatter_layer`.
+
+`StagingPool` recycles the message buffers: a fresh multi-megabyte allocation comes straight
+from the kernel and faults in page by page while it is first written, which on this kind of
+host costs more than the copy itself.
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ def _as_int(t: torch.Tensor) -> npt.NDArray[np.generic]:
     return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy()
 
 
+def read_layer(
+    cache: KVCache, layer: int, block_ids: Sequence[int], out: torch.Tensor
+) -> torch.Tensor:
+    """Copy `block_ids` of `layer` into `out` (``cache.message_shape(len(block_ids))``,
+    contiguous); returns `out`. The sending side's `write_layer`: on CPU a single-threaded
+    numpy ``take`` (the copy runs beside gloo's threads; torch's 2-thread ``index_select``
+    stalls there), elsewhere `KVCache.gather_layer`."""
+    if cache.device.type != "cpu":
+        return cache.gather_layer(layer, block_ids, out=out)
+    expected = cache.message_shape(len(block_ids))
+    if tuple(out.shape) != expected or out.dtype != cache.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"read_layer: out is {tuple(out.shape)} {out.dtype}, want contiguous {expected} "
+            f"{cache.dtype}"
+        )
+    idx = np.asarray(block_ids, dtype=np.int64)
+    np.take(_as_int(cache.kv[layer]), idx, axis=0, out=_as_int(out))
+    return out
+
+
 def write_layer(cache: KVCache, layer: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
     """Write a ``cache.message_shape(len(block_ids))`` layer into `block_ids` of `layer`."""
     if cache.device.type != "cpu":
@@ -48,13 +69,13 @@ def write_layer(cache: KVCache, layer: int, block_ids: Sequence[int], data: torc
     dst[np.asarray(block_ids, dtype=np.int64)] = _as_int(data.contiguous())
 
 
-STAGING_POOL_BYTES = 256 << 20  # receive buffers kept for reuse, per receiver
+STAGING_POOL_BYTES = 256 << 20  # bytes kept for reuse per pool (a sender's, a receiver's)
 
 
 class StagingPool:
     """Receive buffers for reuse, in power-of-two sizes (thread-safe).
 
-    ``take`` hands out flat buffers (fresh ones when none of the size class is free);
+    ``take`` / ``take_many`` hand out flat buffers (fresh ones when none of the size class is free);
     ``view`` shapes one for a message; ``give`` returns buffers once no receive can still
     write into them — a transfer that failed with receives outstanding drops its buffers
     instead. At most `max_bytes` are kept; the rest go back to the allocator.
@@ -70,7 +91,11 @@ class StagingPool:
     def kept_bytes(self) -> int:
         return self._kept_bytes
 
-    def take(
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements."""
+        return self.take_many(numel, dtype, device, 1)[0]
+
+    def take_many(
         self, numel: int, dtype: torch.dtype, device: torch.device, count: int
     ) -> list[torch.Tensor]:
         """`count` flat buffers of at least `numel` elements each."""

@@ -25,6 +25,7 @@ comes before the sender's (both count ``ticket.timeout_ms``, the sender from the
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver, RecvTransfer
 from kvtransfer.dist_send import Sender, SendTransfer
+from kvtransfer.staging import StagingPool, read_layer
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
 from kvtransfer.wire import Event, EventQueue
 from model_runtime.kv_cache import KVCache, KVLayout
@@ -120,7 +122,10 @@ class TorchDistTransport:
             return
         data = self._cache.layer_run(layer, tr.src)  # zero-copy when the blocks are a run
         if data is None:
-            data = self._cache.gather_layer(layer, tr.src)
+            shape = self._cache.message_shape(len(tr.src))
+            buf = self._sender.staging.take(math.prod(shape), self._cache.dtype, self._cache.device)
+            data = read_layer(self._cache, layer, tr.src, StagingPool.view(buf, shape))
+            tr.pooled.append(buf)
         else:
             tr.zero_copy = True
         tr.nbytes += data.numel() * data.element_size()

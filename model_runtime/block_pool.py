@@ -135,6 +135,7 @@ class BlockPool:
             block_id, _ = self._evictable.popitem(last=False)
             evicted.append(self._unregister(block_id))
             out.append(block_id)
+        out.sort()  # ascending: a run of consecutive ids is sent zero-copy by the KV transfer
         for block_id in out:
             assert self._ref[block_id] == 0, (block_id, self._ref[block_id])
             self._ref[block_id] = 1

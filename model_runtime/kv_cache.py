@@ -120,10 +120,15 @@ class KVCache:
             return None
         return self.kv[layer_idx, first : first + len(block_ids)]
 
-    def gather_layer(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy one layer's blocks out: a new contiguous `message_shape(len(block_ids))` tensor."""
+    def gather_layer(
+        self, layer_idx: int, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Copy one layer's blocks out into `out` (contiguous, `message_shape(len(block_ids))`)
+        or a new tensor; returns it."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        return self.kv[layer_idx].index_select(0, idx)
+        if out is None:
+            return self.kv[layer_idx].index_select(0, idx)
+        return torch.index_select(self.kv[layer_idx], 0, idx, out=out)
 
     def scatter_layer(self, layer_idx: int, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Write a `gather_layer`-shaped tensor into this cache's `block_ids` of one layer."""

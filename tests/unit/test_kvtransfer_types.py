@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.staging import write_layer
+from kvtransfer.staging import StagingPool, read_layer, write_layer
 from kvtransfer.types import (
     Code,
     LayoutMismatchError,
@@ -184,3 +184,31 @@ def test_config_picks_the_implementation_by_kind():
     t = make_transport(LoopbackConfig(), cache, "w0", hub=LoopbackHub())
     assert isinstance(t, LoopbackTransport) and t.endpoint.worker_id == "w0"
     t.close()
+
+
+def test_staging_pool_reuses_buffers_by_size_class_and_keeps_at_most_its_cap():
+    pool = StagingPool(max_bytes=3 * 1024 * 4)
+    a, b = pool.take_many(1000, torch.float32, torch.device("cpu"), 2)
+    assert a.numel() == b.numel() == 1024  # the power-of-two class above 1000
+    view = StagingPool.view(a, (10, 10, 10))
+    assert view.shape == (10, 10, 10) and view.data_ptr() == a.data_ptr()
+    pool.give([a, b])
+    assert pool.kept_bytes == 2 * 1024 * 4
+    again = pool.take(600, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() in (a.data_ptr(), b.data_ptr())  # reused, not fresh
+    assert pool.take(600, torch.int64, torch.device("cpu")).dtype == torch.int64  # other class
+    extra = pool.take_many(1024, torch.float32, torch.device("cpu"), 3)
+    pool.give([again, *extra])
+    assert pool.kept_bytes == 3 * 1024 * 4  # the cap: the fourth buffer was dropped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_read_layer_matches_gather_layer_bit_for_bit(dtype: torch.dtype):
+    cache = KVCache(tiny_config(), 10, 4, dtype)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
+    ids = [7, 2, 5]
+    out = torch.empty(cache.message_shape(3), dtype=dtype)
+    assert read_layer(cache, 1, ids, out) is out
+    assert torch.equal(out.view(torch.uint8), cache.gather_layer(1, ids).view(torch.uint8))
+    with pytest.raises(ValueError, match="read_layer"):
+        read_layer(cache, 1, ids[:2], out)
