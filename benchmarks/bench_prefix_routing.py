@@ -104,6 +104,17 @@ def oracle_hit_rate(reqs: list[tuple[int, list[int]]]) -> float:
     return cached / total
 
 
+# Server-side parts of TTFT (`Timings` in the final message), averaged per policy.
+TTFT_PARTS = (
+    "router_queue_ms",
+    "prefill_queue_ms",
+    "prefill_compute_ms",
+    "kv_transfer_ms",
+    "decode_admission_ms",
+    "first_decode_step_ms",
+)
+
+
 async def one(stub: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
     req = ipb.GenerateRequest(
         token_ids=ipb.TokenIds(ids=ids),
@@ -120,6 +131,7 @@ async def one(stub: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
     assert final is not None
     return {
         "ttft_ms": ttft * 1e3,
+        "parts": {f: getattr(final.timings, f) for f in TTFT_PARTS},
         "cached": final.usage.cached_tokens,
         "prompt": final.usage.prompt_tokens,
         "prefill_worker": final.prefill_worker,
@@ -191,7 +203,8 @@ def start_workers(model: Path, args: Any) -> list[Any]:
     def argv(role: str, wid: str, blocks: int) -> list[str]:
         engine = json.dumps({"block_size": BLOCK, "num_kv_blocks": blocks})
         return ["--model", str(model), "--role", role, "--worker-id", wid, "--torch-threads",
-                "1", "--engine-json", engine, "--log-level", "WARNING"]  # fmt: skip
+                "1", "--nice", str(args.worker_nice), "--engine-json", engine,
+                "--log-level", "WARNING"]  # fmt: skip
 
     in_flight = max(args.concurrency, 32 if args.rate > 0 else 0)
     decode_blocks = 2 * in_flight * (args.prefix + args.suffix + args.max_tokens) // BLOCK
@@ -274,6 +287,10 @@ async def run_policy(
         / max(1, sum(r["prompt"] for r in results.values())),
         "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else float("nan"),
         "ttft_p90_ms": quantile(ttfts, 0.9),
+        "ttft_parts_mean_ms": {
+            f: statistics.fmean([r["parts"][f] for r in results.values()] or [float("nan")])
+            for f in TTFT_PARTS
+        },
         "workers_per_group_mean": statistics.fmean([len(s) for s in per_group.values()] or [0]),
         "lookup_in_run_p50_ms": quantile(in_run, 0.5),
         "lookup_in_run_p99_ms": quantile(in_run, 0.99),
@@ -333,6 +350,12 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['lookup_idle_p50_ms']:>8.3f}/{r['lookup_idle_p99_ms']:.3f}ms",
             file=out,
         )
+    print("mean TTFT parts (server side), ms:", file=out)
+    for r in report["runs"]:
+        parts = " ".join(
+            f"{k.removesuffix('_ms')}={v:.1f}" for k, v in r["ttft_parts_mean_ms"].items()
+        )
+        print(f"  {r['policy']:<14}{parts}", file=out)
     print("(medians over repeats; TTFT ratio per back-to-back pair)", file=out)
     for key in (
         "hit_rate_vs_oracle",
@@ -366,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prefill-blocks", type=int, default=384, help="KV blocks per worker")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="workers' niceness (0-19); above 0 the router (this process) and Redis go first",
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternating")
     p.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
     p.add_argument("--out", help="write the JSON report here (default: stdout)")

@@ -7,6 +7,7 @@ sub-model per TOML table; every field is described and defaulted where a default
     mode = "disagg"               # or "colocated"
     launcher = "ray"              # or "process" (plain subprocesses, `--no-ray`)
     torch_threads = 1             # torch intra-op threads per worker process
+    worker_nice = 0               # workers' niceness (0-19): router/Redis first on shared CPUs
 
     [workers]                     # counts; unset ones default from `mode`
     prefill = 1
@@ -153,6 +154,13 @@ class ClusterConfig(_Frozen):
         default_factory=WorkerCounts, description="Worker processes per role."
     )
     torch_threads: int = Field(default=1, ge=1, description="torch threads per worker process.")
+    worker_nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="Niceness of every worker process: above 0, the router and Redis sharing "
+        "their CPUs get them first (worker compute yields on wake-ups).",
+    )
     worker_host: str = Field(
         default="auto",
         description="Interface workers bind and advertise; 'auto' = 127.0.0.1, or the node IP "

@@ -68,6 +68,8 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         str(config.transfer.timeout_s),
         "--torch-threads",
         str(config.torch_threads),
+        "--nice",
+        str(config.worker_nice),
         "--engine-json",
         config.engine.model_dump_json(),
     ]

@@ -210,6 +210,7 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
         host=host,
         port=0,
         torch_threads=config.torch_threads,
+        nice=config.worker_nice,
         transfer_timeout_s=config.transfer.timeout_s,
         kv_host=kv_host,
     )

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
+import os
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -18,6 +21,8 @@ from deploy.cli import build_parser, up_overrides
 from deploy.client import build_request
 from deploy.config import ClusterConfig, check_model_dir, load_cluster_config
 from deploy.launcher import router_argv, worker_argv
+from deploy.worker import lower_priority
+from deploy.worker import parse_args as parse_worker_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.toml"))
@@ -120,6 +125,7 @@ def test_cli_flags_override_the_file(tmp_path: Path) -> None:
         ({"model": "m", "mode": "colocated", "workers": {"colocated": 0}}, ["workers.colocated"]),
         ({"model": "m", "mode": "colocated", "workers": {"prefill": 1}}, ["workers.prefill"]),
         ({"model": "m", "torch_threads": 0}, ["torch_threads"]),
+        ({"model": "m", "worker_nice": 20}, ["worker_nice"]),
         ({"model": "m", "router": {"port": 70000}}, ["router.port"]),
         ({"model": "m", "router": {"policy": "random"}}, ["router.policy"]),
         ({"model": "m", "router": {"max_inflight": 0}}, ["router.max_inflight"]),
@@ -182,6 +188,12 @@ def test_router_config_and_command_lines() -> None:
     assert argv[argv.index("--redis-url") + 1] == redis["url"]
     wargv = worker_argv(c, "decode-0", "decode")
     assert wargv[wargv.index("--role") + 1] == "decode"
+    assert wargv[wargv.index("--nice") + 1] == "0"
+    niced = load_cluster_config(None, {"model": "m", "worker_nice": 7})
+    wargv = worker_argv(niced, "decode-0", "decode")
+    assert wargv[wargv.index("--nice") + 1] == "7"
+    cli = wargv[wargv.index("deploy.worker") + 1 :]
+    assert parse_worker_args(cli)[0].nice == 7
     assert json.loads(wargv[wargv.index("--engine-json") + 1]) == c.engine.model_dump(mode="json")
 
 
@@ -234,3 +246,19 @@ def test_kuberay_manifest() -> None:
     toml = docs["ConfigMap"]["data"]["cluster.toml"]  # type: ignore[index]
     c = ClusterConfig.model_validate(tomllib.loads(toml))
     assert (c.ray.address, c.router.port) == ("auto", 50051)
+
+
+def _niceness_after(nice: int, queue: Any) -> None:
+    queue.put(lower_priority(nice))
+
+
+def test_lower_priority_raises_niceness_and_never_lowers_it() -> None:
+    """In a child process: raising niceness cannot be undone without privileges."""
+    ctx = multiprocessing.get_context("spawn")
+    for nice, want in ((5, 5), (0, 0)):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_niceness_after, args=(nice, queue))
+        proc.start()
+        got = queue.get(timeout=60)
+        proc.join(30)
+        assert got == max(want, os.getpriority(os.PRIO_PROCESS, 0)), (nice, got)
