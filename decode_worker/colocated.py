@@ -51,7 +51,7 @@ class ColocatedRole(Role):
             self.engine.add_request(rid, list(request.prompt_token_ids), params)
         except ValueError as exc:
             raise self.invalid(exc) from exc
-        self._jobs[rid] = _Job(sink, self.deadline(timeout_s), time.monotonic())
+        self._jobs[rid] = _Job(sink, self.deadline(timeout_s), sink.created)
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         now = time.monotonic()

@@ -183,7 +183,7 @@ class DecodeRole(Role):
         now = time.monotonic()
         deadline = now + timeout_s if timeout_s else self.deadline(None)
         prompt = list(req.prompt_token_ids)
-        res.decode = _DecodeCall(sink, deadline, now, prompt, req.first_token, params)
+        res.decode = _DecodeCall(sink, deadline, sink.created, prompt, req.first_token, params)
         res.expires = math.inf  # the Decode deadline governs from now on
         if res.state == "ready":
             self._admit(res)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ class UnarySink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.created = time.monotonic()  # the RPC's arrival, before any engine-queue wait
         self._future: asyncio.Future[Any] = loop.create_future()
         self.closed = False  # engine-thread view: an answer was given
 
@@ -78,6 +80,7 @@ class StreamSink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.created = time.monotonic()  # the RPC's arrival, before any engine-queue wait
         self._queue: asyncio.Queue[worker_pb2.TokenChunk | WorkerError] = asyncio.Queue()
         self.closed = False
         self.num_chunks = 0  # chunks put so far (engine-thread view)

@@ -28,7 +28,9 @@ The request id is free again at once: inside the engine a job runs under its own
 (``<request id>#<n>``), so a router retrying the same request here never collides with a
 cancelled predecessor whose blocks are still held.
 
-Timings: queue_ms = arrival until the request's first step; compute_ms = first step start
+Timings: queue_ms = the RPC's arrival (its sink's creation, on the gRPC loop) until the
+request's first step — so it includes the wait for the engine thread to finish its current
+step; compute_ms = first step start
 until the end of the step that sampled the first token (chunked prefill included);
 transfer_ms = that end until the transfer's result was known.
 """
@@ -124,7 +126,8 @@ class PrefillRole(Role):
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except ValueError as exc:
             raise self.invalid(ValueError(f"request {rid!r}: {exc}")) from exc
-        job = _Job(rid, engine_id, sink, ticket, params, self.deadline(timeout_s), time.monotonic())
+        arrival = sink.created  # queue_ms includes the wait for the engine thread's next turn
+        job = _Job(rid, engine_id, sink, ticket, params, self.deadline(timeout_s), arrival)
         self._jobs[rid] = self._by_engine[engine_id] = job
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
