@@ -42,7 +42,8 @@ Ownership rules (every implementation keeps them; callers rely on them):
   freed. The transport itself never
   frees anything: blocks belong to the worker's block pool. Each side's result is its own: a
   sender that cancels after its last layer left may see "cancelled" while the receiver
-  completes, so the request's fate is decided on the decode side.
+  completes, and a receiver that cancels after its last layer landed may fail the transfer
+  while the sender sees ok — the request's fate is decided on the decode side.
 
 Deadlines and liveness: every transfer has its own deadline (``ticket.timeout_ms``, counted by
 each side from ``expect`` / ``open``). A dead (SIGKILL) or frozen (SIGSTOP) peer makes the

@@ -6,10 +6,12 @@ Threads:
   records (layout check, then a builder thread makes the pair's process group) and ``xfer``
   headers, checked against the live tickets (`header_verdict`);
 - one **transfer thread** per announced transfer. Accepted: it posts a receive per layer into
-  a staging tensor and, as each layer lands, writes it straight into the ticket's destination
-  blocks (`kvtransfer.staging.write_layer`), then waits for the engine's verdict and sends
-  it to the sender as the acknowledgement. Rejected (unknown ticket, stale epoch, ...): it
-  drains the layers the sender streams anyway and acknowledges with the reject code.
+  a staging buffer and, as each layer lands, writes it straight into the ticket's destination
+  blocks (`kvtransfer.staging.write_layer`), then acknowledges: OK as soon as every layer is
+  written (before the deadline, not cancelled) — without waiting for the engine thread, which
+  may be in the middle of a step — else the engine's verdict once it has one. Rejected
+  (unknown ticket, stale epoch, ...): it drains the layers the sender streams anyway and
+  acknowledges with the reject code.
 
 Every wait is bounded by the transfer's deadline; a gloo wait that times out closes the pair's
 connection, which is what makes the other side fail too.
@@ -145,7 +147,7 @@ class Receiver:
 
     def finish(self, tr: RecvTransfer, code: Code) -> None:
         """Record the engine's verdict; no write into the blocks follows. The transfer thread
-        acknowledges the verdict to the sender."""
+        acknowledges it to the sender, unless it already acknowledged a complete transfer."""
         with self._lock:
             if self._live.get(tr.ticket.transfer_id) is tr:
                 del self._live[tr.ticket.transfer_id]
@@ -340,7 +342,7 @@ class Receiver:
         tag: int,
         posted: tuple[list[torch.Tensor], list[Work]] | None,
     ) -> None:
-        """Receive and write the layers in order, then acknowledge the engine's verdict."""
+        """Receive and write the layers in order, then acknowledge (see the module docstring)."""
         tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
         layers, dst = t.layout.num_layers, t.dst_block_ids[: t.num_blocks]
         try:
@@ -369,9 +371,16 @@ class Receiver:
                 Event("recv_failed", tid, epoch, error=f"receive failed: {exc}", pair_broken=True)
             )
             return
-        # The engine decides (complete, or deadline / cancel); tell the sender.
-        decided = tr.decided.wait(remaining(tr.deadline) + ACK_TIMEOUT_S)
-        code = tr.final_code if decided else Code.RECEIVER_FAILED
+        with tr.lock:
+            complete = not tr.finished and tr.layers_written == layers
+        if complete:
+            # Every layer is in the blocks, before the deadline: that is what OK means, so the
+            # sender hears it now, not after this worker's engine finishes its current step.
+            # (Should the engine still cancel, the request's fate is decided on this side.)
+            code = Code.OK
+        else:  # the engine decided (deadline, cancel); tell the sender why
+            decided = tr.decided.wait(remaining(tr.deadline) + ACK_TIMEOUT_S)
+            code = tr.final_code if decided else Code.RECEIVER_FAILED
         try:
             group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
         except RuntimeError as exc:
