@@ -111,6 +111,7 @@ class Receiver:
         port: int,
         connect_timeout_s: float,
         events: EventQueue,
+        staging: StagingPool,
     ) -> None:
         self._worker_id = worker_id
         self._cache = cache
@@ -133,7 +134,7 @@ class Receiver:
         self._live: dict[str, RecvTransfer] = {}
         self._stopped = False
         self._helpers = HelperThreads()
-        self._staging = StagingPool()
+        self._staging = staging
         self._thread = threading.Thread(
             target=self._control_loop, name=f"kvx-ctl-{worker_id}", daemon=True
         )

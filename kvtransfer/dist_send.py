@@ -111,13 +111,14 @@ class Sender:
         host: str,
         connect_timeout_s: float,
         events: EventQueue,
+        staging: StagingPool,
     ) -> None:
         self._worker_id = worker_id
         self._layout = cache.layout
         self._device = cache.device
         self._dtype = cache.dtype
         self._message_shape = cache.message_shape
-        self.staging = StagingPool()
+        self.staging = staging
         self._host = host
         self._backend = rdv.backend_for(cache.device)
         self._serialize = self._backend == "nccl"

@@ -69,7 +69,7 @@ def write_layer(cache: KVCache, layer: int, block_ids: Sequence[int], data: torc
     dst[np.asarray(block_ids, dtype=np.int64)] = _as_int(data.contiguous())
 
 
-STAGING_POOL_BYTES = 256 << 20  # bytes kept for reuse per pool (a sender's, a receiver's)
+STAGING_POOL_BYTES = 256 << 20  # default bound on the bytes a transport keeps for reuse
 
 
 class StagingPool:

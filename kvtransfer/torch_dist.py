@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver, RecvTransfer
 from kvtransfer.dist_send import Sender, SendTransfer
-from kvtransfer.staging import StagingPool, read_layer
+from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool, read_layer
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
 from kvtransfer.wire import Event, EventQueue
 from model_runtime.kv_cache import KVCache, KVLayout
@@ -45,6 +45,8 @@ class TorchDistTransport:
     `host` is this worker's address: its store listens there (`port`, 0 = any free port) and
     its gloo pairs bind to it. `connect_timeout_s` bounds joining a peer (store connect, layout
     handshake, group rendezvous) — and never exceeds the transfer's own deadline.
+    `staging_pool_bytes` bounds the message buffers kept for reuse between transfers
+    (`kvtransfer.staging.StagingPool`; 0 keeps none).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class TorchDistTransport:
         port: int = 0,
         connect_timeout_s: float = 10.0,
         serve: bool = True,
+        staging_pool_bytes: int = STAGING_POOL_BYTES,
     ) -> None:
         if not worker_id or "/" in worker_id or "@" in worker_id:
             raise ValueError(f"worker_id must be non-empty without '/' or '@', got {worker_id!r}")
@@ -63,12 +66,15 @@ class TorchDistTransport:
             raise ValueError(f"connect_timeout_s must be positive, got {connect_timeout_s}")
         self._cache = cache
         self._events = EventQueue()
+        # Message buffers kept for reuse (copies of scattered layers, receives), shared by both
+        # directions: at most `staging_pool_bytes` beyond what transfers in flight hold.
+        pool = StagingPool(staging_pool_bytes)
         self._receiver = (
-            Receiver(worker_id, cache, host, port, connect_timeout_s, self._events)
+            Receiver(worker_id, cache, host, port, connect_timeout_s, self._events, pool)
             if serve
             else None
         )
-        self._sender = Sender(worker_id, cache, host, connect_timeout_s, self._events)
+        self._sender = Sender(worker_id, cache, host, connect_timeout_s, self._events, pool)
         port_used = self._receiver.port if self._receiver is not None else 0
         self._endpoint = PeerEndpoint(worker_id, host, port_used)
         self._recvs: dict[str, RecvTransfer] = {}
