@@ -82,6 +82,9 @@ class DecodeRole(Role):
     name = "decode"
     methods = frozenset({"Reserve", "Decode"})
     new_work = frozenset({"Reserve"})  # a Decode continues a reservation: served while draining
+    # A reservation only takes free blocks and registers a ticket: safe in the middle of a
+    # step, and the router's Prefill (hence TTFT) waits for it.
+    between_layers = frozenset({"Reserve"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -7,6 +7,8 @@ command) and read `snapshot` (an immutable object swapped each iteration). One i
 
 1. wait for commands — up to 50 ms when idle, 2 ms while KV transfers are in flight, not at
    all while the engine has work — and run every queued one (RPCs in, aborts, role changes);
+   RPCs the role marks `between_layers` (a decode worker's Reserve) also run between two
+   layers of a forward pass, so a long step does not hold them up;
    the KV transport's waker ends the wait as soon as a transfer has news;
 2. `role.expire(now)`: deadlines and reservation lifetimes;
 3. one engine step if any request is unfinished (`role.before_forward` opens KV transfers,
@@ -42,6 +44,8 @@ from decode_worker.colocated import ColocatedRole
 from decode_worker.decode import DecodeRole
 from decode_worker.roles import Role, RoleContext
 from decode_worker.sinks import Sink, UnarySink, WorkerError
+from model_runtime.engine import LayerCallback
+from model_runtime.scheduler_types import SchedulerOutput
 from prefill_worker.prefill import PrefillRole
 
 log = logging.getLogger(__name__)
@@ -75,7 +79,16 @@ class _Drain:
 
 
 def _nothing() -> None:
-    """The command the transport's waker enqueues: it only ends the wait."""
+    """A command that only ends the wait (the transport's waker, between-layers RPCs)."""
+
+
+def _run_one(command: Callable[[], object], sink: Sink | None) -> None:
+    try:
+        command()
+    except Exception as exc:  # a bug: answer INTERNAL, keep serving the others
+        log.exception("engine-thread command failed")
+        if sink is not None:
+            sink.fail(WorkerError(grpc.StatusCode.INTERNAL, f"{exc!r}"))
 
 
 class EngineThread:
@@ -89,6 +102,10 @@ class EngineThread:
         self.role: Role = ROLES[role](ctx)
         # (command, the sink it answers or None): the sink is failed if the thread has ended
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Sink | None]] = (
+            queue.SimpleQueue()
+        )
+        # RPCs that may run between layers (`Role.between_layers`); always before `_commands`.
+        self._urgent: queue.SimpleQueue[tuple[Callable[[], object], Sink | None]] = (
             queue.SimpleQueue()
         )
         self._drain: _Drain | None = None
@@ -109,7 +126,12 @@ class EngineThread:
 
     def submit(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
         """Run RPC `method` on the engine thread; its answer goes to `sink`."""
-        self._put(lambda: self._on_rpc(method, request, sink, timeout_s), sink)
+        command = (lambda: self._on_rpc(method, request, sink, timeout_s), sink)
+        if method in self.role.between_layers:
+            self._urgent.put(command)
+            self._put(_nothing, None)  # ends an idle wait on the main queue
+        else:
+            self._put(*command)
 
     def cancel(self, request_id: str, sink: Sink) -> None:
         """The RPC that owns `sink` was cancelled: abort what it started (if still there)."""
@@ -145,13 +167,14 @@ class EngineThread:
 
     def _fail_queued(self) -> None:
         error = WorkerError(grpc.StatusCode.UNAVAILABLE, f"worker {self.ctx.worker_id} stopped")
-        while True:
-            try:
-                _, sink = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if sink is not None:
-                sink.fail(error)
+        for commands in (self._urgent, self._commands):
+            while True:
+                try:
+                    _, sink = commands.get_nowait()
+                except queue.Empty:
+                    break
+                if sink is not None:
+                    sink.fail(error)
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -189,18 +212,23 @@ class EngineThread:
                 self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
             )
         except queue.Empty:
+            self._run_urgent()
             return
+        self._run_urgent()  # queued before anything in `_commands` that follows them
         while True:
-            try:
-                command()
-            except Exception as exc:  # a bug: answer INTERNAL, keep serving the others
-                log.exception("engine-thread command failed")
-                if sink is not None:
-                    sink.fail(WorkerError(grpc.StatusCode.INTERNAL, f"{exc!r}"))
+            _run_one(command, sink)
             try:
                 command, sink = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_urgent(self) -> None:
+        while True:
+            try:
+                command, sink = self._urgent.get_nowait()
+            except queue.Empty:
+                return
+            _run_one(command, sink)
 
     def _on_rpc(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
         try:
@@ -227,8 +255,19 @@ class EngineThread:
 
     def _step(self) -> None:
         started = time.monotonic()
-        outputs = self.engine.step(self.role.before_forward)
+        outputs = self.engine.step(self._before_forward)
         self.role.on_outputs(outputs, started, time.monotonic())
+
+    def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback:
+        """The role's layer callback, then any between-layers RPCs that have arrived."""
+        role_callback = self.role.before_forward(scheduled)
+
+        def on_layer_done(layer: int) -> None:
+            if role_callback is not None:
+                role_callback(layer)
+            self._run_urgent()
+
+        return on_layer_done
 
     # ---- draining and role switch ------------------------------------------------------------
 

@@ -62,6 +62,9 @@ class Role(ABC):
     name: ClassVar[str]
     methods: ClassVar[frozenset[str]]  # RPCs this role serves
     new_work: ClassVar[frozenset[str]]  # of those, the ones refused while draining
+    # Of those, the ones that may also run between two layers of a forward pass (so a long
+    # step does not delay them): they must not touch the step's scheduled requests.
+    between_layers: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
