@@ -189,7 +189,13 @@ class Sender:
     def _send(self, tr: SendTransfer) -> None:
         """Connect if needed and run the exchange; re-join once if the receiver had dropped a
         pair this worker still used (it then ignores the header announced on it)."""
-        for _ in range(2):
+        for attempt in range(2):
+            # A transfer past its deadline, or given up before a re-join, must not join: its
+            # doomed join would break the pair that live transfers share.
+            if time.monotonic() >= tr.deadline:
+                raise TimeoutError("the deadline passed before the pair was ready")
+            if attempt and (tr.cancelled or tr.stop_posting):
+                raise TransferError("cancelled by sender" if tr.cancelled else "given up")
             pair = self._pair_for(tr.ticket.receiver)
             fresh = self._connect(pair, tr.deadline)
             tr.pair = pair
@@ -251,7 +257,10 @@ class Sender:
             pair.store, pair.gen = store, gen
             return True
         except BaseException:
-            pair.broken = True
+            # Past our own deadline the failure is ours (the join was cut short), not the
+            # pair's: leave it for the next transfer to join afresh.
+            if time.monotonic() < deadline:
+                pair.broken = True
             raise
         finally:
             pair.lock.release()
