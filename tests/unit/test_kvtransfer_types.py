@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
 
 from kvtransfer import rendezvous as rdv
+from kvtransfer.dist_send import Sender, SendTransfer
 from kvtransfer.staging import StagingPool, read_layer, write_layer
 from kvtransfer.types import (
     Code,
@@ -22,7 +24,7 @@ from kvtransfer.types import (
     header_verdict,
     new_ticket,
 )
-from kvtransfer.wire import HelperThreads, control_tensor, empty_control, read_code
+from kvtransfer.wire import EventQueue, HelperThreads, control_tensor, empty_control, read_code
 from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache, KVLayout
 
@@ -212,3 +214,18 @@ def test_read_layer_matches_gather_layer_bit_for_bit(dtype: torch.dtype):
     assert torch.equal(out.view(torch.uint8), cache.gather_layer(1, ids).view(torch.uint8))
     with pytest.raises(ValueError, match="read_layer"):
         read_layer(cache, 1, ids[:2], out)
+
+
+def test_a_transfer_past_its_deadline_never_joins_a_pair():
+    """A sending thread that wakes up past its deadline (say, after its header push hung on a
+    frozen receiver) must fail without a join: a doomed join would break the pair that live
+    transfers share."""
+    cache = KVCache(tiny_config(), 10, 4, torch.float32)
+    sender = Sender("p", cache, "127.0.0.1", 1.0, EventQueue(), StagingPool())
+    receiver = PeerEndpoint("d", "127.0.0.1", 9)  # nothing listens: a join would fail
+    ticket = new_ticket(receiver, cache.layout, "req", [0], 3, 1.0)
+    now = time.monotonic()
+    tr = SendTransfer(ticket, (0,), started=now - 2.0, deadline=now - 1.0)
+    with pytest.raises(TimeoutError, match="deadline"):
+        sender._send(tr)
+    assert sender._pairs == {}  # no pair was created, so none could be broken
