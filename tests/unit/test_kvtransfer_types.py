@@ -165,6 +165,33 @@ def test_helper_threads_join_is_bounded():
     assert helpers.join(timeout_s=2.0)
 
 
+def test_helper_threads_are_reused_and_survive_a_failing_job():
+    helpers = HelperThreads()
+    seen: list[int] = []
+
+    def record() -> None:
+        seen.append(threading.get_ident())
+
+    def fail() -> None:
+        raise RuntimeError("a bug in a job")
+
+    for job in (record, fail, record):
+        helpers.start("job", job)
+        assert helpers.join(timeout_s=2.0) is True  # also sends the idle thread home...
+        helpers.start("next", record)  # ...so the next job gets a fresh one
+        assert helpers.join(timeout_s=2.0)
+    assert len(seen) == 5
+    reuse = HelperThreads()
+    first, second = threading.Event(), threading.Event()
+    reuse.start("first", lambda: (record(), first.set()))
+    assert first.wait(2.0)
+    time.sleep(0.05)  # the first job's thread is idle now
+    reuse.start("second", lambda: (record(), second.set()))
+    assert second.wait(2.0)
+    assert seen[-1] == seen[-2]  # the idle thread took the second job
+    assert reuse.join(timeout_s=2.0)
+
+
 def test_config_picks_the_implementation_by_kind():
     from pydantic import TypeAdapter, ValidationError
 
