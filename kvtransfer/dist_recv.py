@@ -1,6 +1,7 @@
 """Receiving half of the torch.distributed KV transport (decode side). Runs in decode workers.
 
-Threads:
+Threads (the per-pair and per-transfer ones are jobs on reused helper threads,
+`kvtransfer.wire.HelperThreads`):
 
 - the **control thread** serves the control queue of this worker's `TCPStore`: ``join``
   records (layout check, then a builder thread makes the pair's process group) and ``xfer``

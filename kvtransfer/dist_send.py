@@ -1,6 +1,7 @@
 """Sending half of the torch.distributed KV transport (prefill side). Runs in prefill workers.
 
-One **transfer thread** per open transfer does everything that may block: connect to the
+One **transfer thread** per open transfer (a job on a reused helper thread,
+`kvtransfer.wire.HelperThreads`) does everything that may block: connect to the
 receiver's store and join (first use of a pair, or after it broke), announce the transfer,
 check the receiver still serves the pair's generation (else re-join once and announce again),
 wait for each layer's send to complete, wait for the acknowledgement. Every wait is bounded by
