@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.goodput.records import TIMING_FIELDS
 from model_runtime.hashing import block_hash_chain
 from proto.pdserve.v1 import inference_pb2 as ipb
 from proto.pdserve.v1 import inference_pb2_grpc
@@ -104,17 +105,6 @@ def oracle_hit_rate(reqs: list[tuple[int, list[int]]]) -> float:
     return cached / total
 
 
-# Server-side parts of TTFT (`Timings` in the final message), averaged per policy.
-TTFT_PARTS = (
-    "router_queue_ms",
-    "prefill_queue_ms",
-    "prefill_compute_ms",
-    "kv_transfer_ms",
-    "decode_admission_ms",
-    "first_decode_step_ms",
-)
-
-
 async def one(stub: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
     req = ipb.GenerateRequest(
         token_ids=ipb.TokenIds(ids=ids),
@@ -131,7 +121,7 @@ async def one(stub: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
     assert final is not None
     return {
         "ttft_ms": ttft * 1e3,
-        "parts": {f: getattr(final.timings, f) for f in TTFT_PARTS},
+        "parts": {f: getattr(final.timings, f) for f in TIMING_FIELDS},
         "cached": final.usage.cached_tokens,
         "prompt": final.usage.prompt_tokens,
         "prefill_worker": final.prefill_worker,
@@ -289,7 +279,7 @@ async def run_policy(
         "ttft_p90_ms": quantile(ttfts, 0.9),
         "ttft_parts_mean_ms": {
             f: statistics.fmean([r["parts"][f] for r in results.values()] or [float("nan")])
-            for f in TTFT_PARTS
+            for f in TIMING_FIELDS
         },
         "workers_per_group_mean": statistics.fmean([len(s) for s in per_group.values()] or [0]),
         "lookup_in_run_p50_ms": quantile(in_run, 0.5),

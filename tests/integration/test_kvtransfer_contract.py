@@ -30,24 +30,20 @@ from kvtransfer.types import (
 )
 from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache
+from tests.fakes.model_configs import tiny_model_config
 
 LAYERS, BLOCK, BLOCKS = 3, 4, 48
 LONG = 30.0  # ticket timeout (s) where nothing is timed
 
 
 def model_config(head_dim: int = 8) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
+    return tiny_model_config(
         vocab_size=64,
         hidden_size=4 * head_dim,
         intermediate_size=64,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=head_dim,
         max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
     )
 
 

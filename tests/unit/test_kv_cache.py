@@ -9,22 +9,11 @@ import torch
 from model_runtime.attention.base import write_kv
 from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache
+from tests.fakes.model_configs import tiny_model_config
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-    )
+    return tiny_model_config(vocab_size=64, intermediate_size=64, num_hidden_layers=3, head_dim=16)
 
 
 def filled_cache(num_blocks: int = 8, block_size: int = 4) -> KVCache:

@@ -25,27 +25,11 @@ from kvtransfer.types import (
     new_ticket,
 )
 from kvtransfer.wire import EventQueue, HelperThreads, control_tensor, empty_control, read_code
-from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache, KVLayout
+from tests.fakes.model_configs import tiny_model_config
 
 LAYOUT = KVLayout("m", "float32", 16, 4, 2, 8)
 EP = PeerEndpoint("d0", "127.0.0.1", 4242)
-
-
-def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-    )
 
 
 def test_blocks_needed_covers_partial_blocks():
@@ -144,7 +128,7 @@ def test_control_tensor_codes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_layer_matches_scatter_layer_bit_for_bit(dtype: torch.dtype):
-    cfg = tiny_config()
+    cfg = tiny_model_config()
     a, b = KVCache(cfg, 10, 4, dtype), KVCache(cfg, 10, 4, dtype)
     data = torch.randn((3, 2, 4, 2, 8), generator=torch.Generator().manual_seed(0)).to(dtype)
     ids = [7, 2, 5]
@@ -206,7 +190,7 @@ def test_config_picks_the_implementation_by_kind():
         adapter.validate_python({"kind": "carrier_pigeon"})
     with pytest.raises(ValidationError, match="connect_timeout_s"):
         adapter.validate_python({"kind": "torch_dist", "connect_timeout_s": 0})
-    cfg_model = tiny_config()
+    cfg_model = tiny_model_config()
     cache = KVCache(cfg_model, 4, 4, torch.float32)
     with pytest.raises(ValueError, match="LoopbackHub"):
         make_transport(LoopbackConfig(), cache, "w0")
@@ -233,7 +217,7 @@ def test_staging_pool_reuses_buffers_by_size_class_and_keeps_at_most_its_cap():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_read_layer_matches_gather_layer_bit_for_bit(dtype: torch.dtype):
-    cache = KVCache(tiny_config(), 10, 4, dtype)
+    cache = KVCache(tiny_model_config(), 10, 4, dtype)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
     ids = [7, 2, 5]
     out = torch.empty(cache.message_shape(3), dtype=dtype)
@@ -247,7 +231,7 @@ def test_a_transfer_past_its_deadline_never_joins_a_pair():
     """A sending thread that wakes up past its deadline (say, after its header push hung on a
     frozen receiver) must fail without a join: a doomed join would break the pair that live
     transfers share."""
-    cache = KVCache(tiny_config(), 10, 4, torch.float32)
+    cache = KVCache(tiny_model_config(), 10, 4, torch.float32)
     sender = Sender("p", cache, "127.0.0.1", 1.0, EventQueue(), StagingPool())
     receiver = PeerEndpoint("d", "127.0.0.1", 9)  # nothing listens: a join would fail
     ticket = new_ticket(receiver, cache.layout, "req", [0], 3, 1.0)
