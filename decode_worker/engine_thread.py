@@ -223,7 +223,7 @@ class EngineThread:
                 return
 
     def _run_urgent(self) -> None:
-        while True:
+        while not self._urgent.empty():  # cheap when empty: this runs after every layer
             try:
                 command, sink = self._urgent.get_nowait()
             except queue.Empty:

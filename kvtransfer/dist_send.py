@@ -96,7 +96,7 @@ class SendTransfer:
     cancelled: bool = False
     pair: SendPair | None = None
     sends_done: bool = False  # set by the thread past its sends (each done, or the pair failed)
-    zero_copy: bool = False  # engine thread only: some layer was sent straight from the cache
+    run_start: int | None = None  # source blocks are one run from here: sent zero-copy
     next_layer: int = 0  # engine thread only
     nbytes: int = 0  # engine thread only
     finished: bool = False  # engine thread only

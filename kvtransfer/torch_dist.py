@@ -111,6 +111,7 @@ class TorchDistTransport:
             raise ValueError(f"transfer {ticket.transfer_id} is already open")
         now = time.monotonic()
         tr = SendTransfer(ticket, src, now, now + ticket.timeout_ms / 1000)
+        tr.run_start = self._cache.run_start(src)  # once per transfer, not per layer
         self._sends[ticket.transfer_id] = tr
         self._sender.start(tr)
 
@@ -126,14 +127,13 @@ class TorchDistTransport:
         tr.next_layer += 1
         if tr.cancelled or tr.stop_posting:
             return
-        data = self._cache.layer_run(layer, tr.src)  # zero-copy when the blocks are a run
-        if data is None:
+        if tr.run_start is not None:  # zero-copy: a view of the cache
+            data = self._cache.layer_slice(layer, tr.run_start, len(tr.src))
+        else:
             shape = self._cache.message_shape(len(tr.src))
             buf = self._sender.staging.take(math.prod(shape), self._cache.dtype, self._cache.device)
             data = read_layer(self._cache, layer, tr.src, StagingPool.view(buf, shape))
             tr.pooled.append(buf)
-        else:
-            tr.zero_copy = True
         tr.nbytes += data.numel() * data.element_size()
         self._sender.post_layer(tr, data)
 
@@ -191,7 +191,7 @@ class TorchDistTransport:
         for snd in list(self._sends.values()):
             # A cancelled zero-copy send may still be reading the source blocks: its result
             # (which frees them) waits until the thread is past its sends or the deadline.
-            if why or (snd.cancelled and (snd.sends_done or not snd.zero_copy)):
+            if why or (snd.cancelled and (snd.sends_done or snd.run_start is None)):
                 self._finish_send(snd, why or "cancelled by sender", out)
 
     def _on_event(self, ev: Event, out: list[TransferResult]) -> None:

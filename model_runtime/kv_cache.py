@@ -110,15 +110,25 @@ class KVCache:
         """Shape of one layer of `num_blocks` blocks as the KV transfer moves it."""
         return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def layer_run(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor | None:
-        """A view (no copy) of one layer's `block_ids` when they are consecutive ascending ids,
-        shaped `message_shape(len(block_ids))` and contiguous; None otherwise."""
+    @staticmethod
+    def run_start(block_ids: Sequence[int]) -> int | None:
+        """The first id when `block_ids` are consecutive ascending ids, else None."""
         if not block_ids:
             return None
         first = block_ids[0]
         if any(b != first + i for i, b in enumerate(block_ids)):
             return None
-        return self.kv[layer_idx, first : first + len(block_ids)]
+        return first
+
+    def layer_slice(self, layer_idx: int, first: int, count: int) -> torch.Tensor:
+        """A view (no copy) of blocks first .. first+count-1 of one layer, contiguous and
+        shaped `message_shape(count)`."""
+        return self.kv[layer_idx, first : first + count]
+
+    def layer_run(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor | None:
+        """`layer_slice` of `block_ids` when they are a `run_start` run; None otherwise."""
+        first = self.run_start(block_ids)
+        return None if first is None else self.layer_slice(layer_idx, first, len(block_ids))
 
     def gather_layer(
         self, layer_idx: int, block_ids: Sequence[int], out: torch.Tensor | None = None
