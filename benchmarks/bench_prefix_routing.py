@@ -31,7 +31,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,68 +40,15 @@ from typing import Any
 import grpc
 
 from benchmarks.goodput.records import TIMING_FIELDS
-from model_runtime.hashing import block_hash_chain
+from benchmarks.prefix_workload import BLOCK, REPO, make_model, oracle_hit_rate, workload
 from proto.pdserve.v1 import inference_pb2 as ipb
 from proto.pdserve.v1 import inference_pb2_grpc
 from router.prefix_index.guard import reusable_chain
-
-REPO = Path(__file__).resolve().parents[1]
-BLOCK = 16
 
 
 def quantile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
-
-
-# A preset between "tiny" (prefill of 576 tokens ~40 ms: gRPC and KV-transfer overheads hide
-# the prefix cache) and "small" (~4 s: a run takes most of an hour on 2 cores): ~13M parameters,
-# a 576-token prefill takes ~0.5-1 s on one CPU thread, so prefill compute dominates TTFT.
-MEDIUM = (
-    "RandomModelPreset(vocab_size=4096, hidden_size=384, intermediate_size=1024, "
-    "num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, "
-    "max_position_embeddings=2048, rope_theta=10000.0, corpus_words=50_000)"
-)
-
-
-def make_model(out: Path, preset: str) -> Path:
-    """Build the random model in a child process (this process stays torch-free)."""
-    code = "import sys; from model_runtime import random_model as rm; "
-    if preset == "medium":  # registered in the child only
-        code += f"rm.PRESETS['medium'] = rm.{MEDIUM}; "
-    code += "rm.make_random_model(sys.argv[1], sys.argv[2])"
-    subprocess.run([sys.executable, "-c", code, str(out), preset], check=True, cwd=REPO)
-    return out
-
-
-def workload(args: argparse.Namespace) -> list[tuple[int, list[int]]]:
-    """(group, prompt token ids) in send order: every group's requests, shuffled (seeded)."""
-    rng = random.Random(args.seed)
-    prefixes = [[rng.randrange(4, 1000) for _ in range(args.prefix)] for _ in range(args.groups)]
-    reqs = [
-        (g, prefixes[g] + [rng.randrange(4, 1000) for _ in range(args.suffix)])
-        for g in range(args.groups)
-        for _ in range(args.per_group)
-    ]
-    rng.shuffle(reqs)
-    return reqs
-
-
-def oracle_hit_rate(reqs: list[tuple[int, list[int]]]) -> float:
-    """Cached / prompt tokens with one infinite cache shared by every worker (the block holding
-    a prompt's last token always runs, as in the scheduler)."""
-    seen: set[int] = set()
-    cached = total = 0
-    for _, ids in reqs:
-        chain = block_hash_chain(ids, BLOCK)
-        reusable = (len(ids) - 1) // BLOCK
-        n = 0
-        while n < reusable and chain[n] in seen:
-            n += 1
-        cached += n * BLOCK
-        total += len(ids)
-        seen.update(chain)
-    return cached / total
 
 
 async def one(stub: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
