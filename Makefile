@@ -32,7 +32,7 @@ lint:
 	ruff format --check .
 
 typecheck:
-	mypy router kvtransfer model_runtime/config.py model_runtime/hashing.py model_runtime/sampling_params.py model_runtime/linear.py
+	mypy router kvtransfer model_runtime decode_worker prefill_worker deploy benchmarks
 
 proto:  ## regenerate the gRPC stubs from proto/pdserve/v1/*.proto
 	$(PYTHON) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. \

@@ -31,7 +31,8 @@ import torch
 
 from benchmarks.machine import measure_machine
 from model_runtime.config import ModelConfig
-from model_runtime.engine import EngineConfig, LLMEngine
+from model_runtime.engine import LLMEngine
+from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
 
 REPEATS = 3  # timed rounds after a warm-up; the best time of each measurement counts
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hf:
         import transformers
 
-        hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        hf.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is untyped
     weight_bytes = _weight_bytes(engine)
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     rows: list[dict[str, Any]] = []

@@ -41,7 +41,11 @@ def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
     cache = _decode_cache(model_dir, num_blocks)
     tr = TorchDistTransport(cache, "bench-d", connect_timeout_s=60.0)
     wake_r, wake_w = os.pipe()
-    tr.set_waker(lambda: os.write(wake_w, b"."))
+
+    def wake() -> None:
+        os.write(wake_w, b".")
+
+    tr.set_waker(wake)
     conn.send(("ready", tr.endpoint.port))
     raw: rdv.PairGroup | None = None
     busy = False

@@ -40,7 +40,7 @@ from model_runtime.sampling_params import SamplingParams
 from model_runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from model_runtime.engine import EngineConfig
+    from model_runtime.engine_config import EngineConfig
 
 
 class BatchRequest(BaseModel):
@@ -226,7 +226,8 @@ def run_batch(
     """
     from tqdm import tqdm
 
-    from model_runtime.engine import EngineConfig, LLMEngine
+    from model_runtime.engine import LLMEngine
+    from model_runtime.engine_config import EngineConfig
 
     t0 = time.monotonic()
     model_config = ModelConfig.from_model_dir(model_dir)
@@ -312,7 +313,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def batch_main(args: argparse.Namespace) -> int:
     """Run `pdserve batch`; return the process exit code (2 for bad arguments or model)."""
-    from model_runtime.engine import EngineConfig
+    from model_runtime.engine_config import EngineConfig
 
     given = {
         "max_num_batched_tokens": args.max_batch_tokens,

@@ -44,7 +44,8 @@ from decode_worker.kv_events import KVEventPublisher
 from decode_worker.roles import RoleContext
 from decode_worker.service import WorkerService
 from kvtransfer.torch_dist import TorchDistTransport
-from model_runtime.engine import EngineConfig, LLMEngine
+from model_runtime.engine import LLMEngine
+from model_runtime.engine_config import EngineConfig
 from proto.pdserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")

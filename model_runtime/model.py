@@ -103,7 +103,8 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = backend.forward(q, k, v.contiguous(), cache[0], cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -115,7 +116,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -136,11 +138,16 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp_out
 
 
 class LlamaModel(nn.Module):
     """Decoder stack + LM head. `forward` returns final-norm hidden states [T, hidden]."""
+
+    # Non-persistent buffers set by `register_buffer` (declared so they type as tensors).
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -172,7 +179,8 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv_cache.layer(idx), meta, backend)
             if on_layer_done is not None:
                 on_layer_done(idx)
-        return self.norm(x)
+        hidden: torch.Tensor = self.norm(x)
+        return hidden
 
     def num_parameters(self) -> int:
         """Parameter count as in the checkpoint, packed or not (a tied LM head counts once)."""
@@ -188,4 +196,5 @@ class LlamaModel(nn.Module):
         return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from model_runtime.config import ModelConfig
-from model_runtime.model import LlamaModel, rope_tables
+from model_runtime.model import DecoderLayer, LlamaModel, rope_tables
 
 _SUPPORTED_TENSOR_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -127,6 +127,7 @@ def load_model(
     else:
         put(model.lm_head.weight, w["lm_head.weight"])
     for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)  # ModuleList yields plain `nn.Module`s
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         put(
