@@ -254,7 +254,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     oracle = oracle_hit_rate(reqs)
 
     def median(policy: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["policy"] == policy)
+        value: float = statistics.median(r[key] for r in runs if r["policy"] == policy)
+        return value
 
     summary: dict[str, Any] = {"oracle_hit_rate": oracle}
     if "prefix_aware" in args.policies:
