@@ -137,6 +137,9 @@ def test_calibrate_overheads() -> None:
     cal = calibrate_overheads(COST, samples)
     assert cal.ttft_overhead.coef == pytest.approx((0.004, 1e-5), rel=1e-6)
     assert cal.token_overhead_s == pytest.approx(0.002)
+    # calibrated at batch 1: charged once per decode step whatever the batch
+    for batch in (1, 16):
+        assert cal.decode_s(batch, 500) == pytest.approx(cal.decode(batch, 500) + 0.002)
     assert cal.transfer(1000) == 0.0
     back = CostModel.from_json(cal.to_json())
     assert back == cal
