@@ -258,9 +258,12 @@ class EngineThread:
         outputs = self.engine.step(self._before_forward)
         self.role.on_outputs(outputs, started, time.monotonic())
 
-    def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback:
-        """The role's layer callback, then any between-layers RPCs that have arrived."""
+    def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
+        """The role's layer callback, then any between-layers RPCs that have arrived (roles
+        without such RPCs get their own callback, nothing added per layer)."""
         role_callback = self.role.before_forward(scheduled)
+        if not self.role.between_layers:
+            return role_callback
 
         def on_layer_done(layer: int) -> None:
             if role_callback is not None:

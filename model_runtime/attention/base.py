@@ -67,13 +67,16 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Store new tokens' K/V at their slots (slot = block_id * block_size + offset).
 
     The caches may be strided over blocks (`KVCache.layer`: K and V halves interleave block by
-    block); within a block, rows must be contiguous.
+    block); within a block, rows must be contiguous. `rows` is `slot_rows(key_cache,
+    slot_mapping)` when the caller has it already (it is the same for every layer of a step).
     """
-    rows = _slot_rows(key_cache, slot_mapping)
+    if rows is None:
+        rows = slot_rows(key_cache, slot_mapping)
     _token_rows(key_cache).index_copy_(0, rows, k)
     _token_rows(value_cache).index_copy_(0, rows, v)
 
@@ -93,8 +96,9 @@ def _token_rows(cache: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _slot_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """The `_token_rows` row of each slot."""
+def slot_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The row of each slot in `write_kv`'s row view of `cache` (depends only on the slots
+    and the cache's block stride, so one step computes it once for all layers)."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     m = cache.stride(0) // (block_size * num_kv_heads * head_dim)
     if m == 1:

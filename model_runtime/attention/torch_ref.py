@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_runtime.attention.base import AttentionMetadata, write_kv
+from model_runtime.attention.base import AttentionMetadata, slot_rows, write_kv
 
 
 def paged_decode_attention(
@@ -101,6 +101,7 @@ class TorchAttentionBackend:
         # padding a long prefill in the same step puts into meta.block_tables.
         self._decode_max_len = max((meta.seq_lens[i] for i in meta.decode_indices), default=0)
         self._decode_mask: torch.Tensor | None = None  # built by the first layer's forward
+        self._rows: torch.Tensor | None = None  # write_kv's rows, from the first layer's forward
 
     def _decode_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables trimmed to the decode rows' longest context, its mask), once a step."""
@@ -120,7 +121,9 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if self._rows is None:  # every layer of the step has the same slots and strides
+            self._rows = slot_rows(key_cache, meta.slot_mapping)
+        write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self._rows)
         out = torch.empty_like(q)
         if meta.decode_indices:
             tables, allowed = self._decode_inputs(key_cache.shape[1])
