@@ -216,7 +216,11 @@ def run(model_dir: str, sizes: list[int], reps: int, stream_reps: int) -> dict[s
     runner = ModelRunner.from_model_dir(model_dir, max_blocks + 8, BLOCK, dtype="float32")
     cache: KVCache = runner.kv_cache
     d = Decode(model_dir, max_blocks + 8)
-    p = TorchDistTransport(cache, "bench-p", serve=False, connect_timeout_s=60.0)
+    try:
+        p = TorchDistTransport(cache, "bench-p", serve=False, connect_timeout_s=60.0)
+    except BaseException:
+        d.stop()
+        raise
     try:
         raw_store = rdv.serve_store("127.0.0.1", 0, 60.0)
         d.conn.send(("raw_join", raw_store.port))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
@@ -104,7 +105,11 @@ class Decode:
         return TransferTicket.from_dict(self.wait("ticket"))
 
     def stop(self) -> None:
-        self.conn.send(("stop", None))
+        """Ask the decode process to exit; kill it if it does not (or is past listening)."""
+        try:
+            self.conn.send(("stop", None))
+        except OSError as exc:  # it died already: the join below reaps it
+            print(f"decode process gone before stop: {exc!r}", file=sys.stderr)
         self.proc.join(10.0)
         if self.proc.is_alive():
             self.proc.kill()
