@@ -144,6 +144,7 @@ def _start(args: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], i
             break
         time.sleep(0.05)
     proc.kill()
+    proc.wait(5)
     raise RuntimeError(f"{args[0]} process did not start")
 
 
