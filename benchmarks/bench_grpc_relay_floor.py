@@ -1,14 +1,17 @@
-"""The floor under the router's overhead: what one bare grpc.aio relay hop costs on this host.
+"""The floor under the router's overhead: what one bare Python gRPC relay hop costs on this host.
 
     python -m benchmarks.bench_grpc_relay_floor [--requests 1000] [--out FILE]
 
-Three processes, as in `bench_router_overhead --layout procs`: a backend with two unary calls
-and an 8-message server stream (the shape of Reserve, Prefill and Decode), a relay whose one
-server-streaming call makes those three calls and forwards every message as it comes — no
-validation, routing, text or bookkeeping — and this process as the client. Per request, in
-alternation: direct (the client makes the three calls) and relayed (the client calls the
-relay). Reported: p50/p99 of time to the first message and to the end, and relayed - direct.
-Whatever the router adds beyond this is its own work; this much any Python grpc.aio relay pays.
+Four processes, as in `bench_router_overhead --layout procs`: a backend with two unary calls
+and an 8-message server stream (the shape of Reserve, Prefill and Decode); two relays whose
+one server-streaming call makes those three calls and forwards every message as it comes — no
+validation, routing, text or bookkeeping — one on grpc.aio (as the router is), one on the
+thread-pool server with blocking stubs (the other way to write a Python gRPC server); and this
+process as the client. Per request, in a shuffled order: direct (the client makes the three
+calls), through the aio relay, through the thread relay. Reported: p50/p99 of time to the first
+message and to the end, and relayed - direct (top-level keys: the aio relay; `thread_*`: the
+thread relay). Whatever the router adds beyond this is its own work; this much a Python gRPC
+relay pays.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +90,41 @@ async def relay(port_file: Path, backend_port: int) -> None:
     )
 
 
+def thread_relay(port_file: Path, backend_port: int) -> None:
+    """The same relay on `grpc.server` (a thread per call) with blocking stubs."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{backend_port}")
+    unary = ch.unary_unary(f"/{SERVICE}/Unary", _ident, _ident)
+    stream = ch.unary_stream(f"/{SERVICE}/Stream", _ident, _ident)
+
+    def generate(req: bytes, ctx: Any) -> Any:
+        unary(req)
+        unary(req)
+        yield from stream(req)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers(
+        (_handlers({"Generate": grpc.unary_stream_rpc_method_handler(generate, _ident, _ident)}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port_file.write_text(str(port))
+    server.wait_for_termination()
+
+
 def _quantile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-async def client(backend_port: int, relay_port: int, requests: int) -> dict[str, Any]:
+async def client(backend_port: int, relay_ports: dict[str, int], requests: int) -> dict[str, Any]:
+    """Time direct and relayed requests, alternating; `relay_ports`: {"": aio, "thread_": ...}."""
     unary, stream = _stubs(grpc.aio.insecure_channel(f"127.0.0.1:{backend_port}"))
-    generate = grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}").unary_stream(
-        f"/{SERVICE}/Generate", _ident, _ident
-    )
+    generates = {
+        name: grpc.aio.insecure_channel(f"127.0.0.1:{port}").unary_stream(
+            f"/{SERVICE}/Generate", _ident, _ident
+        )
+        for name, port in relay_ports.items()
+    }
 
     async def direct() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -105,32 +135,36 @@ async def client(backend_port: int, relay_port: int, requests: int) -> dict[str,
             first = first or time.perf_counter() - t0
         return first, time.perf_counter() - t0
 
-    async def relayed() -> tuple[float, float]:
+    async def relayed(generate: Any) -> tuple[float, float]:
         t0 = time.perf_counter()
         first = 0.0
         async for _ in generate(b"x"):
             first = first or time.perf_counter() - t0
         return first, time.perf_counter() - t0
 
-    for _ in range(50):  # warm-up: channels, code paths
-        await direct()
-        await relayed()
-    d: list[tuple[float, float]] = []
-    r: list[tuple[float, float]] = []
-    for _ in range(requests):
-        d.append(await direct())
-        r.append(await relayed())
+    ways = ["direct", *generates]
+    rng = random.Random(0)
+    got: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
+    for i in range(50 + requests):  # the first 50: warm-up (channels, code paths)
+        rng.shuffle(ways)
+        for way in ways:
+            res = await (direct() if way == "direct" else relayed(generates[way]))
+            if i >= 50:
+                got[way].append(res)
     out: dict[str, Any] = {"requests": requests, "messages": MESSAGES}
-    for i, what in enumerate(("first", "e2e")):
-        for q, name in ((0.5, "p50"), (0.99, "p99")):
-            dq = _quantile([x[i] for x in d], q) * 1e3
-            rq = _quantile([x[i] for x in r], q) * 1e3
-            out[f"{what}_direct_{name}_ms"] = dq
-            out[f"{what}_relayed_{name}_ms"] = rq
-            out[f"{what}_overhead_{name}_ms"] = rq - dq
-        out[f"{what}_paired_diff_median_ms"] = statistics.median(
-            (b[i] - a[i]) * 1e3 for a, b in zip(d, r, strict=True)
-        )
+    d = got["direct"]
+    for prefix in generates:
+        r = got[prefix]
+        for i, what in enumerate(("first", "e2e")):
+            for q, name in ((0.5, "p50"), (0.99, "p99")):
+                dq = _quantile([x[i] for x in d], q) * 1e3
+                rq = _quantile([x[i] for x in r], q) * 1e3
+                out[f"{prefix}{what}_direct_{name}_ms"] = dq
+                out[f"{prefix}{what}_relayed_{name}_ms"] = rq
+                out[f"{prefix}{what}_overhead_{name}_ms"] = rq - dq
+            out[f"{prefix}{what}_paired_diff_median_ms"] = statistics.median(
+                (b[i] - a[i]) * 1e3 for a, b in zip(d, r, strict=True)
+            )
     return out
 
 
@@ -152,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here (else stdout)")
-    ap.add_argument("--role", choices=("backend", "relay"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("backend", "relay", "thread-relay"), help=argparse.SUPPRESS)
     ap.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -162,29 +196,36 @@ def main() -> None:
     if args.role == "relay":
         asyncio.run(relay(args.port_file, args.backend_port))
         return
+    if args.role == "thread-relay":
+        thread_relay(args.port_file, args.backend_port)
+        return
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
             b, b_port = _start(["--role", "backend", "--port-file", f"{tmp}/b"], Path(tmp, "b"))
             procs.append(b)
-            r, r_port = _start(
-                ["--role", "relay", "--port-file", f"{tmp}/r", "--backend-port", str(b_port)],
-                Path(tmp, "r"),
-            )
-            procs.append(r)
-            res = asyncio.run(client(b_port, r_port, args.requests))
+            ports = {}
+            for key, role in (("", "relay"), ("thread_", "thread-relay")):
+                pf = Path(tmp, role)
+                r, ports[key] = _start(
+                    ["--role", role, "--port-file", str(pf), "--backend-port", str(b_port)], pf
+                )
+                procs.append(r)
+            res = asyncio.run(client(b_port, ports, args.requests))
         finally:
             for p in procs:  # stop what this run started, by PID
                 p.terminate()
                 p.wait(10)
     res["load_avg_1m"] = os.getloadavg()[0]
-    print(
-        f"bare grpc.aio relay ({args.requests} requests, 2 unary + {MESSAGES}-message stream), "
-        f"ms: first message +{res['first_overhead_p50_ms']:.3f} p50 / "
-        f"+{res['first_overhead_p99_ms']:.3f} p99; end +{res['e2e_overhead_p50_ms']:.3f} p50 / "
-        f"+{res['e2e_overhead_p99_ms']:.3f} p99",
-        file=sys.stderr,
-    )
+    for key, name in (("", "grpc.aio"), ("thread_", "thread-pool")):
+        print(
+            f"bare {name} relay ({args.requests} requests, 2 unary + {MESSAGES}-message "
+            f"stream), ms: first message +{res[key + 'first_overhead_p50_ms']:.3f} p50 / "
+            f"+{res[key + 'first_overhead_p99_ms']:.3f} p99; end "
+            f"+{res[key + 'e2e_overhead_p50_ms']:.3f} p50 / "
+            f"+{res[key + 'e2e_overhead_p99_ms']:.3f} p99",
+            file=sys.stderr,
+        )
     text = json.dumps(res, indent=2) + "\n"
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
