@@ -138,9 +138,10 @@ def start_workers(model: Path, args: Any) -> list[Any]:
 
     def argv(role: str, wid: str, blocks: int) -> list[str]:
         engine = json.dumps({"block_size": BLOCK, "num_kv_blocks": blocks})
+        idle = ["--sched-idle"] if args.worker_sched_idle else []
         return ["--model", str(model), "--role", role, "--worker-id", wid, "--torch-threads",
                 "1", "--nice", str(args.worker_nice), "--engine-json", engine,
-                "--log-level", "WARNING"]  # fmt: skip
+                "--log-level", "WARNING", *idle]  # fmt: skip
 
     in_flight = max(args.concurrency, 32 if args.rate > 0 else 0)
     decode_blocks = 2 * in_flight * (args.prefix + args.suffix + args.max_tokens) // BLOCK
@@ -331,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="workers' niceness (0-19); above 0 the router (this process) and Redis go first",
+    )
+    p.add_argument(
+        "--worker-sched-idle",
+        action="store_true",
+        help="workers run under SCHED_IDLE: they get a CPU only when the router, Redis and the "
+        "client leave one (what separate machines would give the router on a 2-core host)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternating")
     p.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])

@@ -8,6 +8,7 @@ sub-model per TOML table; every field is described and defaulted where a default
     launcher = "ray"              # or "process" (plain subprocesses, `--no-ray`)
     torch_threads = 1             # torch intra-op threads per worker process
     worker_nice = 0               # workers' niceness (0-19): router/Redis first on shared CPUs
+    worker_sched_idle = false     # workers run only when router/Redis leave CPU (SCHED_IDLE)
 
     [workers]                     # counts; unset ones default from `mode`
     prefill = 1
@@ -160,6 +161,12 @@ class ClusterConfig(_Frozen):
         le=19,
         description="Niceness of every worker process: above 0, the router and Redis sharing "
         "their CPUs get them first (worker compute yields on wake-ups).",
+    )
+    worker_sched_idle: bool = Field(
+        default=False,
+        description="Run every worker under SCHED_IDLE: it gets a CPU only when no "
+        "normal-priority task wants one, so the router and Redis never wait for model compute. "
+        "Only for hosts that serve nothing else (a busy normal task starves the workers).",
     )
     worker_host: str = Field(
         default="auto",

@@ -48,7 +48,7 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
     """The command line of one worker process (`python -m deploy.worker ...`)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
-    return [
+    argv = [
         sys.executable,
         "-m",
         "deploy.worker",
@@ -73,6 +73,7 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         "--engine-json",
         config.engine.model_dump_json(),
     ]
+    return [*argv, "--sched-idle"] if config.worker_sched_idle else argv
 
 
 @dataclass

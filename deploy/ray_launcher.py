@@ -211,6 +211,7 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
         port=0,
         torch_threads=config.torch_threads,
         nice=config.worker_nice,
+        sched_idle=config.worker_sched_idle,
         transfer_timeout_s=config.transfer.timeout_s,
         kv_host=kv_host,
     )

@@ -78,6 +78,13 @@ class WorkerConfig(BaseModel):
         description="Niceness to run at (raised at start, never lowered): on hosts where the "
         "router and Redis share CPUs with workers, their latency-critical work goes first.",
     )
+    sched_idle: bool = Field(
+        default=False,
+        description="Run under SCHED_IDLE (Linux): the worker gets a CPU only when no "
+        "normal-priority task wants it, so the router and Redis sharing its CPUs are never "
+        "kept waiting by model compute. Stronger than `nice`; use it only on a host that serves "
+        "nothing else, since any busy normal task starves the worker.",
+    )
     transfer_timeout_s: float = Field(
         default=30.0,
         gt=0,
@@ -131,7 +138,7 @@ class WorkerServer:
             if getattr(cfg, name) == "auto":
                 raise ValueError(f"{name} 'auto' must be resolved to an address before start()")
         log.info("worker config %s", cfg.model_dump_json())
-        lower_priority(cfg.nice)
+        lower_priority(cfg.nice, cfg.sched_idle)
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         engine = LLMEngine.from_model_dir(cfg.model_dir, cfg.engine, self.kv_events.on_event)
@@ -278,13 +285,16 @@ class WorkerProcess:
         return self.popen.wait()
 
 
-def lower_priority(nice: int) -> int:
-    """Raise the calling thread's niceness to `nice` (no-op if already at or above it); return
-    the niceness now. Linux niceness is per thread and inherited by threads started later, so
-    call it before the engine, torch and gRPC threads exist (`WorkerServer.start` does)."""
+def lower_priority(nice: int, sched_idle: bool = False) -> int:
+    """Raise the calling thread's niceness to `nice` (no-op if already at or above it) and, with
+    `sched_idle`, move it to the SCHED_IDLE policy; return the niceness now. Linux niceness and
+    scheduling policy are per thread and inherited by threads started later, so call it before
+    the engine, torch and gRPC threads exist (`WorkerServer.start` does)."""
     current = os.getpriority(os.PRIO_PROCESS, 0)
     if nice > current:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
+    if sched_idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
@@ -299,6 +309,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
     p.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads")
     p.add_argument("--nice", type=int, default=0, help="niceness to run at (0-19)")
+    p.add_argument(
+        "--sched-idle", action="store_true", help="run under SCHED_IDLE (see WorkerConfig)"
+    )
     p.add_argument("--kv-host", default="127.0.0.1", help="KV transport address")
     p.add_argument("--kv-port", type=int, default=0, help="KV store port (0 = pick)")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
@@ -314,6 +327,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         "engine": EngineConfig.model_validate_json(args.engine_json),
         "torch_threads": args.torch_threads,
         "nice": args.nice,
+        "sched_idle": args.sched_idle,
         "kv_host": args.kv_host,
         "kv_port": args.kv_port,
         "transfer_timeout_s": args.transfer_timeout_s,

@@ -248,8 +248,8 @@ def test_kuberay_manifest() -> None:
     assert (c.ray.address, c.router.port) == ("auto", 50051)
 
 
-def _niceness_after(nice: int, queue: Any) -> None:
-    queue.put(lower_priority(nice))
+def _niceness_after(nice: int, queue: Any, sched_idle: bool = False) -> None:
+    queue.put((lower_priority(nice, sched_idle), os.sched_getscheduler(0)))
 
 
 def test_lower_priority_raises_niceness_and_never_lowers_it() -> None:
@@ -259,6 +259,30 @@ def test_lower_priority_raises_niceness_and_never_lowers_it() -> None:
         queue = ctx.Queue()
         proc = ctx.Process(target=_niceness_after, args=(nice, queue))
         proc.start()
-        got = queue.get(timeout=60)
+        got, policy = queue.get(timeout=60)
         proc.join(30)
         assert got == max(want, os.getpriority(os.PRIO_PROCESS, 0)), (nice, got)
+        assert policy == os.sched_getscheduler(0), policy  # unchanged without sched_idle
+
+
+def test_lower_priority_sched_idle_moves_the_process_to_sched_idle() -> None:
+    """In a child process (SCHED_IDLE cannot be left without privileges)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_niceness_after, args=(3, queue, True))
+    proc.start()
+    got, policy = queue.get(timeout=60)
+    proc.join(30)
+    assert got == max(3, os.getpriority(os.PRIO_PROCESS, 0))
+    assert policy == os.SCHED_IDLE
+
+
+def test_worker_sched_idle_reaches_both_launchers() -> None:
+    from deploy.ray_launcher import worker_config_json
+
+    on = load_cluster_config(None, {"model": "m", "worker_sched_idle": True})
+    off = load_cluster_config(None, {"model": "m"})
+    assert "--sched-idle" in worker_argv(on, "w0", "prefill")
+    assert "--sched-idle" not in worker_argv(off, "w0", "prefill")
+    assert parse_worker_args(worker_argv(on, "w0", "prefill")[3:])[0].sched_idle is True
+    assert json.loads(worker_config_json(on, "w0", "decode", "127.0.0.1"))["sched_idle"] is True
