@@ -210,6 +210,10 @@ async def run_policy(
         await handle.stop(grace_s=1.0)
         await asyncio.to_thread(lambda: [w.stop() for w in workers])
     ttfts = [r["ttft_ms"] for r in results.values()]
+    by_hit = {
+        kind: [r for r in results.values() if (r["cached"] > 0) == (kind == "hit")]
+        for kind in ("hit", "miss")
+    }
     per_group: dict[int, set[str]] = {}
     for i, r in results.items():
         per_group.setdefault(reqs[i][0], set()).add(r["prefill_worker"])
@@ -224,6 +228,19 @@ async def run_policy(
         / max(1, sum(r["prompt"] for r in results.values())),
         "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else float("nan"),
         "ttft_p90_ms": quantile(ttfts, 0.9),
+        # Where the mean comes from: requests with some cached tokens vs none, each with its
+        # count, mean TTFT and mean server-side parts.
+        "ttft_by_cache": {
+            kind: {
+                "requests": len(rs),
+                "ttft_mean_ms": statistics.fmean([r["ttft_ms"] for r in rs] or [float("nan")]),
+                "parts_mean_ms": {
+                    f: statistics.fmean([r["parts"][f] for r in rs] or [float("nan")])
+                    for f in TIMING_FIELDS
+                },
+            }
+            for kind, rs in by_hit.items()
+        },
         "ttft_parts_mean_ms": {
             f: statistics.fmean([r["parts"][f] for r in results.values()] or [float("nan")])
             for f in TIMING_FIELDS
@@ -294,6 +311,14 @@ def print_table(report: dict[str, Any]) -> None:
             f"{k.removesuffix('_ms')}={v:.1f}" for k, v in r["ttft_parts_mean_ms"].items()
         )
         print(f"  {r['policy']:<14}{parts}", file=out)
+    print("by cache outcome (some tokens cached / none): n, mean TTFT, compute", file=out)
+    for r in report["runs"]:
+        cells = [
+            f"{kind} {c['requests']} {c['ttft_mean_ms']:.1f}ms "
+            f"{c['parts_mean_ms']['prefill_compute_ms']:.1f}ms"
+            for kind, c in r["ttft_by_cache"].items()
+        ]
+        print(f"  {r['policy']:<14}" + "  ".join(cells), file=out)
     print("(medians over repeats; TTFT ratio per back-to-back pair)", file=out)
     for key in (
         "hit_rate_vs_oracle",
