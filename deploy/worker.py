@@ -294,6 +294,8 @@ def lower_priority(nice: int, sched_idle: bool = False) -> int:
     if nice > current:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     if sched_idle:
+        if not hasattr(os, "SCHED_IDLE"):
+            raise ValueError("sched_idle needs Linux's SCHED_IDLE scheduling policy")
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     return os.getpriority(os.PRIO_PROCESS, 0)
 
