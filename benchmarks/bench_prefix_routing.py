@@ -17,7 +17,8 @@ the groups' prefixes, so where a group is served matters.
 
 Reported per policy: hit rate (cached prompt tokens / prompt tokens, from each response's
 usage), mean and p90 TTFT (client side), failures, the router's prefix-lookup latency p50/p99
-(Redis EVALSHA on loopback, as timed by the router around the call, under load) and, after the
+(Redis EVALSHA on loopback, as timed by the router around the call, under load; none under
+round-robin, whose policy ignores prefixes, so the router skips the lookup) and, after the
 run, the same lookups timed back to back on an idle loop. The oracle hit rate is what an
 infinite cache shared by every worker would give for the same order. Targets: hit rate >= 90 %
 of the oracle, mean TTFT <= 0.5x round-robin, lookup p99 <= 2 ms. Output: a table on stderr,

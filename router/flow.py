@@ -3,7 +3,8 @@
 Runs in the router process, inside the `Generate` handler's task. Steps (disagg):
 
 0. the prompt's block-hash chain is looked up in the prefix index (one round trip, bounded by
-   the index's lookup timeout; no answer means "route by load only");
+   the index's lookup timeout; no answer means "route by load only"), unless the policy
+   ignores prefixes (`RoutingPolicy.uses_prefix_matches`);
 1. the policy picks (P, D) from the pool's views, minus workers that already failed this request;
 2. `Reserve` on D -> ticket (D now holds blocks: D joins `holders`);
 3. `Prefill` on P with the ticket (P joins `holders` while it runs) -> first token, sent to the
@@ -134,10 +135,13 @@ class RequestRun:
 
     async def _prefix_lookup(self) -> PromptPrefix:
         """The prompt's chain and the index's matches (block size: the workers', if they
-        agree; otherwise, or without an index, no matches: route by load only)."""
+        agree; otherwise, without an index, or when the policy ignores prefixes, no lookup and
+        no matches: route by load only)."""
+        if self.prefix_index is None or not self.policy.uses_prefix_matches:
+            return PromptPrefix()
         role: Role = "colocated" if self.colocated else "prefill"
         sizes = {v.block_size for v in self.pool.views(role) if v.healthy}
-        if self.prefix_index is None or len(sizes) != 1:
+        if len(sizes) != 1:
             return PromptPrefix()
         return await self.prefix_index.lookup_prompt(self.req.prompt_token_ids, sizes.pop())
 

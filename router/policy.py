@@ -108,9 +108,14 @@ class RoutingPolicy(Protocol):
     Colocated: `prefill_views` holds the colocated workers, `decode_views` is empty; the decision
     sets `colocated`. Views that are not `usable` must never be chosen. Return `None` when no
     choice has capacity (the views are hints: the worker still checks, e.g. `Reserve`).
+
+    `uses_prefix_matches`: whether `choose` reads `request.prefix_matches` /
+    `request.block_hashes`; when false the router skips the prefix-index lookup (a round trip
+    to Redis) for its requests.
     """
 
     name: str
+    uses_prefix_matches: bool
 
     def choose(
         self,
@@ -124,6 +129,7 @@ class RoundRobinPolicy:
     """Next usable worker in address order, per role; ignores load and free blocks."""
 
     name = "round_robin"
+    uses_prefix_matches = False
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
@@ -168,6 +174,7 @@ class LeastLoadPolicy:
     """
 
     name = "least_load"
+    uses_prefix_matches = False
 
     def choose(
         self,

@@ -127,6 +127,7 @@ class PrefixAwarePolicy:
     """`RoutingPolicy` "prefix_aware" (see the module docstring). `clock`: monotonic seconds."""
 
     name = "prefix_aware"
+    uses_prefix_matches = True
 
     def __init__(
         self,

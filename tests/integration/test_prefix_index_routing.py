@@ -100,6 +100,26 @@ def test_same_prefix_lands_on_the_worker_that_holds_it(tiny_model_dir: Path) -> 
     asyncio.run(scenario())
 
 
+def test_policies_that_ignore_prefixes_skip_the_lookup(tiny_model_dir: Path) -> None:
+    """round_robin with an index configured: no lookup round trip per request (the policy would
+    not read it), while the workers' own prefix caches still report their hits."""
+
+    async def scenario() -> None:
+        async with fake_cluster(
+            tiny_model_dir, n_prefill=2, n_decode=1, kv_blocks=256, worker=ROOMY,
+            policy="round_robin",
+        ) as c:  # fmt: skip
+            await synced(c)
+            by_group = await run_groups(c.stub, range(2), 4)
+            assert c.router.prefix_index.stats.lookups == 0
+            finals = [f for fs in by_group.values() for f in fs]
+            assert len({f.prefill_worker for f in finals}) == 2, "round-robin uses both"
+            assert any(f.usage.cached_tokens == PREFIX for f in finals)
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
 def test_router_replicas_share_what_they_learn(
     tiny_model_dir: Path, redis_server: RedisServer
 ) -> None:
