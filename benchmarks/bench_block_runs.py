@@ -1,5 +1,5 @@
 """How often a prefill worker's prompt sits in consecutive KV blocks — the case the KV transfer
-sends straight from the cache (zero-copy, `KVCache.layer_run`); any other prompt's layers are
+sends straight from the cache (zero-copy, `KVCache.run_start`); any other prompt's layers are
 copied out first (`kvtransfer.staging.read_layer`).
 
     python -m benchmarks.bench_block_runs --out benchmarks/results/block_runs.json

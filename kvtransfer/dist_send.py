@@ -7,16 +7,17 @@ check the receiver still serves the pair's generation (else re-join once and ann
 wait for each layer's send to complete, wait for the acknowledgement. Every wait is bounded by
 the transfer's deadline.
 
-The engine thread only picks a layer's data and posts it: with a non-blocking ``send`` once
-the transfer is announced, else into `SendTransfer.pending`, which the thread posts when it
+The engine thread only picks a layer's data and posts it: with a non-blocking ``send`` once the
+transfer is announced, else into `SendTransfer.pending`, which the thread posts when it
 announces. The data is the cache itself when the source blocks are consecutive
-(`KVCache.layer_run`, a view: **zero-copy**), else a copy (`kvtransfer.staging.read_layer`) into a
-buffer from the sender's `StagingPool` — reused memory: a fresh multi-megabyte buffer faults
-in page by page, which costs more than the copy. Buffers go back to the pool once every send of
-the transfer completed (dropped if one failed: gloo may still read them). A send in
-flight may therefore read the source blocks until it completes; the thread sets
-`SendTransfer.sends_done` once no send it posted can read them any more, and the transport
-holds a cancelled transfer's result (so its blocks) until then (`kvtransfer.torch_dist`).
+(`KVCache.run_start` / `layer_slice`, a view: **zero-copy**), else a copy
+(`kvtransfer.staging.read_layer`) into a buffer from the sender's `StagingPool` — reused memory:
+a fresh multi-megabyte buffer faults in page by page, which costs more than the copy. Buffers go
+back to the pool once every send of the transfer completed (dropped if one failed: gloo may
+still read them). A send in flight may therefore read the source blocks until it completes; the
+thread sets `SendTransfer.sends_done` once no send it posted can read them any more, and the
+transport holds a cancelled transfer's result (so its blocks) until then
+(`kvtransfer.torch_dist`).
 
 `SendTransfer.cond` guards the fields the two threads share (pending, works, announced, the
 flags). With NCCL (no message tags) a pair carries one transfer at a time (`SendPair.serial`);

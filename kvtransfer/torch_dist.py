@@ -15,11 +15,11 @@ on a failure that leaves the pair's connection in doubt drops the pair so the ne
 with a fresh group.
 
 Zero-copy sends: a layer whose source blocks are consecutive is sent straight from the cache
-(`KVCache.layer_run`), so a send still in flight after the sender's result could read blocks
-the prefill worker has already reused. Two rules keep that from ever reaching a decode cache:
-a cancelled zero-copy transfer reports its result only once its sends are done (or at its
-deadline), and a receiving thread never writes a layer after the ticket's deadline — which
-comes before the sender's (both count ``ticket.timeout_ms``, the sender from the later
+(`KVCache.run_start` / `layer_slice`), so a send still in flight after the sender's result could
+read blocks the prefill worker has already reused. Two rules keep that from ever reaching a
+decode cache: a cancelled zero-copy transfer reports its result only once its sends are done (or
+at its deadline), and a receiving thread never writes a layer after the ticket's deadline —
+which comes before the sender's (both count ``ticket.timeout_ms``, the sender from the later
 ``open``), so bytes read after a sender's deadline never complete a transfer.
 """
 

@@ -7,15 +7,15 @@ Layout — one tensor for the whole cache, block-major within a layer::
 
 Block-major means one block's K and V of a layer sit side by side, so a run of consecutive
 block ids is one contiguous region of a layer: the KV transfer sends it as one message without
-copying it out first (`layer_run`). The attention backends see a layer as two strided views,
-key and value cache, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a block
-stride of ``2 * block_size * num_kv_heads * head_dim`` (`layer`).
+copying it out first (`run_start` + `layer_slice`). The attention backends see a layer as two
+strided views, key and value cache, each ``[num_blocks, block_size, num_kv_heads, head_dim]``
+with a block stride of ``2 * block_size * num_kv_heads * head_dim`` (`layer`).
 
 A token at position p of a sequence with block table `bt` lives in block `bt[p // block_size]`
 at offset `p % block_size`; its *slot* is `block_id * block_size + offset`.
 
 The KV transfer moves one layer of one request as a single contiguous tensor
-`[n_blocks, 2, block_size, num_kv_heads, head_dim]` (`message_shape`; `layer_run`,
+`[n_blocks, 2, block_size, num_kv_heads, head_dim]` (`message_shape`; `layer_slice`,
 `gather_layer` / `scatter_layer`).
 Which blocks are free or cached is the `BlockPool`'s business, not this class's.
 """
@@ -124,11 +124,6 @@ class KVCache:
         """A view (no copy) of blocks first .. first+count-1 of one layer, contiguous and
         shaped `message_shape(count)`."""
         return self.kv[layer_idx, first : first + count]
-
-    def layer_run(self, layer_idx: int, block_ids: Sequence[int]) -> torch.Tensor | None:
-        """`layer_slice` of `block_ids` when they are a `run_start` run; None otherwise."""
-        first = self.run_start(block_ids)
-        return None if first is None else self.layer_slice(layer_idx, first, len(block_ids))
 
     def gather_layer(
         self, layer_idx: int, block_ids: Sequence[int], out: torch.Tensor | None = None

@@ -30,16 +30,17 @@ def test_layer_views_are_the_halves_of_each_block() -> None:
     assert k.data_ptr() == cache.kv[1].data_ptr()  # views, not copies
 
 
-def test_layer_run_is_a_contiguous_view_of_consecutive_blocks_only() -> None:
+def test_a_run_of_consecutive_blocks_is_a_contiguous_view() -> None:
     cache = filled_cache()
-    run = cache.layer_run(2, [3, 4, 5])
-    assert run is not None and run.is_contiguous()
+    assert cache.run_start([3, 4, 5]) == 3
+    run = cache.layer_slice(2, 3, 3)
+    assert run.is_contiguous()
     assert run.shape == cache.message_shape(3)
     assert run.data_ptr() == cache.kv[2, 3].data_ptr()
     assert torch.equal(run, cache.gather_layer(2, [3, 4, 5]))
-    assert cache.layer_run(2, [3, 5]) is None
-    assert cache.layer_run(2, [4, 3]) is None
-    assert cache.layer_run(2, []) is None
+    assert cache.run_start([3, 5]) is None
+    assert cache.run_start([4, 3]) is None
+    assert cache.run_start([]) is None
 
 
 def test_gather_scatter_round_trip_and_shape_check() -> None:
