@@ -169,7 +169,10 @@ def test_helper_threads_are_reused_and_survive_a_failing_job():
     first, second = threading.Event(), threading.Event()
     reuse.start("first", lambda: (record(), first.set()))
     assert first.wait(2.0)
-    time.sleep(0.05)  # the first job's thread is idle now
+    end = time.monotonic() + 2.0
+    while reuse._idle == 0 and time.monotonic() < end:  # until the first job's thread is idle
+        time.sleep(0.001)
+    assert reuse._idle == 1
     reuse.start("second", lambda: (record(), second.set()))
     assert second.wait(2.0)
     assert seen[-1] == seen[-2]  # the idle thread took the second job
