@@ -267,12 +267,8 @@ class Receiver:
         with self._lock:
             pair = self._pairs.get(sender)
             if pair is None or pair.gen != gen:
-                log.warning(
-                    "kvtransfer: header for %s from %s on a dropped pair (gen %d); ignored",
-                    tid,
-                    sender,
-                    gen,
-                )
+                why = "kvtransfer: header for %s from %s on a dropped pair (gen %d); ignored"
+                log.warning(why, tid, sender, gen)
                 return
             tr = self._live.get(tid)
             code = header_verdict(

@@ -134,9 +134,8 @@ class RequestRun:
         raise RouterError(last.code, last.message)
 
     async def _prefix_lookup(self) -> PromptPrefix:
-        """The prompt's chain and the index's matches (block size: the workers', if they
-        agree; otherwise, without an index, or when the policy ignores prefixes, no lookup and
-        no matches: route by load only)."""
+        """The prompt's chain and the index's matches (block size: the workers', if they agree;
+        else, without an index, or for a policy that ignores prefixes: none, by load only)."""
         if self.prefix_index is None or not self.policy.uses_prefix_matches:
             return PromptPrefix()
         role: Role = "colocated" if self.colocated else "prefill"
