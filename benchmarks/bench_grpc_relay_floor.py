@@ -215,7 +215,12 @@ def main() -> None:
         finally:
             for p in procs:  # stop what this run started, by PID
                 p.terminate()
-                p.wait(10)
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:  # ignored SIGTERM: kill, then reap
+                    p.kill()
+                    p.wait()
     res["load_avg_1m"] = os.getloadavg()[0]
     for key, name in (("", "grpc.aio"), ("thread_", "thread-pool")):
         print(
