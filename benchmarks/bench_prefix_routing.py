@@ -3,13 +3,13 @@
 Runs as its own process from the repository root::
 
     python -m benchmarks.bench_prefix_routing [--groups 16] [--per-group 16] [--prefix 512]
-        [--suffix 64] [--rate 5 | --rate 0 --concurrency 4] [--prefill-blocks 384]
-        [--repeats 1] [--out FILE]
+        [--suffix 64] [--rate 1 | --rate 0 --concurrency 4] [--prefill-blocks 384]
+        [--preset small|medium] [--repeats 1] [--out FILE]
 
 One run = for each policy (prefix_aware, round_robin): fresh worker processes (2 prefill +
-1 decode, a random "medium" model unless `--model`/`--preset`, CPU, empty prefix caches),
-a redis-server on a free loopback port, the router in this process with the Redis prefix
-index, then every request of the workload — `groups` x `per-group` prompts, each a group's
+1 decode, the random `small` benchmark model unless `--model`/`--preset`, CPU, empty prefix
+caches), a redis-server on a free loopback port, the router in this process with the Redis
+prefix index, then every request of the workload — `groups` x `per-group` prompts, each a group's
 shared `prefix` tokens plus its own `suffix` tokens, in one seeded random order — sent by
 Poisson arrivals at `--rate` per second (open loop; `--rate 0`: `--concurrency` closed-loop
 clients) from a child process. Each prefill worker's KV cache (`--prefill-blocks`) holds about half
@@ -86,11 +86,17 @@ async def client_loop(
     results: list[dict[str, Any] | None] = [None] * len(prompts)
     failures: list[str] = []
 
+    done = 0
+
     async def send(i: int, ids: list[int]) -> None:
+        nonlocal done
         try:
             results[i] = await one(stub, ids, max_tokens)
         except grpc.aio.AioRpcError as exc:
             failures.append(f"{exc.code().name}: {exc.details()}")
+        done += 1
+        if done % 32 == 0 or done == len(prompts):  # progress, on the parent's stderr
+            print(f"  {done}/{len(prompts)} requests ended", file=sys.stderr, flush=True)
 
     async def client() -> None:
         while queue:
@@ -265,8 +271,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     redis.start()
     runs = []
     try:
-        for _ in range(args.repeats):  # policies alternate, so slow phases of a shared host
+        for rep in range(args.repeats):  # policies alternate, so slow phases of a shared host
             for policy in args.policies:  # hit each of them alike
+                n_runs = args.repeats * len(args.policies)
+                what = f"{policy} (repeat {rep + 1}), {len(reqs)} requests"
+                print(f"run {len(runs) + 1}/{n_runs}: {what}", file=sys.stderr, flush=True)
                 runs.append(await run_policy(policy, model, redis.url, reqs, args))
     finally:
         redis.stop()
@@ -334,7 +343,13 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefix_routing")
     p.add_argument("--model", help="model folder (default: make the --preset random model)")
-    p.add_argument("--preset", default="medium", choices=["tiny", "medium", "small"])
+    p.add_argument(
+        "--preset",
+        default="small",
+        choices=["tiny", "medium", "small"],
+        help="random model to build: small (the benchmark preset, default) or the 13M-parameter "
+        "medium one, on which a 2-core host's fixed per-request costs outweigh the prefix cache",
+    )
     p.add_argument("--cache-weight", type=float, default=None, help="prefix_routing override")
     p.add_argument("--load-weight", type=float, default=None, help="prefix_routing override")
     p.add_argument("--groups", type=int, default=16)
@@ -346,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rate",
         type=float,
-        default=5.0,
-        help="open loop: Poisson arrivals per second, between the two policies' capacities "
-        "(~7.5 req/s round-robin, ~12 prefix-aware for the medium model on 2 CPU cores); "
-        "0: closed loop with --concurrency clients",
+        default=1.0,
+        help="open loop: Poisson arrivals per second (small model on 2 CPU cores: at 1 req/s "
+        "round-robin's prefill queue averaged 44 ms, at 2 its compute tripled under contention; "
+        "medium model: use ~5); 0: closed loop with --concurrency clients",
     )
     p.add_argument("--prefill-blocks", type=int, default=384, help="KV blocks per worker")
     p.add_argument("--seed", type=int, default=0)
