@@ -18,11 +18,15 @@ one run:
 - raw gloo: the same bytes (the prompt's layers, gathered beforehand) as the same number of
   messages, one per layer, over a bare 2-rank gloo group between the same processes, from the
   first send to the last receive — no gather, no scatter, no handshake;
+- shm: the same transfer on the same-host shared-memory data plane (`kvtransfer.shm`: a
+  notification per layer, the decode side copies the blocks straight out of the prefill
+  worker's cache), from a second prefill transport on the same cache, interleaved with the rest;
 - memcpy: one in-process copy of the same bytes;
-- streaming: a real prefill with ``on_layer_done -> send_layer``; ``exposed`` is the time from
-  the end of the forward pass to the KV being complete on the decode side (the part not hidden
-  behind compute), ``hidden = 1 - exposed / transfer``, and ``ttft`` runs from the start of the
-  prefill to the KV complete on the decode side (router and sampling excluded).
+- streaming (both data planes): a real prefill with ``on_layer_done -> send_layer``;
+  ``exposed`` is the time from the end of the forward pass to the KV being complete on the
+  decode side (the part not hidden behind compute), ``hidden = 1 - exposed / transfer``, and
+  ``ttft`` runs from the start of the prefill to the KV complete on the decode side (router
+  and sampling excluded).
 
 Medians over ``--reps``; ``paired`` ratios are the median of rep-by-rep ratios (each transfer
 against the raw run right beside it), which the host's slow drift affects least. Writes JSON
@@ -47,7 +51,12 @@ from kvtransfer.torch_dist import TorchDistTransport
 from kvtransfer.types import TransferResult, blocks_needed
 from model_runtime.kv_cache import KVCache
 
-TARGETS = {"vs_raw_gloo": 0.90, "hidden": 0.75, "share_of_ttft_at_1k_plus": 0.05}
+TARGETS = {
+    "vs_raw_gloo": 0.90,
+    "hidden": 0.75,
+    "share_of_ttft_at_1k_plus": 0.05,
+    "shm_vs_memcpy": 0.33,
+}
 
 
 def _finish(p: TorchDistTransport, d: Decode, tid: str) -> float:
@@ -132,19 +141,28 @@ def _stats(xs: list[float]) -> dict[str, Any]:
 
 
 def measure_bandwidth(
-    p: TorchDistTransport, d: Decode, raw: rdv.PairGroup, cache: KVCache, n: int, reps: int
+    p: TorchDistTransport,
+    p_shm: TorchDistTransport,
+    d: Decode,
+    raw: rdv.PairGroup,
+    cache: KVCache,
+    n: int,
+    reps: int,
 ) -> dict[str, Any]:
-    """Transfer vs raw gloo (interleaved, so load drift hits both) vs memcpy, for n tokens."""
+    """Transfer (gloo bytes, shared memory) vs raw gloo (interleaved, so load drift hits every
+    one) vs memcpy, for n tokens."""
     ids = list(range(blocks_needed(n, BLOCK)))
     layers = [cache.gather_layer(i, ids) for i in range(cache.num_layers)]  # the same bytes
     nbytes = sum(t.numel() * t.element_size() for t in layers)
-    xfer, rawt, scat = [], [], []
+    xfer, rawt, scat, shm, shm_scat = [], [], [], [], []
     for _ in range(reps):
         xfer.append(bench_transfer(p, d, n))
         rawt.append(bench_raw(raw, d, layers))
         scat.append(bench_transfer(p, d, n, scattered=True))
+        shm.append(bench_transfer(p_shm, d, n))
+        shm_scat.append(bench_transfer(p_shm, d, n, scattered=True))
     mem = min(bench_memcpy(nbytes) for _ in range(reps))
-    x, r, sc = _stats(xfer), _stats(rawt), _stats(scat)
+    x, r, sc, sh, shs = _stats(xfer), _stats(rawt), _stats(scat), _stats(shm), _stats(shm_scat)
     return {
         "tokens": n,
         "bytes": nbytes,
@@ -165,6 +183,13 @@ def measure_bandwidth(
             a / b for a, b in zip(rawt, scat, strict=True)
         ),
         "vs_memcpy": mem / x["min"],
+        "shm_s": sh,
+        "shm_scattered_s": shs,
+        "shm_gbs": nbytes / sh["min"] / 1e9,
+        "shm_vs_raw_gloo": r["min"] / sh["min"],
+        "shm_vs_raw_gloo_paired": statistics.median(a / b for a, b in zip(rawt, shm, strict=True)),
+        "shm_vs_memcpy": mem / sh["min"],
+        "shm_scattered_vs_memcpy": mem / shs["min"],
     }
 
 
@@ -218,6 +243,10 @@ def run(model_dir: str, sizes: list[int], reps: int, stream_reps: int) -> dict[s
     d = Decode(model_dir, max_blocks + 8)
     try:
         p = TorchDistTransport(cache, "bench-p", serve=False, connect_timeout_s=60.0)
+        # Same cache (moved into shared memory), a second sender id: its pair reads in place.
+        p_shm = TorchDistTransport(
+            cache, "bench-p-shm", serve=False, connect_timeout_s=60.0, shared_memory=True
+        )
     except BaseException:
         d.stop()
         raise
@@ -231,14 +260,22 @@ def run(model_dir: str, sizes: list[int], reps: int, stream_reps: int) -> dict[s
         prompts = {n: torch.randint(3, vocab, (n,), generator=gen).tolist() for n in sizes}
         bench_prefill(runner, prompts[max(sizes)], None, None)  # warm-up; fills the cache
         bench_transfer(p, d, 32)  # warm-up: joins the pair
-        bandwidth = [measure_bandwidth(p, d, raw, cache, n, reps) for n in sizes]
+        bench_transfer(p_shm, d, 32)
+        if p_shm.shared_memory_peers() != ["bench-d"]:
+            raise RuntimeError("the shared-memory sender fell back to gloo (see the log)")
+        bandwidth = [measure_bandwidth(p, p_shm, d, raw, cache, n, reps) for n in sizes]
         streaming = [
             measure_streaming(runner, p, d, prompts[n], b["transfer_s"]["median"], stream_reps)
+            for n, b in zip(sizes, bandwidth, strict=True)
+        ]
+        streaming_shm = [
+            measure_streaming(runner, p_shm, d, prompts[n], b["shm_s"]["median"], stream_reps)
             for n, b in zip(sizes, bandwidth, strict=True)
         ]
     finally:
         d.stop()
         p.close()
+        p_shm.close()
     return {
         "preset": "small",
         "model_dir": model_dir,
@@ -251,6 +288,7 @@ def run(model_dir: str, sizes: list[int], reps: int, stream_reps: int) -> dict[s
         "load_avg_1m": os.getloadavg()[0],
         "bandwidth": bandwidth,
         "streaming": streaming,
+        "streaming_shm": streaming_shm,
         "targets": TARGETS,
         "meets": _meets(bandwidth, streaming),
     }
@@ -265,6 +303,7 @@ def _meets(bandwidth: list[dict[str, Any]], streaming: list[dict[str, Any]]) -> 
             for s in streaming
             if s["tokens"] >= 1024
         ),
+        "shm_vs_memcpy": all(b["shm_vs_memcpy"] >= TARGETS["shm_vs_memcpy"] for b in bandwidth),
     }
 
 
@@ -287,11 +326,33 @@ def table(res: dict[str, Any]) -> str:
         )
     lines += [
         "",
+        "Shared-memory data plane (same host):",
+        "",
+        "| tokens | shm ms best (median) | GB/s | vs raw gloo: best [paired] | vs memcpy "
+        "| scattered src: ms best, vs memcpy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in res["bandwidth"]:
+        lines.append(
+            f"| {b['tokens']} | {b['shm_s']['min'] * 1e3:.2f} ({b['shm_s']['median'] * 1e3:.2f}) "
+            f"| {b['shm_gbs']:.2f} | {b['shm_vs_raw_gloo']:.0%} "
+            f"[{b['shm_vs_raw_gloo_paired']:.0%}] | {b['shm_vs_memcpy']:.0%} | "
+            f"{b['shm_scattered_s']['min'] * 1e3:.2f}, {b['shm_scattered_vs_memcpy']:.0%} |"
+        )
+    for title, key in (("gloo bytes", "streaming"), ("shared memory", "streaming_shm")):
+        lines += ["", f"Streaming ({title}):", ""]
+        lines += _streaming_table(res[key])
+    lines += ["", f"targets {res['targets']} -> met {res['meets']}"]
+    return "\n".join(lines)
+
+
+def _streaming_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
         "| tokens | prefill alone ms | prefill + stream ms | transfer ms | exposed ms | hidden "
         "| tail ms | hidden (tail) | TTFT ms | exposed / TTFT | tail / TTFT |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in res["streaming"]:
+    for s in rows:
         lines.append(
             f"| {s['tokens']} | {s['prefill_alone_s'] * 1e3:.0f} | "
             f"{s['prefill_streaming_s'] * 1e3:.0f} | {s['transfer_s'] * 1e3:.1f} | "
@@ -299,8 +360,7 @@ def table(res: dict[str, Any]) -> str:
             f"{s['hidden_by_tail']:.0%} | {s['ttft_s'] * 1e3:.0f} | "
             f"{s['exposed_share_of_ttft']:.2%} | {s['tail_share_of_ttft']:.2%} |"
         )
-    lines += ["", f"targets {res['targets']} -> met {res['meets']}"]
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:

@@ -40,7 +40,8 @@ def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
     transport's waker, at most 2 ms while a transfer is in flight, then polls the transport.
     """
     cache = _decode_cache(model_dir, num_blocks)
-    tr = TorchDistTransport(cache, "bench-d", connect_timeout_s=60.0)
+    # Accepts both data planes: a sender that offers shared memory gets it, others gloo bytes.
+    tr = TorchDistTransport(cache, "bench-d", connect_timeout_s=60.0, shared_memory=True)
     wake_r, wake_w = os.pipe()
 
     def wake() -> None:

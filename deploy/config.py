@@ -140,6 +140,12 @@ class TransferSection(_Frozen):
         description="Address decode workers advertise for KV rendezvous; 'auto' = the worker "
         "host (127.0.0.1 locally, the node IP on an external Ray cluster).",
     )
+    shared_memory: bool = Field(
+        default=True,
+        description="Same-host data plane for CPU workers: a decode worker copies the KV "
+        "blocks straight out of the prefill worker's cache (shared memory) instead of "
+        "receiving them over gloo; pairs on different hosts fall back to gloo by themselves.",
+    )
 
 
 class ClusterConfig(_Frozen):

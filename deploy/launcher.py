@@ -72,6 +72,7 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         str(config.worker_nice),
         "--engine-json",
         config.engine.model_dump_json(),
+        "--kv-shared-memory" if config.transfer.shared_memory else "--no-kv-shared-memory",
     ]
     return [*argv, "--sched-idle"] if config.worker_sched_idle else argv
 

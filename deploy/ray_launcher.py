@@ -214,6 +214,7 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
         sched_idle=config.worker_sched_idle,
         transfer_timeout_s=config.transfer.timeout_s,
         kv_host=kv_host,
+        kv_shared_memory=config.transfer.shared_memory,
     )
     return wc.model_dump_json()
 

@@ -95,6 +95,11 @@ class WorkerConfig(BaseModel):
         default="127.0.0.1", description="Address of this worker's KV transport (store + pairs)."
     )
     kv_port: int = Field(default=0, ge=0, le=65535, description="KV store port; 0 = pick.")
+    kv_shared_memory: bool = Field(
+        default=True,
+        description="Keep the KV cache in shared memory and use the same-host data plane "
+        "with peers that do too (CPU only; see kvtransfer.shm).",
+    )
     kv_connect_timeout_s: float = Field(
         default=10.0, gt=0, description="Bound on joining a KV peer (never above a deadline)."
     )
@@ -148,6 +153,7 @@ class WorkerServer:
             host=cfg.kv_host,
             port=cfg.kv_port,
             connect_timeout_s=cfg.kv_connect_timeout_s,
+            shared_memory=cfg.kv_shared_memory,
         )
         self.kv_endpoint = f"{transport.endpoint.host}:{transport.endpoint.port}"
         ctx = RoleContext(
@@ -316,6 +322,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
     )
     p.add_argument("--kv-host", default="127.0.0.1", help="KV transport address")
     p.add_argument("--kv-port", type=int, default=0, help="KV store port (0 = pick)")
+    p.add_argument(
+        "--kv-shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="same-host shared-memory KV data plane (CPU)",
+    )
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--stop-grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -332,6 +344,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         "sched_idle": args.sched_idle,
         "kv_host": args.kv_host,
         "kv_port": args.kv_port,
+        "kv_shared_memory": args.kv_shared_memory,
         "transfer_timeout_s": args.transfer_timeout_s,
     }
     if args.worker_id:

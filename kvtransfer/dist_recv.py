@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore, Work
 
 from kvtransfer import rendezvous as rdv
+from kvtransfer.shm import PeerCache, SegmentInfo, ShmUnavailable
 from kvtransfer.staging import StagingPool, write_layer
 from kvtransfer.types import (
     Code,
@@ -56,6 +57,7 @@ from kvtransfer.wire import (
     EventQueue,
     HelperThreads,
     control_tensor,
+    empty_control,
     remaining,
     td,
 )
@@ -77,6 +79,7 @@ class RecvPair:
     group: rdv.PairGroup | None = None
     error: str | None = None
     store: TCPStore | None = None  # the connection the group was built on, kept with it
+    peer_cache: PeerCache | None = None  # shared-memory pair: the sender's cache, mapped
 
 
 @dataclass
@@ -93,6 +96,7 @@ class RecvTransfer:
     layers_written: int = 0
     cancelled: bool = False  # engine thread only; the result goes out at the next poll
     nbytes: int = 0
+    src_ids: list[int] | None = None  # shared-memory pair: the sender's blocks (from the header)
     final_code: Code = Code.RECEIVER_FAILED
     decided: threading.Event = field(default_factory=threading.Event)
 
@@ -113,8 +117,10 @@ class Receiver:
         connect_timeout_s: float,
         events: EventQueue,
         staging: StagingPool,
+        shared_memory: bool = False,
     ) -> None:
         self._worker_id = worker_id
+        self._shared_memory = shared_memory and cache.device.type == "cpu"
         self._cache = cache
         self._layout = cache.layout
         self._device = cache.device
@@ -223,7 +229,7 @@ class Receiver:
         except LayoutMismatchError as exc:
             self._ctl.set(rdv.join_key(sender, gen), f"reject:{exc}")
             return
-        pair = RecvPair(sender, gen)
+        pair = RecvPair(sender, gen, peer_cache=self._map_peer_cache(sender, rec.get("shm")))
         with self._lock:
             old = self._pairs.get(sender)
             if old is not None and old.gen >= gen:
@@ -232,8 +238,29 @@ class Receiver:
                 return
             self._pairs[sender] = pair
         self._ctl.set(rdv.cur_key(sender), str(gen))
-        self._ctl.set(rdv.join_key(sender, gen), "ok")
+        verdict = rdv.JOIN_OK_SHM if pair.peer_cache is not None else rdv.JOIN_OK
+        self._ctl.set(rdv.join_key(sender, gen), verdict)
         self._helpers.start(f"kvx-join-{sender}-{gen}", self._build_pair, pair)
+
+    def _map_peer_cache(self, sender: str, shm: Any) -> PeerCache | None:
+        """The sender's cache mapped read-only, when both sides want shared memory and the
+        segment checks out (same host and pid namespace, right size, right token)."""
+        if shm is None or not self._shared_memory:
+            return None
+        try:
+            info = SegmentInfo.from_dict(shm)
+            if (
+                info.shape
+                != tuple(self._cache.kv.shape[:1])
+                + info.shape[1:2]
+                + tuple(self._cache.kv.shape[2:])
+                or info.itemsize != self._cache.kv.element_size()
+            ):
+                raise ShmUnavailable(f"segment shape {info.shape} does not fit this layout")
+            return PeerCache(info)
+        except (ShmUnavailable, KeyError, TypeError, ValueError) as exc:
+            log.info("kvtransfer: no shared memory with %s, bytes go over gloo: %s", sender, exc)
+            return None
 
     def _build_pair(self, pair: RecvPair) -> None:
         try:
@@ -277,6 +304,13 @@ class Receiver:
                 epoch,
                 int(rec["num_tokens"]),
             )
+            if code is Code.GO and tr is not None and pair.peer_cache is not None:
+                tr.src_ids = _source_blocks(
+                    rec.get("src"), tr.ticket.num_blocks, pair.peer_cache.num_blocks
+                )
+                if tr.src_ids is None:
+                    log.warning("kvtransfer: header for %s has bad source blocks; ignored", tid)
+                    return
             if code is Code.GO and tr is not None:
                 tr.sender, tr.pair = sender, pair
         name = f"kvx-recv-{tid}"
@@ -286,7 +320,7 @@ class Receiver:
             posted = None
             if pair.ready.is_set() and pair.group is not None:
                 try:
-                    posted = self._post_receives(pair.group, tr.ticket, tag)
+                    posted = self._post_receives(pair.group, tr, tag)
                 except RuntimeError as exc:
                     error = f"receive failed: {exc}"
                     self._events.put(
@@ -311,8 +345,12 @@ class Receiver:
         log.info("kvtransfer: transfer %s from %s: %s", tid, pair.sender, code.describe())
         try:
             group = self._group(pair, deadline)
-            scratch = torch.empty(
-                self._cache.message_shape(n_blocks), dtype=self._dtype, device=self._device
+            scratch = (
+                empty_control(self._device)  # a shared-memory pair streams notifications
+                if pair.peer_cache is not None
+                else torch.empty(
+                    self._cache.message_shape(n_blocks), dtype=self._dtype, device=self._device
+                )
             )
             for _ in range(self._layout.num_layers):
                 group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
@@ -321,14 +359,19 @@ class Receiver:
             log.warning("kvtransfer: could not reject %s to %s: %s", tid, pair.sender, exc)
 
     def _post_receives(
-        self, group: rdv.PairGroup, t: TransferTicket, tag: int
+        self, group: rdv.PairGroup, tr: RecvTransfer, tag: int
     ) -> tuple[list[torch.Tensor], list[Work]]:
         """Staging buffers (from the pool, flat) for every layer, each with its receive posted.
 
         All up front: gloo only moves a message once its receive is posted, so receiving a few
-        layers ahead would cost a round trip per layer.
+        layers ahead would cost a round trip per layer. On a shared-memory pair each message is
+        a layer's notification (`wire.layer_notice`), not its bytes.
         """
+        t = tr.ticket
         shape = self._cache.message_shape(t.num_blocks)
+        if tr.src_ids is not None:
+            notes = [empty_control(self._device) for _ in range(t.layout.num_layers)]
+            return notes, [group.recv([n], 1, tag) for n in notes]
         n, layers = math.prod(shape), t.layout.num_layers
         bufs = self._staging.take_many(n, self._dtype, self._device, layers)
         return bufs, [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
@@ -342,10 +385,11 @@ class Receiver:
     ) -> None:
         """Receive and write the layers in order, then acknowledge (see the module docstring)."""
         tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
-        layers, dst = t.layout.num_layers, t.dst_block_ids[: t.num_blocks]
+        layers, dst = t.layout.num_layers, list(t.dst_block_ids[: t.num_blocks])
+        peer = pair.peer_cache
         try:
             group = self._group(pair, tr.deadline)
-            bufs, works = posted or self._post_receives(group, t, tag)
+            bufs, works = posted or self._post_receives(group, tr, tag)
             shape = self._cache.message_shape(t.num_blocks)
             for i, work in enumerate(works):
                 work.wait(td(remaining(tr.deadline)))
@@ -357,13 +401,20 @@ class Receiver:
                         # Never complete with bytes that arrived late: past the sender's own
                         # deadline (later than ours) it may have reused the blocks it sends from.
                         raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
-                    if not tr.finished:
+                    if tr.finished:
+                        continue
+                    if peer is not None and tr.src_ids is not None:  # one copy, from its cache
+                        peer.copy_layer(i, tr.src_ids, self._cache, dst)
+                        if time.monotonic() >= tr.deadline:  # the sender may reuse them now
+                            raise TimeoutError(f"layer {i} was read past the deadline")
+                    else:
                         write_layer(self._cache, i, dst, StagingPool.view(bufs[i], shape))
-                        tr.layers_written += 1
+                    tr.layers_written += 1
             else:
-                nbytes = layers * math.prod(shape) * bufs[0].element_size()
+                nbytes = layers * math.prod(shape) * self._cache.kv.element_size()
                 self._events.put(Event("recv_done", tid, epoch, nbytes=nbytes))
-            self._staging.give(bufs)  # every receive completed: nothing writes into them now
+            if tr.src_ids is None:
+                self._staging.give(bufs)  # every receive completed: nothing writes into them
         except (RuntimeError, TimeoutError) as exc:
             self._events.put(
                 Event("recv_failed", tid, epoch, error=f"receive failed: {exc}", pair_broken=True)
@@ -398,3 +449,12 @@ class Receiver:
             return False
         self._quick.delete_key(key)
         return True
+
+
+def _source_blocks(src: Any, n_blocks: int, peer_blocks: int) -> list[int] | None:
+    """A header's source block list (`n_blocks` ids of the sender's cache), or None."""
+    if not isinstance(src, list) or len(src) != n_blocks:
+        return None
+    if not all(isinstance(b, int) and 0 <= b < peer_blocks for b in src):
+        return None
+    return [int(b) for b in src]

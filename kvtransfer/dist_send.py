@@ -7,9 +7,12 @@ check the receiver still serves the pair's generation (else re-join once and ann
 wait for each layer's send to complete, wait for the acknowledgement. Every wait is bounded by
 the transfer's deadline.
 
-The engine thread only picks a layer's data and posts it: with a non-blocking ``send`` once the
-transfer is announced, else into `SendTransfer.pending`, which the thread posts when it
-announces. The data is the cache itself when the source blocks are consecutive
+The engine thread only hands over a finished layer: it posts it with a non-blocking ``send``
+once the transfer is announced, else queues its index in `SendTransfer.pending`, which the
+thread posts when it announces. On a shared-memory pair (`kvtransfer.shm`) a layer's message
+is a notification and the receiver copies the blocks itself, straight from this worker's
+cache, which it may read until the acknowledgement. Otherwise the message is the layer's
+bytes: the cache itself when the source blocks are consecutive
 (`KVCache.run_start` / `layer_slice`, a view: **zero-copy**), else a copy
 (`kvtransfer.staging.read_layer`) into a buffer from the sender's `StagingPool` — reused memory:
 a fresh multi-megabyte buffer faults in page by page, which costs more than the copy. Buffers go
@@ -27,6 +30,7 @@ gloo multiplexes concurrent transfers on one pair by tag.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,13 +39,15 @@ import torch
 from torch._C._distributed_c10d import TCPStore, Work
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.staging import StagingPool
+from kvtransfer.shm import SegmentInfo
+from kvtransfer.staging import StagingPool, read_layer
 from kvtransfer.types import Code, PeerEndpoint, TransferError, TransferTicket
 from kvtransfer.wire import (
     CLOSE_WAIT_S,
     Event,
     EventQueue,
     HelperThreads,
+    control_tensor,
     empty_control,
     read_code,
     remaining,
@@ -64,6 +70,7 @@ class SendPair:
     gen: int = 0
     broken: bool = False
     next_tag: int = 0
+    shm: bool = False  # the receiver reads this worker's cache in place (`kvtransfer.shm`)
 
     def connected(self) -> tuple[TCPStore, rdv.PairGroup]:
         assert self.store is not None and self.group is not None, "pair used before connecting"
@@ -84,12 +91,13 @@ class SendTransfer:
     started: float
     deadline: float
     cond: threading.Condition = field(default_factory=threading.Condition)
-    pending: list[torch.Tensor] = field(default_factory=list)  # gathered before announcing
+    pending: list[int] = field(default_factory=list)  # layers done before announcing
     works: list[Work] = field(default_factory=list)  # posted sends, in layer order
     keep: list[torch.Tensor] = field(default_factory=list)  # their buffers, kept alive
     pooled: list[torch.Tensor] = field(default_factory=list)  # copies' buffers, from the pool
     sends_completed: bool = False  # every send completed without error (thread only)
     announced: bool = False
+    shm: bool = False  # announced on a shared-memory pair: the receiver reads the cache
     group: rdv.PairGroup | None = None
     tag: int = 0
     stop_posting: bool = False
@@ -114,8 +122,11 @@ class Sender:
         connect_timeout_s: float,
         events: EventQueue,
         staging: StagingPool,
+        segment: SegmentInfo | None = None,
     ) -> None:
         self._worker_id = worker_id
+        self._cache = cache
+        self._segment = segment  # this worker's cache in shared memory, offered at join
         self._layout = cache.layout
         self._device = cache.device
         self._dtype = cache.dtype
@@ -135,15 +146,27 @@ class Sender:
     def start(self, tr: SendTransfer) -> None:
         self._helpers.start(f"kvx-send-{tr.ticket.transfer_id}", self._run, tr)
 
-    def post_layer(self, tr: SendTransfer, data: torch.Tensor) -> None:
+    def post_layer(self, tr: SendTransfer, layer: int) -> None:
+        """Layer `layer` of the transfer's source blocks is final: send it (or queue it)."""
         with tr.cond:
             if tr.stop_posting:
                 return
             if tr.announced:
-                self._post(tr, data)
+                self._post(tr, self._message(tr, layer))
             else:
-                tr.pending.append(data)
+                tr.pending.append(layer)
             tr.cond.notify_all()
+
+    def _message(self, tr: SendTransfer, layer: int) -> torch.Tensor:
+        """What goes over the group for one layer (caller holds `tr.cond`, after announcing)."""
+        if tr.shm:
+            return control_tensor(layer, self._device)
+        if tr.run_start is not None:  # zero-copy: a view of the cache
+            return self._cache.layer_slice(layer, tr.run_start, len(tr.src))
+        shape = self._cache.message_shape(len(tr.src))
+        buf = self.staging.take(math.prod(shape), self._dtype, self._device)
+        tr.pooled.append(buf)
+        return read_layer(self._cache, layer, tr.src, StagingPool.view(buf, shape))
 
     def stop(self, tr: SendTransfer, cancelled: bool) -> None:
         """The engine gave up (deadline, close) or cancelled; the thread winds down."""
@@ -152,6 +175,11 @@ class Sender:
             if not cancelled:
                 tr.stop_posting = True
             tr.cond.notify_all()
+
+    def shm_receivers(self) -> list[str]:
+        """Worker ids of the receivers this worker currently streams to over shared memory."""
+        with self._lock:
+            return sorted(p.endpoint.worker_id for p in self._pairs.values() if p.shm)
 
     def drop_pair(self, pair: SendPair) -> None:
         with self._lock:
@@ -238,12 +266,13 @@ class Sender:
             limit = min(self._connect_timeout_s, remaining(deadline))
             store = rdv.connect_store(ep.host, ep.port, limit)
             gen = int(store.add(rdv.gen_key(me), 1))
-            store.queue_push(rdv.CTL_QUEUE, rdv.join_record(me, gen, self._layout))
+            shm = self._segment.to_dict() if self._segment is not None else None
+            store.queue_push(rdv.CTL_QUEUE, rdv.join_record(me, gen, self._layout, shm))
             key = rdv.join_key(me, gen)
             store.wait([key], td(min(self._connect_timeout_s, remaining(deadline))))
             verdict = store.get(key).decode()
             store.delete_key(key)
-            if verdict != "ok":
+            if verdict not in (rdv.JOIN_OK, rdv.JOIN_OK_SHM):
                 pair.broken = True
                 why = verdict.removeprefix("reject:")
                 raise TransferError(f"receiver {ep.worker_id} refused prefill {me}: {why}")
@@ -256,7 +285,7 @@ class Sender:
                 self._host,
                 min(self._connect_timeout_s, remaining(deadline)),
             )
-            pair.store, pair.gen = store, gen
+            pair.store, pair.gen, pair.shm = store, gen, verdict == rdv.JOIN_OK_SHM
             return True
         except BaseException:
             # Past our own deadline the failure is ours (the join was cut short), not the
@@ -283,22 +312,25 @@ class Sender:
             )
             raise TransferError("cancelled by sender")
         left_ms = max(1, round((deadline - time.monotonic()) * 1000))
+        src = list(tr.src) if pair.shm else None
         store.queue_push(
             rdv.CTL_QUEUE,
             rdv.xfer_record(
-                self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms
+                self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms, src
             ),
         )
         if verify and store.get(rdv.cur_key(self._worker_id)).decode() != str(pair.gen):
             return False
         with tr.cond:  # from here on the engine thread posts each layer as it comes
-            tr.group, tr.tag, tr.announced = group, tag, True
-            for data in tr.pending:
-                self._post(tr, data)
+            tr.group, tr.tag, tr.announced, tr.shm = group, tag, True, pair.shm
+            for layer in tr.pending:
+                self._post(tr, self._message(tr, layer))
             tr.pending.clear()
         for i in range(t.layout.num_layers):
             self._wait_layer(tr, pair, i).wait(td(remaining(deadline)))
-        tr.sends_done = tr.sends_completed = True  # the cache is not read any more
+        tr.sends_completed = True
+        if not tr.shm:  # the sends are done reading the cache; a shared-memory receiver is not
+            tr.sends_done = True
         ack = empty_control(self._device)
         group.recv([ack], 0, tag).wait(td(remaining(deadline)))
         code = read_code(ack)
@@ -323,8 +355,12 @@ class Sender:
         # Mark the transfer cancelled *before* the filler goes out, so the receiver, which
         # checks the mark after the last layer arrives, never completes it.
         pair.connected()[0].set(rdv.cancel_key(tr.ticket.transfer_id, tr.ticket.epoch), "1")
-        filler = torch.zeros(
-            self._message_shape(tr.ticket.num_blocks), dtype=self._dtype, device=self._device
+        filler = (
+            empty_control(self._device)
+            if tr.shm
+            else torch.zeros(
+                self._message_shape(tr.ticket.num_blocks), dtype=self._dtype, device=self._device
+            )
         )
         with tr.cond:
             while len(tr.works) < tr.ticket.layout.num_layers and tr.post_error is None:

@@ -11,7 +11,8 @@ that wants to push KV to it connects as a store client and:
    re-joining sender never collides with its previous incarnation);
 2. pushes a ``join`` record (sender id, g, its KV layout) onto the control queue
    ``kvx/ctl`` (`TCPStore.queue_push`, atomic: no half-written records);
-3. waits for the receiver's verdict ``kvx/join/<sender>/<g>`` (``ok`` or the layout
+3. waits for the receiver's verdict ``kvx/join/<sender>/<g>`` (``ok``; ``ok:shm`` when the
+   join carried a shared cache the receiver could map, `kvtransfer.shm`; or the layout
    mismatch, which names both values);
 4. both sides build a 2-rank process group on ``PrefixStore("kvx/pair/<sender>/<g>/")``:
    decode is rank 0, prefill rank 1. A torn-down pair is never reused: the next use makes
@@ -104,8 +105,16 @@ def decode(raw: bytes | str) -> dict[str, Any]:
     return rec
 
 
-def join_record(sender: str, gen: int, layout: KVLayout) -> str:
-    return encode({"kind": "join", "sender": sender, "gen": gen, "layout": layout_to_dict(layout)})
+def join_record(sender: str, gen: int, layout: KVLayout, shm: dict[str, Any] | None = None) -> str:
+    """`shm`: the sender's shared cache (`kvtransfer.shm.SegmentInfo.to_dict`), if it has one."""
+    rec = {"kind": "join", "sender": sender, "gen": gen, "layout": layout_to_dict(layout)}
+    if shm is not None:
+        rec["shm"] = shm
+    return encode(rec)
+
+
+JOIN_OK = "ok"  # join verdicts; anything else is "reject:<why>"
+JOIN_OK_SHM = "ok:shm"  # accepted, and the receiver reads the sender's cache in place
 
 
 def join_layout(record: dict[str, Any]) -> KVLayout:
@@ -120,20 +129,23 @@ def xfer_record(
     tag: int,
     num_tokens: int,
     timeout_ms: int,
+    src_block_ids: list[int] | None = None,
 ) -> str:
-    """A transfer header; `timeout_ms` is what is left of the sender's deadline."""
-    return encode(
-        {
-            "kind": "xfer",
-            "sender": sender,
-            "gen": gen,
-            "transfer_id": transfer_id,
-            "epoch": epoch,
-            "tag": tag,
-            "num_tokens": num_tokens,
-            "timeout_ms": timeout_ms,
-        }
-    )
+    """A transfer header; `timeout_ms` is what is left of the sender's deadline.
+    `src_block_ids` (shared-memory pairs only): where the receiver reads the layers from."""
+    rec: dict[str, Any] = {
+        "kind": "xfer",
+        "sender": sender,
+        "gen": gen,
+        "transfer_id": transfer_id,
+        "epoch": epoch,
+        "tag": tag,
+        "num_tokens": num_tokens,
+        "timeout_ms": timeout_ms,
+    }
+    if src_block_ids is not None:
+        rec["src"] = src_block_ids
+    return encode(rec)
 
 
 def cancel_record(sender: str, transfer_id: str, epoch: int) -> str:

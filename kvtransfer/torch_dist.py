@@ -25,6 +25,7 @@ which comes before the sender's (both count ``ticket.timeout_ms``, the sender fr
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import time
@@ -33,10 +34,13 @@ from collections.abc import Callable, Sequence
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver, RecvTransfer
 from kvtransfer.dist_send import Sender, SendTransfer
-from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool, read_layer
+from kvtransfer.shm import SegmentInfo, SharedCacheSegment, ShmUnavailable
+from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
 from kvtransfer.wire import Event, EventQueue
 from model_runtime.kv_cache import KVCache, KVLayout
+
+log = logging.getLogger(__name__)
 
 
 class TorchDistTransport:
@@ -46,7 +50,11 @@ class TorchDistTransport:
     its gloo pairs bind to it. `connect_timeout_s` bounds joining a peer (store connect, layout
     handshake, group rendezvous) — and never exceeds the transfer's own deadline.
     `staging_pool_bytes` bounds the message buffers kept for reuse between transfers
-    (`kvtransfer.staging.StagingPool`; 0 keeps none).
+    (`kvtransfer.staging.StagingPool`; 0 keeps none). `shared_memory` (CPU caches): move this
+    worker's cache into shared memory and use the same-host data plane with every peer that
+    also has it on (`kvtransfer.shm`) — the receiver copies the blocks straight from the
+    sender's cache; other peers still get the bytes over gloo. Build the transport before the
+    cache serves a step (it moves the cache's tensor).
     """
 
     def __init__(
@@ -59,6 +67,7 @@ class TorchDistTransport:
         connect_timeout_s: float = 10.0,
         serve: bool = True,
         staging_pool_bytes: int = STAGING_POOL_BYTES,
+        shared_memory: bool = False,
     ) -> None:
         if not worker_id or "/" in worker_id or "@" in worker_id:
             raise ValueError(f"worker_id must be non-empty without '/' or '@', got {worker_id!r}")
@@ -69,12 +78,25 @@ class TorchDistTransport:
         # Message buffers kept for reuse (copies of scattered layers, receives), shared by both
         # directions: at most `staging_pool_bytes` beyond what transfers in flight hold.
         pool = StagingPool(staging_pool_bytes)
+        segment = _share(cache) if shared_memory else None
+        self.shared_memory = segment is not None
         self._receiver = (
-            Receiver(worker_id, cache, host, port, connect_timeout_s, self._events, pool)
+            Receiver(
+                worker_id,
+                cache,
+                host,
+                port,
+                connect_timeout_s,
+                self._events,
+                pool,
+                shared_memory=self.shared_memory,
+            )
             if serve
             else None
         )
-        self._sender = Sender(worker_id, cache, host, connect_timeout_s, self._events, pool)
+        self._sender = Sender(
+            worker_id, cache, host, connect_timeout_s, self._events, pool, segment
+        )
         port_used = self._receiver.port if self._receiver is not None else 0
         self._endpoint = PeerEndpoint(worker_id, host, port_used)
         self._recvs: dict[str, RecvTransfer] = {}
@@ -88,6 +110,10 @@ class TorchDistTransport:
     @property
     def layout(self) -> KVLayout:
         return self._cache.layout
+
+    def shared_memory_peers(self) -> list[str]:
+        """Receivers this worker sends to through shared memory now (the rest get gloo bytes)."""
+        return self._sender.shm_receivers()
 
     def set_waker(self, waker: Callable[[], None] | None) -> None:
         self._events.waker = waker
@@ -127,15 +153,8 @@ class TorchDistTransport:
         tr.next_layer += 1
         if tr.cancelled or tr.stop_posting:
             return
-        if tr.run_start is not None:  # zero-copy: a view of the cache
-            data = self._cache.layer_slice(layer, tr.run_start, len(tr.src))
-        else:
-            shape = self._cache.message_shape(len(tr.src))
-            buf = self._sender.staging.take(math.prod(shape), self._cache.dtype, self._cache.device)
-            data = read_layer(self._cache, layer, tr.src, StagingPool.view(buf, shape))
-            tr.pooled.append(buf)
-        tr.nbytes += data.numel() * data.element_size()
-        self._sender.post_layer(tr, data)
+        tr.nbytes += math.prod(self._cache.message_shape(len(tr.src))) * self._cache.kv.itemsize
+        self._sender.post_layer(tr, layer)
 
     def cancel(self, transfer_id: str) -> None:
         if transfer_id in self._sends:
@@ -189,9 +208,11 @@ class TorchDistTransport:
             if why or rcv.cancelled:
                 self._finish_recv(rcv, why or "cancelled by receiver", out)
         for snd in list(self._sends.values()):
-            # A cancelled zero-copy send may still be reading the source blocks: its result
-            # (which frees them) waits until the thread is past its sends or the deadline.
-            if why or (snd.cancelled and (snd.sends_done or snd.run_start is None)):
+            # A cancelled zero-copy send, or a shared-memory receiver, may still be reading the
+            # source blocks: the result (which frees them) waits until the thread is past its
+            # sends (shared memory: the acknowledgement) or the deadline.
+            copied = snd.run_start is None and not self.shared_memory
+            if why or (snd.cancelled and (snd.sends_done or copied)):
                 self._finish_send(snd, why or "cancelled by sender", out)
 
     def _on_event(self, ev: Event, out: list[TransferResult]) -> None:
@@ -232,3 +253,12 @@ class TorchDistTransport:
     def _check_usable(self) -> None:
         if self._closed:
             raise ValueError(f"transport {self._endpoint.worker_id} is closed")
+
+
+def _share(cache: KVCache) -> SegmentInfo | None:
+    """Move `cache` into shared memory; None (bytes over gloo only) where that cannot be done."""
+    try:
+        return SharedCacheSegment(cache).info
+    except ShmUnavailable as exc:
+        log.warning("kvtransfer: shared memory off: %s", exc)
+        return None

@@ -101,6 +101,17 @@ class KVCache:
             * elem
         )
 
+    def adopt_kv(self, kv: torch.Tensor) -> None:
+        """Move the cache into `kv` (same shape, dtype and device; e.g. shared memory), copying
+        what it holds. Only before a step runs: views taken of the old tensor go stale."""
+        if kv.shape != self.kv.shape or kv.dtype != self.kv.dtype or kv.device != self.kv.device:
+            raise ValueError(
+                f"adopt_kv: got {tuple(kv.shape)} {kv.dtype} on {kv.device}, want "
+                f"{tuple(self.kv.shape)} {self.kv.dtype} on {self.kv.device}"
+            )
+        kv.copy_(self.kv)
+        self.kv = kv
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) views of one layer, each [num_blocks, block_size, H, D]
         (strided: the block stride skips the other half of each block)."""

@@ -71,11 +71,15 @@ def _digest(cache: KVCache, blocks: list[int]) -> str:
     return h.hexdigest()
 
 
-def _worker_main(conn: Connection, role: str, worker_id: str, seed: int, head_dim: int) -> None:
+def _worker_main(
+    conn: Connection, role: str, worker_id: str, seed: int, head_dim: int, shm: bool
+) -> None:
     """One worker process: engine loop over commands, transport polls and layer pacing."""
     cache = _cache(seed if role != "decode" else None, head_dim)
     scribble = torch.Generator().manual_seed(seed + 1000)
-    tr = TorchDistTransport(cache, worker_id, serve=role != "prefill", connect_timeout_s=LONG)
+    tr = TorchDistTransport(
+        cache, worker_id, serve=role != "prefill", connect_timeout_s=LONG, shared_memory=shm
+    )
     held: Counter[int] = Counter()
     blocks: dict[str, list[int]] = {}  # transfer id -> blocks held for it
     pacing: dict[str, list[float]] = {}  # transfer id -> [next layer, interval, next time]
@@ -89,6 +93,8 @@ def _worker_main(conn: Connection, role: str, worker_id: str, seed: int, head_di
                 return
             if cmd == "status":
                 conn.send(("status", {"free": BLOCKS - len(+held), "in_flight": len(blocks)}))
+            elif cmd == "shm_peers":
+                conn.send(("shm_peers", {"peers": tr.shared_memory_peers()}))
             elif cmd == "expect":  # decode: reserve blocks, issue a ticket
                 n = blocks_needed(arg["num_tokens"], BLOCK)
                 free = [b for b in range(BLOCKS - 1, -1, -1) if held[b] == 0][:n]
@@ -147,14 +153,21 @@ def _worker_main(conn: Connection, role: str, worker_id: str, seed: int, head_di
 class Peer:
     """The test's handle on one worker process."""
 
-    def __init__(self, role: str, worker_id: str, seed: int = 0, head_dim: int = HEAD_DIM) -> None:
+    def __init__(
+        self,
+        role: str,
+        worker_id: str,
+        seed: int = 0,
+        head_dim: int = HEAD_DIM,
+        shm: bool = False,
+    ) -> None:
         """`role`: "prefill" (sends), "decode" (receives) or "both" (a worker that does both,
-        as after a role switch)."""
+        as after a role switch). `shm`: the transport's same-host shared-memory data plane."""
         ctx = mp.get_context("forkserver")
-        self.role, self.worker_id = role, worker_id
+        self.role, self.worker_id, self.shm = role, worker_id, shm
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_worker_main, args=(child, role, worker_id, seed, head_dim), daemon=True
+            target=_worker_main, args=(child, role, worker_id, seed, head_dim, shm), daemon=True
         )
         self.proc.start()
         self.results: list[dict[str, Any]] = []
@@ -215,10 +228,12 @@ class Peer:
             self.kill()
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[dict[str, Peer]]:
-    """d0 (decode) and p0 (prefill), started together; tests replace the ones they kill."""
-    peers = {"d0": Peer("decode", "d0"), "p0": Peer("prefill", "p0", seed=1)}
+@pytest.fixture(scope="module", params=[False, True], ids=["gloo", "shm"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, Peer]]:
+    """d0 (decode) and p0 (prefill), started together; tests replace the ones they kill.
+    Run once with the layers' bytes over gloo, once with the shared-memory data plane."""
+    shm = bool(request.param)
+    peers = {"d0": Peer("decode", "d0", shm=shm), "p0": Peer("prefill", "p0", seed=1, shm=shm)}
     for peer in peers.values():
         peer.wait_ready()
     yield peers
@@ -255,7 +270,7 @@ def assert_all_free(*peers: Peer) -> None:
 def test_many_concurrent_transfers_all_exact(cluster: dict[str, Peer]):
     """Several prefill workers into one decode worker, one prefill worker into several decode
     workers, 16 transfers in flight, layers paced to interleave. w2 both sends and receives."""
-    w2 = Peer("both", "w2", seed=2).wait_ready()
+    w2 = Peer("both", "w2", seed=2, shm=cluster["d0"].shm).wait_ready()
     try:
         d0, p0 = cluster["d0"], cluster["p0"]
         cases = [  # (tokens, source blocks): 1 token, one block, many blocks, prefix hit
@@ -273,6 +288,10 @@ def test_many_concurrent_transfers_all_exact(cluster: dict[str, Peer]):
         for d, p, tid, digest in started:
             check_exact(d, p, tid, digest)
         assert_all_free(d0, p0, w2)
+        # Same host: with shared memory on, every pair really reads in place.
+        want = ["d0", "w2"] if d0.shm else []
+        assert p0.call("shm_peers", "shm_peers")["peers"] == want
+        assert w2.call("shm_peers", "shm_peers")["peers"] == want[:1]
     finally:
         w2.stop()
 
@@ -302,7 +321,7 @@ def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int
     # Restart the victim under the same worker id; the next transfer re-joins and works.
     cluster[victim].kill()
     role, seed = ("decode", 0) if victim == "d0" else ("prefill", 1)
-    cluster[victim] = Peer(role, victim, seed=seed).wait_ready()
+    cluster[victim] = Peer(role, victim, seed=seed, shm=cluster["d0"].shm).wait_ready()
     d, p = cluster["d0"], cluster["p0"]
     tid, digest = start_transfer(d, p, 5 * BLOCK + 1, [40, 41, 42, 43, 44, 45])
     check_exact(d, p, tid, digest)
@@ -312,13 +331,15 @@ def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int
 BIG_HEAD_DIM = 4096  # 256 KB per block and layer: a 48-block layer overflows socket buffers
 
 
-def test_cancelled_zero_copy_send_holds_its_blocks_until_its_sends_are_done():
-    """Consecutive source blocks go out straight from the cache. Cancelled while its sends
-    are stuck (the receiver is frozen), the sender reports the result — which frees, and here
-    scribbles over, the blocks — only once the sends are done or at the deadline; and the
-    receiver never completes a transfer with bytes read after that."""
-    d = Peer("decode", "bd", head_dim=BIG_HEAD_DIM)
-    p = Peer("prefill", "bp", seed=3, head_dim=BIG_HEAD_DIM)
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_cancelled_zero_copy_send_holds_its_blocks_until_its_sends_are_done(shm: bool):
+    """Consecutive source blocks go out straight from the cache (gloo), or the receiver reads
+    them in place (shared memory). Cancelled while the receiver is frozen, the sender reports
+    the result — which frees, and here scribbles over, the blocks — only once its sends are
+    done (shared memory: acknowledged) or at the deadline; and the receiver never completes a
+    transfer with bytes read after that."""
+    d = Peer("decode", "bd", head_dim=BIG_HEAD_DIM, shm=shm)
+    p = Peer("prefill", "bp", seed=3, head_dim=BIG_HEAD_DIM, shm=shm)
     try:
         d.wait_ready()
         p.wait_ready()

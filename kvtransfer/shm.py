@@ -1,0 +1,187 @@
+"""Same-host data plane of the torch.distributed KV transport: the receiver reads the sender's
+KV cache through shared memory. Runs in prefill and decode workers (CPU caches only).
+
+A sender built with ``shared_memory=True`` moves its KV tensor into an anonymous memfd
+(`SharedCacheSegment`); the segment's first page holds a random token. Its ``join`` record
+carries a `SegmentInfo` (pid, fd, size, token, boot id). A receiver on the same host opens
+``/proc/<pid>/fd/<fd>`` read-only, checks the boot id, size and token (a different host or a
+different pid namespace fails one of them), and maps it (`PeerCache`). The pair then carries a
+tiny notification per layer instead of the layer's bytes, and the receiver copies the layer
+straight from the sender's blocks into its own (one copy in all: no socket, no staging buffer).
+Anything that does not check out falls back to sending the bytes over gloo, per pair.
+
+Layout of a segment::
+
+    offset 0      token (16 random bytes), then zeros up to HEADER_BYTES
+    HEADER_BYTES  the KV tensor, [layers, blocks, 2, block_size, kv_heads, head_dim], C order
+
+Why it is safe: the mapping is read-only, so a receiver can never write into a sender's cache.
+The sender keeps its source blocks until the transfer's acknowledgement (or its deadline, or
+a cancel it marks before streaming filler), and the receiver completes a transfer only when
+every layer was copied before the ticket's deadline — which precedes the sender's — and no
+cancel mark is set, so bytes a sender may have reused never complete a transfer. An anonymous
+memfd leaves nothing behind: its memory goes when the last process that maps it does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from model_runtime.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096
+TOKEN_BYTES = 16
+_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class ShmUnavailable(RuntimeError):
+    """The sender's segment cannot be used from here (another host, namespace, or no memfd)."""
+
+
+def boot_id() -> str:
+    """This host's boot id ('' where the OS has none): equal only on the same running kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What a receiver needs to find and check a sender's shared cache (JSON-safe)."""
+
+    pid: int
+    fd: int
+    boot_id: str
+    token: str  # hex
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "fd": self.fd,
+            "boot_id": self.boot_id,
+            "token": self.token,
+            "shape": list(self.shape),
+            "itemsize": self.itemsize,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SegmentInfo:
+        return cls(
+            pid=int(d["pid"]),
+            fd=int(d["fd"]),
+            boot_id=str(d["boot_id"]),
+            token=str(d["token"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            itemsize=int(d["itemsize"]),
+        )
+
+
+class SharedCacheSegment:
+    """Moves `cache`'s KV tensor (contents included) into an anonymous memfd and keeps it there.
+
+    Call before the cache is used by a step (nothing may hold a view of the old tensor). The fd
+    stays open for the life of the process: receivers open it through ``/proc``.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        if cache.device.type != "cpu":
+            raise ShmUnavailable(f"a shared-memory cache must be on the CPU, not {cache.device}")
+        if not hasattr(os, "memfd_create"):
+            raise ShmUnavailable("this OS has no memfd_create")
+        old = cache.kv
+        nbytes = old.numel() * old.element_size()
+        self._fd = os.memfd_create(f"pdserve-kv-{os.getpid()}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, HEADER_BYTES + nbytes)
+            self._map = mmap.mmap(self._fd, HEADER_BYTES + nbytes)
+        except OSError as exc:
+            os.close(self._fd)
+            raise ShmUnavailable(f"no {nbytes} bytes of shared memory: {exc}") from exc
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._map[:TOKEN_BYTES] = token
+        kv = torch.frombuffer(self._map, dtype=old.dtype, count=old.numel(), offset=HEADER_BYTES)
+        cache.adopt_kv(kv.view(old.shape))
+        self.info = SegmentInfo(
+            pid=os.getpid(),
+            fd=self._fd,
+            boot_id=boot_id(),
+            token=token.hex(),
+            shape=tuple(old.shape),
+            itemsize=old.element_size(),
+        )
+
+
+class PeerCache:
+    """A read-only map of another process's `SharedCacheSegment` (the receiving side)."""
+
+    def __init__(self, info: SegmentInfo) -> None:
+        here = boot_id()
+        if not here or here != info.boot_id:
+            raise ShmUnavailable("the sender runs on another host (boot ids differ)")
+        path = f"/proc/{info.pid}/fd/{info.fd}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmUnavailable(f"cannot open {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != HEADER_BYTES + info.nbytes:
+                raise ShmUnavailable(
+                    f"{path} holds {size} bytes, the sender announced {HEADER_BYTES + info.nbytes}"
+                )
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if self._map[:TOKEN_BYTES].hex() != info.token:
+            raise ShmUnavailable(f"{path} is not the sender's segment (token differs)")
+        self.info = info
+        flat = np.frombuffer(self._map, dtype=_INT_OF_WIDTH[info.itemsize], offset=HEADER_BYTES)
+        self._kv: npt.NDArray[np.generic] = flat.reshape(info.shape)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.info.shape[1]
+
+    def copy_layer(self, layer: int, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
+        """Copy blocks `src_ids` of the sender's `layer` into blocks `dst_ids` of `dst`'s.
+
+        One copy (numpy, single-threaded, GIL-free, bit-exact) when either side's blocks are
+        consecutive; a gather then a scatter otherwise.
+        """
+        src = self._kv[layer]
+        out = dst.kv[layer].view(_torch_int(dst.kv.element_size())).numpy()
+        first = KVCache.run_start(dst_ids)
+        if first is not None:
+            rows = out[first : first + len(dst_ids)]
+            np.take(src, np.asarray(src_ids, dtype=np.int64), axis=0, out=rows)
+            return
+        start = KVCache.run_start(src_ids)
+        idx = np.asarray(dst_ids, dtype=np.int64)
+        if start is not None:
+            out[idx] = src[start : start + len(src_ids)]
+        else:
+            out[idx] = np.take(src, np.asarray(src_ids, dtype=np.int64), axis=0)
+
+
+def _torch_int(width: int) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
