@@ -269,7 +269,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     reqs = workload(args)
     redis = RedisServer(tmp / "redis")
     redis.start()
-    runs = []
+    runs: list[dict[str, Any]] = []
     try:
         for rep in range(args.repeats):  # policies alternate, so slow phases of a shared host
             for policy in args.policies:  # hit each of them alike
