@@ -146,9 +146,10 @@ def start_workers(model: Path, args: Any) -> list[Any]:
     def argv(role: str, wid: str, blocks: int) -> list[str]:
         engine = json.dumps({"block_size": BLOCK, "num_kv_blocks": blocks})
         idle = ["--sched-idle"] if args.worker_sched_idle else []
+        shm = "--kv-shared-memory" if args.kv_shared_memory else "--no-kv-shared-memory"
         return ["--model", str(model), "--role", role, "--worker-id", wid, "--torch-threads",
                 "1", "--nice", str(args.worker_nice), "--engine-json", engine,
-                "--log-level", "WARNING", *idle]  # fmt: skip
+                "--log-level", "WARNING", shm, *idle]  # fmt: skip
 
     in_flight = max(args.concurrency, 32 if args.rate > 0 else 0)
     decode_blocks = 2 * in_flight * (args.prefix + args.suffix + args.max_tokens) // BLOCK
@@ -379,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="workers run under SCHED_IDLE: they get a CPU only when the router, Redis and the "
         "client leave one (what separate machines would give the router on a 2-core host)",
+    )
+    p.add_argument(
+        "--kv-shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the KV transport's same-host shared-memory data plane (else gloo bytes)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternating")
     p.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])

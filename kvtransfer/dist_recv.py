@@ -33,20 +33,19 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore, Work
+from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.shm import PeerCache, SegmentInfo, ShmUnavailable
+from kvtransfer.recv_state import RecvPair, RecvTransfer
+from kvtransfer.shm import PeerCache, ShmUnavailable
 from kvtransfer.staging import StagingPool, write_layer
 from kvtransfer.types import (
     Code,
     LayoutMismatchError,
-    TransferTicket,
     blocks_needed,
     check_layout,
     header_verdict,
@@ -67,42 +66,6 @@ log = logging.getLogger(__name__)
 
 ACK_TIMEOUT_S = 5.0  # bound on sending a verdict or acknowledgement to a live peer
 _IDLE_WAIT = td(3600.0)  # control-queue wait; close() wakes it with a stop record
-
-
-@dataclass
-class RecvPair:
-    """The decode side of one (sender, generation) pair; `ready` is set once built or failed."""
-
-    sender: str
-    gen: int
-    ready: threading.Event = field(default_factory=threading.Event)
-    group: rdv.PairGroup | None = None
-    error: str | None = None
-    store: TCPStore | None = None  # the connection the group was built on, kept with it
-    peer_cache: PeerCache | None = None  # shared-memory pair: the sender's cache, mapped
-
-
-@dataclass
-class RecvTransfer:
-    """One expected transfer, shared by the engine thread and (once announced) its thread."""
-
-    ticket: TransferTicket
-    started: float
-    deadline: float
-    sender: str | None = None  # set under the receiver's lock when a header is accepted
-    pair: RecvPair | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the two below
-    finished: bool = False  # set by the engine when it reports the result
-    layers_written: int = 0
-    cancelled: bool = False  # engine thread only; the result goes out at the next poll
-    nbytes: int = 0
-    src_ids: list[int] | None = None  # shared-memory pair: the sender's blocks (from the header)
-    final_code: Code = Code.RECEIVER_FAILED
-    decided: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def io_started(self) -> bool:
-        return self.sender is not None
 
 
 class Receiver:
@@ -244,21 +207,12 @@ class Receiver:
 
     def _map_peer_cache(self, sender: str, shm: Any) -> PeerCache | None:
         """The sender's cache mapped read-only, when both sides want shared memory and the
-        segment checks out (same host and pid namespace, right size, right token)."""
+        segment checks out; else None (the pair's layers come as bytes over gloo)."""
         if shm is None or not self._shared_memory:
             return None
         try:
-            info = SegmentInfo.from_dict(shm)
-            if (
-                info.shape
-                != tuple(self._cache.kv.shape[:1])
-                + info.shape[1:2]
-                + tuple(self._cache.kv.shape[2:])
-                or info.itemsize != self._cache.kv.element_size()
-            ):
-                raise ShmUnavailable(f"segment shape {info.shape} does not fit this layout")
-            return PeerCache(info)
-        except (ShmUnavailable, KeyError, TypeError, ValueError) as exc:
+            return PeerCache.for_receiver(shm, self._cache)
+        except ShmUnavailable as exc:
             log.info("kvtransfer: no shared memory with %s, bytes go over gloo: %s", sender, exc)
             return None
 
@@ -305,9 +259,7 @@ class Receiver:
                 int(rec["num_tokens"]),
             )
             if code is Code.GO and tr is not None and pair.peer_cache is not None:
-                tr.src_ids = _source_blocks(
-                    rec.get("src"), tr.ticket.num_blocks, pair.peer_cache.num_blocks
-                )
+                tr.src_ids = pair.peer_cache.source_blocks(rec.get("src"), tr.ticket.num_blocks)
                 if tr.src_ids is None:
                     log.warning("kvtransfer: header for %s has bad source blocks; ignored", tid)
                     return
@@ -449,12 +401,3 @@ class Receiver:
             return False
         self._quick.delete_key(key)
         return True
-
-
-def _source_blocks(src: Any, n_blocks: int, peer_blocks: int) -> list[int] | None:
-    """A header's source block list (`n_blocks` ids of the sender's cache), or None."""
-    if not isinstance(src, list) or len(src) != n_blocks:
-        return None
-    if not all(isinstance(b, int) and 0 <= b < peer_blocks for b in src):
-        return None
-    return [int(b) for b in src]

@@ -158,9 +158,33 @@ class PeerCache:
         flat = np.frombuffer(self._map, dtype=_INT_OF_WIDTH[info.itemsize], offset=HEADER_BYTES)
         self._kv: npt.NDArray[np.generic] = flat.reshape(info.shape)
 
+    @classmethod
+    def for_receiver(cls, record: Any, cache: KVCache) -> PeerCache:
+        """Map the segment a ``join`` record offers (`SegmentInfo.to_dict`) for a receiver
+        whose cache is `cache`: same layers, block shape and item size (the block count may
+        differ). ShmUnavailable says why not."""
+        try:
+            info = SegmentInfo.from_dict(record)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShmUnavailable(f"malformed segment record: {exc!r}") from exc
+        mine = tuple(cache.kv.shape)
+        if len(info.shape) != len(mine) or info.shape[:1] + info.shape[2:] != mine[:1] + mine[2:]:
+            raise ShmUnavailable(f"segment shape {info.shape} does not fit this cache's {mine}")
+        if info.itemsize != cache.kv.element_size():
+            raise ShmUnavailable(f"segment item size {info.itemsize} is not this cache's")
+        return cls(info)
+
     @property
     def num_blocks(self) -> int:
         return self.info.shape[1]
+
+    def source_blocks(self, src: Any, n_blocks: int) -> list[int] | None:
+        """A header's source block list if it is `n_blocks` ids of this cache, else None."""
+        if not isinstance(src, list) or len(src) != n_blocks:
+            return None
+        if not all(isinstance(b, int) and 0 <= b < self.num_blocks for b in src):
+            return None
+        return [int(b) for b in src]
 
     def copy_layer(self, layer: int, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
         """Copy blocks `src_ids` of the sender's `layer` into blocks `dst_ids` of `dst`'s.

@@ -32,8 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
-from kvtransfer.dist_recv import Receiver, RecvTransfer
+from kvtransfer.dist_recv import Receiver
 from kvtransfer.dist_send import Sender, SendTransfer
+from kvtransfer.recv_state import RecvTransfer
 from kvtransfer.shm import SegmentInfo, SharedCacheSegment, ShmUnavailable
 from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
