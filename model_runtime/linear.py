@@ -8,6 +8,15 @@ even on Intel the prepacked layout saves a reorder per call. On the 2-core AMD E
 is developed on, the `small` preset's decode GEMMs run 1.9x (batch 1) to 2.9x (batch 32) faster
 packed (`benchmarks/bench_engine.py` measures it end to end).
 
+oneDNN builds (JIT-compiles) a GEMM kernel for every new input shape, ~4 ms each on that
+machine, and keeps the last 1024 in a cache. A serving engine's steps have a row count that
+changes all the time (decode batch + prefill chunk), so unbucketed it spent most of a loaded
+prefill worker's time compiling (a 64-token cached-prefix hit took ~1.8 s instead of ~20 ms
+in `bench_prefix_routing`, nearly all of it system time). So the packed path pads the rows up
+to a bucket (`row_bucket`: exact up to 32, then multiples of 16, 64, 256): ~70 row counts in
+all up to 4K tokens, a handful of kernels per weight shape, compiled once. Padding rows cost
+nothing where a GEMM is bound by reading the weight (few rows) and at most ~6% above 256 rows.
+
 Contract: a packed `Linear` computes the same function as the unpacked one, to float rounding
 (GEMM summation order differs; in float32 the largest difference on the test models is ~1e-6
 relative). After packing, `weight` is an empty placeholder: read `out_features`,
@@ -29,6 +38,14 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _PACK_BATCH_HINT = 128
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a packed GEMM runs with for `rows` rows (>= rows; see the module doc)."""
+    if rows <= 32:
+        return rows
+    step = 16 if rows <= 256 else 64 if rows <= 1024 else 256
+    return -(-rows // step) * step
+
+
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias), for x of shape [..., in_features]."""
 
@@ -43,10 +60,18 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.packed, self.bias, "none", [], ""
-            )
-            return out
+            rows = x.numel() // self.in_features
+            padded = row_bucket(rows)
+            if padded == rows:
+                out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                    x, self.packed, self.bias, "none", [], ""
+                )
+                return out
+            flat = torch.empty((padded, self.in_features), dtype=x.dtype, device=x.device)
+            flat[:rows].copy_(x.reshape(rows, self.in_features))
+            flat[rows:].zero_()
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out[:rows].view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:

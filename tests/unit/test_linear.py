@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runtime.linear import Linear, onednn_supported, pack_linears, resolve_linear_kernel
+from model_runtime.linear import (
+    Linear,
+    onednn_supported,
+    pack_linears,
+    resolve_linear_kernel,
+    row_bucket,
+)
 from model_runtime.model_runner import ModelRunner, StepInput
 
 CPU = torch.device("cpu")
@@ -30,7 +36,7 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype) -> Linear:
 @needs_onednn
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("rows", [1, 7, 33, 300])  # 33 and 300 run padded (to 48 and 320)
 def test_packed_matches_f_linear(dtype: torch.dtype, tol: float, bias: bool, rows: int) -> None:
     layer = _linear(96, 160, bias, dtype)
     x = torch.randn(rows, 96).to(dtype)
@@ -47,10 +53,23 @@ def test_packed_matches_f_linear(dtype: torch.dtype, tol: float, bias: bool, row
 @needs_onednn
 def test_packed_accepts_leading_dims() -> None:
     layer = _linear(32, 48, False, torch.float32)
-    x = torch.randn(3, 5, 32)
-    expected = F.linear(x, layer.weight)
+    weight = layer.weight.clone()
     layer.pack()
-    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    for shape in [(3, 5, 32), (5, 7, 32)]:  # 15 rows run as they are, 35 padded to 48
+        x = torch.randn(shape)
+        torch.testing.assert_close(layer(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_row_buckets_are_few_and_cheap() -> None:
+    """Packed GEMMs see few distinct row counts (oneDNN compiles a kernel per shape and keeps
+    1024), and padding stays small where a GEMM is compute-bound (many rows)."""
+    buckets = [row_bucket(n) for n in range(1, 4097)]
+    assert all(b >= n for n, b in enumerate(buckets, start=1))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) <= 80, len(set(buckets))
+    assert all(b == n for n, b in enumerate(buckets[:32], start=1))  # small batches exact
+    assert max((b - n) / n for n, b in enumerate(buckets, start=1) if n > 256) < 0.25
+    assert max((b - n) / n for n, b in enumerate(buckets, start=1) if n > 1024) < 0.25
 
 
 def test_resolve_kernel() -> None:
