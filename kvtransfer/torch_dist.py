@@ -79,7 +79,8 @@ class TorchDistTransport:
         # Message buffers kept for reuse (copies of scattered layers, receives), shared by both
         # directions: at most `staging_pool_bytes` beyond what transfers in flight hold.
         pool = StagingPool(staging_pool_bytes)
-        segment = _share(cache) if shared_memory else None
+        # CPU caches only: CUDA caches move over NCCL.
+        segment = _share(cache) if shared_memory and cache.device.type == "cpu" else None
         self.shared_memory = segment is not None
         self._receiver = (
             Receiver(
