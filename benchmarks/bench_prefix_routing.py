@@ -381,12 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         help="workers run under SCHED_IDLE: they get a CPU only when the router, Redis and the "
         "client leave one (what separate machines would give the router on a 2-core host)",
     )
-    p.add_argument(
-        "--kv-shared-memory",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the KV transport's same-host shared-memory data plane (else gloo bytes)",
-    )
+    p.add_argument("--kv-shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="same-host shared-memory KV data plane (else gloo bytes)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternating")
     p.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
     p.add_argument("--out", help="write the JSON report here (default: stdout)")

@@ -317,7 +317,7 @@ class Receiver:
 
         All up front: gloo only moves a message once its receive is posted, so receiving a few
         layers ahead would cost a round trip per layer. On a shared-memory pair each message is
-        a layer's notification (`wire.layer_notice`), not its bytes.
+        a layer's notification (a `wire.control_tensor` holding the layer index), not its bytes.
         """
         t = tr.ticket
         shape = self._cache.message_shape(t.num_blocks)

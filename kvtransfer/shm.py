@@ -25,7 +25,6 @@ memfd leaves nothing behind: its memory goes when the last process that maps it 
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 import os
@@ -37,9 +36,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtransfer.staging import as_int_array
 from model_runtime.kv_cache import KVCache
-
-log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
 TOKEN_BYTES = 16
@@ -193,7 +191,7 @@ class PeerCache:
         consecutive; a gather then a scatter otherwise.
         """
         src = self._kv[layer]
-        out = dst.kv[layer].view(_torch_int(dst.kv.element_size())).numpy()
+        out = as_int_array(dst.kv[layer])
         first = KVCache.run_start(dst_ids)
         if first is not None:
             rows = out[first : first + len(dst_ids)]
@@ -205,7 +203,3 @@ class PeerCache:
             out[idx] = src[start : start + len(src_ids)]
         else:
             out[idx] = np.take(src, np.asarray(src_ids, dtype=np.int64), axis=0)
-
-
-def _torch_int(width: int) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]

@@ -30,7 +30,7 @@ from model_runtime.kv_cache import KVCache
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _as_int(t: torch.Tensor) -> npt.NDArray[np.generic]:
+def as_int_array(t: torch.Tensor) -> npt.NDArray[np.generic]:
     """A numpy view of `t`'s bytes as integers of the same width (no copy)."""
     return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy()
 
@@ -51,7 +51,7 @@ def read_layer(
             f"{cache.dtype}"
         )
     idx = np.asarray(block_ids, dtype=np.int64)
-    np.take(_as_int(cache.kv[layer]), idx, axis=0, out=_as_int(out))
+    np.take(as_int_array(cache.kv[layer]), idx, axis=0, out=as_int_array(out))
     return out
 
 
@@ -65,8 +65,8 @@ def write_layer(cache: KVCache, layer: int, block_ids: Sequence[int], data: torc
         raise ValueError(
             f"write_layer: got {tuple(data.shape)} {data.dtype}, want {expected} {cache.dtype}"
         )
-    dst = _as_int(cache.kv[layer])
-    dst[np.asarray(block_ids, dtype=np.int64)] = _as_int(data.contiguous())
+    dst = as_int_array(cache.kv[layer])
+    dst[np.asarray(block_ids, dtype=np.int64)] = as_int_array(data.contiguous())
 
 
 STAGING_POOL_BYTES = 256 << 20  # default bound on the bytes a transport keeps for reuse

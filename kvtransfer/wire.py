@@ -10,6 +10,10 @@ Per transfer, on the pair's process group and the transfer's own tag::
       <- layer L-1 ------------------------   first one (a refused transfer is drained)
       -- ack code [int64 x4] -------------->  OK, or why not (`kvtransfer.types.Code`)
 
+On a shared-memory pair (`kvtransfer.shm`) the xfer record also lists the source blocks and
+each layer message is an int64 x4 notification (the layer index): the receiver copies the
+layer out of the sender's cache itself, and the sender keeps its blocks until the ack.
+
 Each side issues its operations in exactly this order, so the same sequence is valid for NCCL
 (which matches point-to-point messages by order, not by tag).
 """
