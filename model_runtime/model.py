@@ -55,9 +55,23 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` [..., head_dim] with its first half negated: the sign `rotate_half` puts on it.
+
+    HF applies RoPE as ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``.
+    `apply_rope` computes ``x * cos + cat(x2, x1) * signed_sin(sin)`` instead: the same products
+    (negating a factor is exact in IEEE arithmetic), so the same bits, in fewer ops.
+    """
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, head_dim] (q and k heads may be stacked in one call);
+    `cos` and `sin_signed` (`signed_sin`) broadcast as [T, 1, head_dim]."""
+    t, heads, dim = x.shape
+    swapped = x.view(t, heads, 2, dim // 2).flip(2).view(t, heads, dim)  # cat(x2, x1)
+    return x * cos + swapped * sin_signed
 
 
 class RMSNorm(nn.Module):
@@ -68,6 +82,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel instead of six ops; in float32 it gives HF's bits (tested).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -90,19 +107,18 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin: torch.Tensor,  # `signed_sin` of the positions' sin
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        out = backend.forward(q, k, v.contiguous(), cache[0], cache[1], meta, self.scale)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side [T, heads + kv_heads, D]: one RoPE for both.
+        qk = apply_rope(qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        out = backend.forward(q, k, v, cache[0], cache[1], meta, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
         return projected
 
@@ -173,7 +189,7 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         dtype = x.dtype
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = signed_sin(self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1))
         backend.prepare(meta)
         for idx, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.layer(idx), meta, backend)

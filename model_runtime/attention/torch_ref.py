@@ -124,6 +124,11 @@ class TorchAttentionBackend:
         if self._rows is None:  # every layer of the step has the same slots and strides
             self._rows = slot_rows(key_cache, meta.slot_mapping)
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self._rows)
+        if not meta.prefill_indices:  # all decode (a decode worker's every step): rows in order
+            tables, allowed = self._decode_inputs(key_cache.shape[1])
+            return paged_decode_attention(
+                q, key_cache, value_cache, tables, self._decode_lens, scale, allowed
+            )
         out = torch.empty_like(q)
         if meta.decode_indices:
             tables, allowed = self._decode_inputs(key_cache.shape[1])

@@ -63,3 +63,34 @@ def test_mixed_step_matches_per_sequence_reference() -> None:
     lens = torch.tensor([5, 3])
     own = paged_decode_attention(q.index_select(0, rows), kc, vc, tables[[0, 2], :2], lens, 0.3)
     torch.testing.assert_close(out.index_select(0, rows), own)
+
+
+def test_all_decode_step_matches_per_sequence_reference() -> None:
+    """A step of decode rows only (a decode worker's every step) skips the row scatter; each
+    row still gets its own sequence's attention, and K/V land in the cache."""
+    torch.manual_seed(1)
+    kc, vc = torch.randn(32, BS, HKV, D), torch.randn(32, BS, HKV, D)
+    tables = torch.tensor([[3, 7, 9], [20, 0, 0]])  # contexts 10 (3 blocks) and 2 (1 block)
+    seq_lens = [10, 2]
+    q = torch.randn(2, H, D)
+    k, v = torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    slots = [9 * BS + 1, 20 * BS + 1]  # position 9 of sequence 0, position 1 of sequence 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=[0, 1, 2],
+        query_lens=[1, 1],
+        seq_lens=seq_lens,
+        block_tables=tables,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
+        decode_indices=[0, 1],
+        prefill_indices=[],
+    )
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.3)
+    assert out.shape == q.shape
+    torch.testing.assert_close(kc[9, 1], k[0], rtol=0, atol=0)
+    torch.testing.assert_close(vc[20, 1], v[1], rtol=0, atol=0)
+    for i in range(2):
+        want = prefill_attention(q[i : i + 1], kc, vc, tables[i], seq_lens[i], 0.3)
+        torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
