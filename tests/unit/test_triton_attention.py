@@ -240,6 +240,32 @@ def test_backend_matches_torch_backend(group: int, dtype: torch.dtype) -> None:
         assert_close(f"backend g={group} {dtype} layer {layer}", got, want, TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "steps", [[(16, 1), (0, 20), (31, 1)], [(16, 1), (3, 1), (47, 1)]], ids=["mixed", "all_decode"]
+)
+def test_backend_takes_the_models_strided_views(steps: list[tuple[int, int]]) -> None:
+    """q, k and v as the model hands them over: views split out of one [T, q+k+v heads, D]
+    tensor (not contiguous). An all-decode step also takes the torch backend's shortcut."""
+    torch.manual_seed(7)
+    block_size, kv_heads, group, head_dim, num_blocks = 16, 2, 2, 32, 24
+    meta = make_metadata(steps, block_size, num_blocks)
+    tokens = meta.query_start_loc[-1]
+    qkv = torch.randn(tokens, kv_heads * (group + 2), head_dim, device=DEVICE)
+    q, k, v = torch.split(qkv, [kv_heads * group, kv_heads, kv_heads], dim=1)
+    assert not q.is_contiguous()
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    triton_backend.prepare(meta)
+    torch_backend.prepare(meta)
+    key_cache, value_cache = random_caches(
+        num_blocks, block_size, kv_heads, head_dim, torch.float32
+    )
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    got = triton_backend.forward(q, k, v, key_cache, value_cache, meta, 0.25)
+    want = torch_backend.forward(q, k, v, ref_k, ref_v, meta, 0.25)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+    assert_close("strided views", got, want, TOL[torch.float32])
+
+
 def test_rejects_mismatched_inputs() -> None:
     key_cache, value_cache = random_caches(4, 8, 2, 16, torch.float32)
     tables = torch.zeros(1, 2, dtype=torch.long, device=DEVICE)
