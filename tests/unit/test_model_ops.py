@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from model_runtime.config import ModelConfig
 from model_runtime.model import RMSNorm, apply_rope, rope_tables, signed_sin
+from tests.fakes.model_configs import tiny_model_config
 
 
 def _hf_rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -22,25 +22,9 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(dtype)
 
 
-def _config() -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-    )
-
-
 def test_stacked_rope_is_bit_identical_to_hf() -> None:
     torch.manual_seed(0)
-    cfg = _config()
+    cfg = tiny_model_config(head_dim=16, max_position_embeddings=256)
     cos_t, sin_t = rope_tables(cfg)
     positions = torch.tensor([0, 1, 17, 255])
     cos = cos_t[positions].unsqueeze(1)
