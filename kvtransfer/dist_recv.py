@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,12 +57,23 @@ from kvtransfer.wire import (
     HelperThreads,
     control_tensor,
     empty_control,
+    read_code,
     remaining,
     td,
 )
 from model_runtime.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
+
+
+class Posted(NamedTuple):
+    """A transfer's posted receives: one per layer into `bufs`, then the trailer's."""
+
+    bufs: list[torch.Tensor]
+    works: list[Work]
+    trailer: torch.Tensor
+    trailer_work: Work
+
 
 ACK_TIMEOUT_S = 5.0  # bound on sending a verdict or acknowledgement to a live peer
 _IDLE_WAIT = td(3600.0)  # control-queue wait; close() wakes it with a stop record
@@ -306,14 +317,14 @@ class Receiver:
             )
             for _ in range(self._layout.num_layers):
                 group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
+            group.recv([empty_control(self._device)], 1, tag).wait(td(remaining(deadline)))
             group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
         except (RuntimeError, TimeoutError) as exc:
             log.warning("kvtransfer: could not reject %s to %s: %s", tid, pair.sender, exc)
 
-    def _post_receives(
-        self, group: rdv.PairGroup, tr: RecvTransfer, tag: int
-    ) -> tuple[list[torch.Tensor], list[Work]]:
-        """Staging buffers (from the pool, flat) for every layer, each with its receive posted.
+    def _post_receives(self, group: rdv.PairGroup, tr: RecvTransfer, tag: int) -> Posted:
+        """Staging buffers (from the pool, flat) for every layer, each with its receive posted,
+        then the trailer's receive (`Posted`).
 
         All up front: gloo only moves a message once its receive is posted, so receiving a few
         layers ahead would cost a round trip per layer. On a shared-memory pair each message is
@@ -322,18 +333,21 @@ class Receiver:
         t = tr.ticket
         shape = self._cache.message_shape(t.num_blocks)
         if tr.src_ids is not None:
-            notes = [empty_control(self._device) for _ in range(t.layout.num_layers)]
-            return notes, [group.recv([n], 1, tag) for n in notes]
-        n, layers = math.prod(shape), t.layout.num_layers
-        bufs = self._staging.take_many(n, self._dtype, self._device, layers)
-        return bufs, [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
+            bufs = [empty_control(self._device) for _ in range(t.layout.num_layers)]
+            works = [group.recv([n], 1, tag) for n in bufs]
+        else:
+            n, layers = math.prod(shape), t.layout.num_layers
+            bufs = self._staging.take_many(n, self._dtype, self._device, layers)
+            works = [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
+        trailer = empty_control(self._device)
+        return Posted(bufs, works, trailer, group.recv([trailer], 1, tag))
 
     def _run_transfer(
         self,
         tr: RecvTransfer,
         pair: RecvPair,
         tag: int,
-        posted: tuple[list[torch.Tensor], list[Work]] | None,
+        posted: Posted | None,
     ) -> None:
         """Receive and write the layers in order, then acknowledge (see the module docstring)."""
         tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
@@ -341,13 +355,20 @@ class Receiver:
         peer = pair.peer_cache
         try:
             group = self._group(pair, tr.deadline)
-            bufs, works = posted or self._post_receives(group, tr, tag)
+            bufs, works, trailer, trailer_work = posted or self._post_receives(group, tr, tag)
             shape = self._cache.message_shape(t.num_blocks)
             for i, work in enumerate(works):
                 work.wait(td(remaining(tr.deadline)))
-                if i == layers - 1 and self._sender_cancelled(tid, epoch):
-                    self._events.put(Event("recv_failed", tid, epoch, error="cancelled by sender"))
-                    break
+                if i == layers - 1:  # the trailer says whether the layers are real
+                    trailer_work.wait(td(remaining(tr.deadline)))
+                    code = read_code(trailer)
+                    if code is not Code.OK:
+                        why = code.describe() if code else f"bad trailer code {int(trailer[0])}"
+                        broken = code is not Code.SENDER_CANCELLED
+                        self._events.put(
+                            Event("recv_failed", tid, epoch, error=why, pair_broken=broken)
+                        )
+                        break
                 with tr.lock:
                     if time.monotonic() >= tr.deadline:
                         # Never complete with bytes that arrived late: past the sender's own
@@ -393,11 +414,3 @@ class Receiver:
         if pair.group is None:
             raise RuntimeError(pair.error or "the pair's process group was not built")
         return pair.group
-
-    def _sender_cancelled(self, tid: str, epoch: int) -> bool:
-        """Whether the sender marked this transfer cancelled (its last layers are filler)."""
-        key = rdv.cancel_key(tid, epoch)
-        if not self._quick.check([key]):
-            return False
-        self._quick.delete_key(key)
-        return True

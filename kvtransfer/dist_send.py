@@ -152,10 +152,16 @@ class Sender:
             if tr.stop_posting:
                 return
             if tr.announced:
-                self._post(tr, self._message(tr, layer))
+                self._post_layer(tr, layer)
             else:
                 tr.pending.append(layer)
             tr.cond.notify_all()
+
+    def _post_layer(self, tr: SendTransfer, layer: int) -> None:
+        """Post layer `layer`, and after the last one the OK trailer (caller holds `tr.cond`)."""
+        self._post(tr, self._message(tr, layer))
+        if layer == tr.ticket.layout.num_layers - 1 and tr.post_error is None:
+            self._post(tr, control_tensor(Code.OK, self._device))
 
     def _message(self, tr: SendTransfer, layer: int) -> torch.Tensor:
         """What goes over the group for one layer (caller holds `tr.cond`, after announcing)."""
@@ -324,10 +330,15 @@ class Sender:
         with tr.cond:  # from here on the engine thread posts each layer as it comes
             tr.group, tr.tag, tr.announced, tr.shm = group, tag, True, pair.shm
             for layer in tr.pending:
-                self._post(tr, self._message(tr, layer))
+                self._post_layer(tr, layer)
             tr.pending.clear()
         for i in range(t.layout.num_layers):
-            self._wait_layer(tr, pair, i).wait(td(remaining(deadline)))
+            self._wait_layer(tr, i).wait(td(remaining(deadline)))
+        with tr.cond:  # the trailer went out with the last layer (or the last filler)
+            if tr.post_error is not None:
+                raise RuntimeError(tr.post_error)
+            trailer = tr.works[t.layout.num_layers]
+        trailer.wait(td(remaining(deadline)))
         tr.sends_completed = True
         if not tr.shm:  # the sends are done reading the cache; a shared-memory receiver is not
             tr.sends_done = True
@@ -340,8 +351,9 @@ class Sender:
             raise TransferError("cancelled by sender")
         return True
 
-    def _wait_layer(self, tr: SendTransfer, pair: SendPair, i: int) -> Work:
-        """The posted send of layer `i`; after a cancel, filler sends complete the stream."""
+    def _wait_layer(self, tr: SendTransfer, i: int) -> Work:
+        """The posted send of layer `i`; after a cancel, filler sends complete the stream and
+        a SENDER_CANCELLED trailer tells the receiver not to complete it."""
         with tr.cond:
             while len(tr.works) <= i and not tr.cancelled and tr.post_error is None:
                 if tr.stop_posting or time.monotonic() >= tr.deadline:
@@ -352,9 +364,6 @@ class Sender:
             if len(tr.works) > i:
                 return tr.works[i]
             tr.stop_posting = True  # cancelled: the engine posts nothing more
-        # Mark the transfer cancelled *before* the filler goes out, so the receiver, which
-        # checks the mark after the last layer arrives, never completes it.
-        pair.connected()[0].set(rdv.cancel_key(tr.ticket.transfer_id, tr.ticket.epoch), "1")
         filler = (
             empty_control(self._device)
             if tr.shm
@@ -365,6 +374,8 @@ class Sender:
         with tr.cond:
             while len(tr.works) < tr.ticket.layout.num_layers and tr.post_error is None:
                 self._post(tr, filler)
+            if tr.post_error is None:  # the receiver checks it before completing
+                self._post(tr, control_tensor(Code.SENDER_CANCELLED, self._device))
             if tr.post_error is not None:
                 raise RuntimeError(tr.post_error)
             return tr.works[i]

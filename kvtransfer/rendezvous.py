@@ -19,12 +19,12 @@ that wants to push KV to it connects as a store client and:
    generation g+1 with a fresh prefix, so stale keys and sockets cannot mix in.
 
 Per transfer the sender pushes one ``xfer`` record (transfer id, epoch, g, message tag,
-token count, time left) on the same queue, then streams the layers over the pair's group;
-the receiver acknowledges over the group (see `kvtransfer.wire`). The receiver publishes the
-generation it currently serves for each sender under ``kvx/cur/<sender>`` so a sender notices
-a pair the receiver dropped before it announces a transfer on it. A sender that cancels
-mid-stream sets ``kvx/cx/<id>/<epoch>`` before streaming filler for the missing layers; one
-that cancels before announcing pushes a ``cancel`` record instead.
+token count, time left) on the same queue, then streams the layers and a trailer over the
+pair's group; the receiver acknowledges over the group (see `kvtransfer.wire`). The receiver
+publishes the generation it currently serves for each sender under ``kvx/cur/<sender>`` so a
+sender notices a pair the receiver dropped before it announces a transfer on it. A sender that
+cancels mid-stream streams filler for the missing layers and says so in the trailer; one that
+cancels before announcing pushes a ``cancel`` record instead.
 
 Control records are JSON text; nothing read from a store is unpickled.
 """
@@ -63,10 +63,6 @@ def cur_key(sender: str) -> str:
 
 def join_key(sender: str, gen: int) -> str:
     return f"kvx/join/{sender}/{gen}"
-
-
-def cancel_key(transfer_id: str, epoch: int) -> str:
-    return f"kvx/cx/{transfer_id}/{epoch}"
 
 
 def pair_prefix(sender: str, gen: int) -> str:

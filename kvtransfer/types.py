@@ -211,6 +211,7 @@ class Code(IntEnum):
     SHAPE_MISMATCH = 5  # the sender's token or block count differs from the ticket's
     ALREADY_OPEN = 6  # another sender already opened this ticket
     RECEIVER_FAILED = 7  # the receiver gave up (deadline, cancel, sender cancel)
+    SENDER_CANCELLED = 8  # trailer: the sender cancelled, the stream's last layers are filler
 
     def describe(self) -> str:
         return _CODE_TEXT[self]
@@ -224,6 +225,7 @@ _CODE_TEXT = {
     Code.SHAPE_MISMATCH: "rejected by receiver: token/block count differs from the ticket",
     Code.ALREADY_OPEN: "rejected by receiver: another sender already opened this ticket",
     Code.RECEIVER_FAILED: "receiver gave up on the transfer (deadline, cancel or sender cancel)",
+    Code.SENDER_CANCELLED: "cancelled by sender",
 }
 
 

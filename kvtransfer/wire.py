@@ -8,6 +8,9 @@ Per transfer, on the pair's process group and the transfer's own tag::
       <- layer 0  [n, 2, bs, H, D] --------   one message per layer, sent as each layer's
       <- ...                                  forward finishes; no round trip before the
       <- layer L-1 ------------------------   first one (a refused transfer is drained)
+      <- trailer code [int64 x4] ----------   OK, or SENDER_CANCELLED: the last layers were
+                                              filler (posted with the last layer: in-band,
+                                              no store round trip before completing)
       -- ack code [int64 x4] -------------->  OK, or why not (`kvtransfer.types.Code`)
 
 On a shared-memory pair (`kvtransfer.shm`) the xfer record also lists the source blocks and

@@ -257,6 +257,8 @@ def test_cancel_mid_transfer_fails_both_sides_once(factory: Factory, side: str):
     results = drive([d, p], 2)
     assert not any(r.ok for r in results)
     assert all(r.elapsed_s < 2.0 for r in results), results  # long before the deadline
+    if side == "sender":  # the receiver heard it from the stream itself (torch: its trailer)
+        assert [r.error for r in results if r.role == "recv"] == ["cancelled by sender"], results
     # The pair is still good for the next transfer.
     transfer(p, d, [6, 7], [2, 3], 8)
     assert all(r.ok for r in drive([d, p], 2))

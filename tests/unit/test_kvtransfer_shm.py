@@ -34,6 +34,7 @@ def test_sharing_keeps_the_contents_and_a_receiver_reads_them_exactly():
         ([10, 11, 12], [20, 2, 8]),  # source consecutive
         ([15, 0, 4], [1, 23, 13]),  # both scattered
         ([7], [0]),  # one block
+        ([4, 5, 6], [10, 11, 12]),  # both consecutive: one contiguous copy
     ]
     for layer in range(sender.num_layers):
         for src, dst in cases:

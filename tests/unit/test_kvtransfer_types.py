@@ -131,10 +131,11 @@ def test_write_layer_matches_scatter_layer_bit_for_bit(dtype: torch.dtype):
     cfg = tiny_model_config()
     a, b = KVCache(cfg, 10, 4, dtype), KVCache(cfg, 10, 4, dtype)
     data = torch.randn((3, 2, 4, 2, 8), generator=torch.Generator().manual_seed(0)).to(dtype)
-    ids = [7, 2, 5]
-    a.scatter_layer(1, ids, data)
-    write_layer(b, 1, ids, data)
-    assert torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
+    for ids in ([7, 2, 5], [4, 5, 6]):  # scattered, and one run (a contiguous copy)
+        a.scatter_layer(1, ids, data)
+        write_layer(b, 1, ids, data)
+        assert torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8)), ids
+        data = data + 1
     with pytest.raises(ValueError, match="write_layer"):
         write_layer(b, 1, ids[:2], data)
 
