@@ -37,9 +37,9 @@ Ownership rules (every implementation keeps them; callers rely on them):
   deadline or cancel). The sender releases its source blocks when it sees the result, ok or
   not; the receiver frees its destination blocks when it sees a failed one (an ok one leaves
   them holding the request's KV). After ``cancel`` the result still arrives through
-  ``poll()`` — at the next call, or, for a sender whose sends read straight from the cache,
-  once those sends are done (never later than the deadline) — and that is when blocks are
-  freed. The transport itself never
+  ``poll()`` — at the next call, or, for a sender whose sends read straight from the cache
+  or a receiver whose receives write straight into the blocks, once those are done (at the
+  deadline at the latest) — and that is when blocks are freed. The transport itself never
   frees anything: blocks belong to the worker's block pool. Each side's result is its own: a
   sender that cancels after its last layer left may see "cancelled" while the receiver
   completes, and a receiver that cancels after its last layer landed may fail the transfer
@@ -47,7 +47,8 @@ Ownership rules (every implementation keeps them; callers rely on them):
 
 Deadlines and liveness: every transfer has its own deadline (``ticket.timeout_ms``, counted by
 each side from ``expect`` / ``open``). A dead (SIGKILL) or frozen (SIGSTOP) peer makes the
-surviving side's ``poll()`` report the transfer failed no later than its deadline; the pair's
+surviving side's ``poll()`` report the transfer failed by its deadline (a receiver whose
+receives write straight into the blocks: as soon as its wait times out there, a few ms); the pair's
 connection is then torn down and re-created on next use. No method blocks on a peer: all of
 them return promptly whatever the peer does. ``poll()`` must be called regularly (every engine
 step, and every few ms while transfers are in flight) since that is where deadlines are checked
@@ -56,8 +57,9 @@ and results are produced.
 Threading: the transport is owned by the worker's engine thread, the same thread that owns the
 `KVCache`; only that thread calls these methods. Implementations may run helper threads for
 network waits. The only cache access allowed off the engine thread is writing received layers
-into the ticket's destination blocks — reserved for the transfer, so nobody else touches
-them — and never after ``poll()`` has reported the transfer's result.
+into the ticket's destination blocks (by a helper thread, or by the network stack receiving
+into them) — reserved for the transfer, so nobody else touches them — and never after
+``poll()`` has reported the transfer's result.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class KVTransport(Protocol):
 
     def cancel(self, transfer_id: str) -> None:
         """Either side: give up on a transfer; its failed result comes from a later poll() (the
-        next one, or once a zero-copy sender's sends are done; by the deadline at the latest)."""
+        next one, or once a zero-copy sender's sends, or a direct receiver's receives, are
+        done; at the deadline at the latest)."""
         ...
 
     def poll(self) -> list[TransferResult]:

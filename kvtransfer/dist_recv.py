@@ -6,25 +6,25 @@ Threads (the per-pair and per-transfer ones are jobs on reused helper threads,
 - the **control thread** serves the control queue of this worker's `TCPStore`: ``join``
   records (layout check, then a builder thread makes the pair's process group) and ``xfer``
   headers, checked against the live tickets (`header_verdict`);
-- one **transfer thread** per announced transfer. Accepted: it posts a receive per layer into
-  a staging buffer and, as each layer lands, writes it straight into the ticket's destination
-  blocks (`kvtransfer.staging.write_layer`), then acknowledges: OK as soon as every layer is
-  written (before the deadline, not cancelled) — without waiting for the engine thread, which
-  may be in the middle of a step — else the engine's verdict once it has one. Rejected
-  (unknown ticket, stale epoch, ...): it drains the layers the sender streams anyway and
-  acknowledges with the reject code.
+- one **transfer thread** per announced transfer. Accepted: it posts a receive per layer
+  (`kvtransfer.recv_stream`: straight into the destination blocks when they are consecutive,
+  else into staging buffers it then writes into the blocks), then acknowledges: OK as soon as
+  every layer is in (before the deadline, not cancelled) — without waiting for the engine
+  thread, which may be in the middle of a step — else the engine's verdict once it has one.
+  Rejected (unknown ticket, stale epoch, ...): it drains the stream and acknowledges with the
+  reject code.
 
 Every wait is bounded by the transfer's deadline; a gloo wait that times out closes the pair's
 connection, which is what makes the other side fail too.
 
 Writing from a helper thread is the one exception to "the engine thread owns the cache", and it
 is safe by the ownership rules: destination blocks are reserved for this transfer and nobody
-else touches them until its result is out. `RecvTransfer.lock` makes the cut-off exact: each
-layer is written under the lock only while the transfer is unfinished, and the engine marks it
-finished under the same lock, so once ``poll()`` has reported a result (success, failure,
-deadline or cancel) no write into those blocks can follow, and the caller may free or reuse
-them at once. Doing the writes here keeps the copy work off the decode loop and makes
-completion independent of how often the engine polls.
+else touches them until its result is out. `RecvTransfer.lock` makes the cut-off exact: a
+staged layer is written under the lock only while the transfer is unfinished, and the engine
+marks it finished under the same lock; a direct transfer's result waits until none of its
+receives can land (`RecvTransfer.receiving`). So once ``poll()`` has reported a result
+(success, failure, deadline or cancel) nothing writes into those blocks, and the caller may
+free or reuse them at once.
 """
 
 from __future__ import annotations
@@ -33,14 +33,19 @@ import logging
 import math
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
 from kvtransfer.recv_state import RecvPair, RecvTransfer
+from kvtransfer.recv_stream import (
+    ACK_TIMEOUT_S,
+    Posted,
+    drain_and_answer,
+    post_receives,
+    settle,
+)
 from kvtransfer.shm import PeerCache, ShmUnavailable
 from kvtransfer.staging import StagingPool, write_layer
 from kvtransfer.types import (
@@ -56,7 +61,6 @@ from kvtransfer.wire import (
     EventQueue,
     HelperThreads,
     control_tensor,
-    empty_control,
     read_code,
     remaining,
     td,
@@ -66,16 +70,6 @@ from model_runtime.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
-class Posted(NamedTuple):
-    """A transfer's posted receives: one per layer into `bufs`, then the trailer's."""
-
-    bufs: list[torch.Tensor]
-    works: list[Work]
-    trailer: torch.Tensor
-    trailer_work: Work
-
-
-ACK_TIMEOUT_S = 5.0  # bound on sending a verdict or acknowledgement to a live peer
 _IDLE_WAIT = td(3600.0)  # control-queue wait; close() wakes it with a stop record
 
 
@@ -98,7 +92,6 @@ class Receiver:
         self._cache = cache
         self._layout = cache.layout
         self._device = cache.device
-        self._dtype = cache.dtype
         self._host = host
         self._backend = rdv.backend_for(cache.device)
         self._connect_timeout_s = connect_timeout_s
@@ -127,16 +120,20 @@ class Receiver:
         with self._lock:
             self._live[tr.ticket.transfer_id] = tr
 
-    def finish(self, tr: RecvTransfer, code: Code) -> None:
-        """Record the engine's verdict; no write into the blocks follows. The transfer thread
-        acknowledges it to the sender, unless it already acknowledged a complete transfer."""
+    def finish(self, tr: RecvTransfer, code: Code) -> bool:
+        """Record the engine's verdict; no write by this worker into the blocks follows. The
+        transfer thread acknowledges it to the sender, unless it already acknowledged a
+        complete transfer. True when receives posted straight into the blocks may still land
+        (`RecvTransfer.receiving`): the result waits until that is False."""
         with self._lock:
             if self._live.get(tr.ticket.transfer_id) is tr:
                 del self._live[tr.ticket.transfer_id]
         with tr.lock:  # waits for a write in progress (a memcpy), never for the network
             tr.finished = True
+            landing = tr.receiving
         tr.final_code = code
         tr.decided.set()
+        return landing
 
     def drop_pair(self, pair: RecvPair) -> None:
         """Forget a broken pair; its sender re-joins with a new generation on next use."""
@@ -304,43 +301,18 @@ class Receiver:
     def _reject(
         self, pair: RecvPair, tag: int, code: Code, tid: str, n_blocks: int, deadline: float
     ) -> None:
-        """Drain the layers of a refused transfer, then acknowledge with the reject code."""
+        """Drain the stream of a refused transfer, then acknowledge with the reject code."""
         log.info("kvtransfer: transfer %s from %s: %s", tid, pair.sender, code.describe())
         try:
+            notified = pair.peer_cache is not None  # notifications, not a layer's bytes
             group = self._group(pair, deadline)
-            scratch = (
-                empty_control(self._device)  # a shared-memory pair streams notifications
-                if pair.peer_cache is not None
-                else torch.empty(
-                    self._cache.message_shape(n_blocks), dtype=self._dtype, device=self._device
-                )
-            )
-            for _ in range(self._layout.num_layers):
-                group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
-            group.recv([empty_control(self._device)], 1, tag).wait(td(remaining(deadline)))
-            group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
+            drain_and_answer(group, tag, code, self._cache, n_blocks, notified, deadline)
         except (RuntimeError, TimeoutError) as exc:
             log.warning("kvtransfer: could not reject %s to %s: %s", tid, pair.sender, exc)
 
     def _post_receives(self, group: rdv.PairGroup, tr: RecvTransfer, tag: int) -> Posted:
-        """Staging buffers (from the pool, flat) for every layer, each with its receive posted,
-        then the trailer's receive (`Posted`).
-
-        All up front: gloo only moves a message once its receive is posted, so receiving a few
-        layers ahead would cost a round trip per layer. On a shared-memory pair each message is
-        a layer's notification (a `wire.control_tensor` holding the layer index), not its bytes.
-        """
-        t = tr.ticket
-        shape = self._cache.message_shape(t.num_blocks)
-        if tr.src_ids is not None:
-            bufs = [empty_control(self._device) for _ in range(t.layout.num_layers)]
-            works = [group.recv([n], 1, tag) for n in bufs]
-        else:
-            n, layers = math.prod(shape), t.layout.num_layers
-            bufs = self._staging.take_many(n, self._dtype, self._device, layers)
-            works = [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
-        trailer = empty_control(self._device)
-        return Posted(bufs, works, trailer, group.recv([trailer], 1, tag))
+        direct_ok = self._backend == "gloo"
+        return post_receives(group, tr, tag, self._cache, self._staging, direct_ok)
 
     def _run_transfer(
         self,
@@ -349,52 +321,27 @@ class Receiver:
         tag: int,
         posted: Posted | None,
     ) -> None:
-        """Receive and write the layers in order, then acknowledge (see the module docstring)."""
-        tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
-        layers, dst = t.layout.num_layers, list(t.dst_block_ids[: t.num_blocks])
-        peer = pair.peer_cache
+        """Receive (and write) the layers in order, then acknowledge (see the module
+        docstring). A direct transfer's receives are settled before any event goes out."""
+        tid, epoch = tr.ticket.transfer_id, tr.ticket.epoch
         try:
             group = self._group(pair, tr.deadline)
-            bufs, works, trailer, trailer_work = posted or self._post_receives(group, tr, tag)
-            shape = self._cache.message_shape(t.num_blocks)
-            for i, work in enumerate(works):
-                work.wait(td(remaining(tr.deadline)))
-                if i == layers - 1:  # the trailer says whether the layers are real
-                    trailer_work.wait(td(remaining(tr.deadline)))
-                    code = read_code(trailer)
-                    if code is not Code.OK:
-                        why = code.describe() if code else f"bad trailer code {int(trailer[0])}"
-                        broken = code is not Code.SENDER_CANCELLED
-                        self._events.put(
-                            Event("recv_failed", tid, epoch, error=why, pair_broken=broken)
-                        )
-                        break
-                with tr.lock:
-                    if time.monotonic() >= tr.deadline:
-                        # Never complete with bytes that arrived late: past the sender's own
-                        # deadline (later than ours) it may have reused the blocks it sends from.
-                        raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
-                    if tr.finished:
-                        continue
-                    if peer is not None and tr.src_ids is not None:  # one copy, from its cache
-                        peer.copy_layer(i, tr.src_ids, self._cache, dst)
-                        if time.monotonic() >= tr.deadline:  # the sender may reuse them now
-                            raise TimeoutError(f"layer {i} was read past the deadline")
-                    else:
-                        write_layer(self._cache, i, dst, StagingPool.view(bufs[i], shape))
-                    tr.layers_written += 1
-            else:
-                nbytes = layers * math.prod(shape) * self._cache.kv.element_size()
-                self._events.put(Event("recv_done", tid, epoch, nbytes=nbytes))
-            if tr.src_ids is None:
-                self._staging.give(bufs)  # every receive completed: nothing writes into them
+            posted = posted or self._post_receives(group, tr, tag)
         except (RuntimeError, TimeoutError) as exc:
-            self._events.put(
-                Event("recv_failed", tid, epoch, error=f"receive failed: {exc}", pair_broken=True)
-            )
+            error = f"receive failed: {exc}"
+            self._events.put(Event("recv_failed", tid, epoch, error=error, pair_broken=True))
             return
+        try:
+            event = self._receive_layers(tr, pair, posted)
+        except (RuntimeError, TimeoutError) as exc:
+            settle(tr, posted)
+            error = f"receive failed: {exc}"
+            self._events.put(Event("recv_failed", tid, epoch, error=error, pair_broken=True))
+            return
+        settle(tr, posted)  # every receive completed: only clears `receiving`
+        self._events.put(event)
         with tr.lock:
-            complete = not tr.finished and tr.layers_written == layers
+            complete = not tr.finished and tr.layers_written == tr.ticket.layout.num_layers
         if complete:
             # Every layer is in the blocks, before the deadline: that is what OK means, so the
             # sender hears it now, not after this worker's engine finishes its current step.
@@ -407,6 +354,47 @@ class Receiver:
             group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
         except RuntimeError as exc:
             log.warning("kvtransfer: acknowledging %s to %s failed: %s", tid, pair.sender, exc)
+
+    def _receive_layers(self, tr: RecvTransfer, pair: RecvPair, posted: Posted) -> Event:
+        """Wait for each layer and put it in the blocks; the event to report (done, or failed
+        when the trailer says the sender cancelled). Raises when a wait fails or a layer
+        arrives past the deadline."""
+        tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
+        layers, dst = t.layout.num_layers, list(t.dst_block_ids[: t.num_blocks])
+        shape = self._cache.message_shape(t.num_blocks)
+        for i in range(layers):
+            posted.wait_next(tr.deadline)
+            if i == layers - 1:  # the trailer says whether the layers are real
+                posted.wait_next(tr.deadline)
+                code = read_code(posted.trailer)
+                if code is not Code.OK:
+                    self._recycle(posted)
+                    why = code.describe() if code else f"bad trailer {int(posted.trailer[0])}"
+                    broken = code is not Code.SENDER_CANCELLED
+                    return Event("recv_failed", tid, epoch, error=why, pair_broken=broken)
+            with tr.lock:
+                if time.monotonic() >= tr.deadline:
+                    # Never complete with bytes that arrived late: past the sender's own
+                    # deadline (later than ours) it may have reused the blocks it sends from.
+                    raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
+                if tr.finished:
+                    continue
+                if posted.mode == "notified":  # one copy, from the sender's cache
+                    assert pair.peer_cache is not None and tr.src_ids is not None
+                    pair.peer_cache.copy_layer(i, tr.src_ids, self._cache, dst)
+                    if time.monotonic() >= tr.deadline:  # the sender may reuse them now
+                        raise TimeoutError(f"layer {i} was read past the deadline")
+                elif posted.mode == "staged":
+                    write_layer(self._cache, i, dst, StagingPool.view(posted.bufs[i], shape))
+                tr.layers_written += 1  # direct: the bytes are in the blocks already
+        self._recycle(posted)
+        nbytes = layers * math.prod(shape) * self._cache.kv.element_size()
+        return Event("recv_done", tid, epoch, nbytes=nbytes)
+
+    def _recycle(self, posted: Posted) -> None:
+        """Staging buffers back to the pool, once every receive completed (none writes now)."""
+        if posted.mode == "staged":
+            self._staging.give(posted.bufs)
 
     def _group(self, pair: RecvPair, deadline: float) -> rdv.PairGroup:
         if not pair.ready.wait(remaining(deadline)):

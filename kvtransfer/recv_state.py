@@ -36,9 +36,12 @@ class RecvTransfer:
     deadline: float
     sender: str | None = None  # set under the receiver's lock when a header is accepted
     pair: RecvPair | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the two below
-    finished: bool = False  # set by the engine when it reports the result
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards the three below
+    finished: bool = False  # set by the engine when it decides the result
     layers_written: int = 0
+    # Receives posted straight into the blocks may still write (`kvtransfer.recv_stream`):
+    # the result is reported only once this is False again.
+    receiving: bool = False
     cancelled: bool = False  # engine thread only; the result goes out at the next poll
     nbytes: int = 0
     src_ids: list[int] | None = None  # shared-memory pair: the sender's blocks (from the header)

@@ -102,6 +102,8 @@ class TorchDistTransport:
         port_used = self._receiver.port if self._receiver is not None else 0
         self._endpoint = PeerEndpoint(worker_id, host, port_used)
         self._recvs: dict[str, RecvTransfer] = {}
+        # Decided, but receives straight into their blocks may still land: (transfer, error).
+        self._landing: list[tuple[RecvTransfer, str | None]] = []
         self._sends: dict[str, SendTransfer] = {}
         self._closed = False
 
@@ -190,6 +192,7 @@ class TorchDistTransport:
                 )
                 if snd.pair is not None:
                     self._sender.drop_pair(snd.pair)
+        self._report_landed(out)
         return out
 
     def close(self) -> None:
@@ -241,8 +244,25 @@ class TorchDistTransport:
     def _finish_recv(self, tr: RecvTransfer, error: str | None, out: list[TransferResult]) -> None:
         del self._recvs[tr.ticket.transfer_id]
         assert self._receiver is not None, "only a serving transport receives"
-        self._receiver.finish(tr, Code.OK if error is None else Code.RECEIVER_FAILED)
+        if self._receiver.finish(tr, Code.OK if error is None else Code.RECEIVER_FAILED):
+            self._landing.append((tr, error))  # reported by `_report_landed`, soon
+            return
         out.append(make_result(tr.ticket, "recv", tr.sender or "?", error, tr.nbytes, tr.started))
+
+    def _report_landed(self, out: list[TransferResult]) -> None:
+        """Report the decided transfers whose direct receives can no longer write into their
+        blocks (each completed, or the pair closed: at the latest just past the deadline, when
+        the receiving thread's wait times out). A closed transport reports them all."""
+        still: list[tuple[RecvTransfer, str | None]] = []
+        for tr, error in self._landing:
+            with tr.lock:
+                landing = tr.receiving
+            if landing and not self._closed:
+                still.append((tr, error))
+                continue
+            r = make_result(tr.ticket, "recv", tr.sender or "?", error, tr.nbytes, tr.started)
+            out.append(r)
+        self._landing = still
 
     def _finish_send(self, tr: SendTransfer, error: str | None, out: list[TransferResult]) -> None:
         del self._sends[tr.ticket.transfer_id]

@@ -83,6 +83,7 @@ def _worker_main(
     held: Counter[int] = Counter()
     blocks: dict[str, list[int]] = {}  # transfer id -> blocks held for it
     pacing: dict[str, list[float]] = {}  # transfer id -> [next layer, interval, next time]
+    scribbled: dict[str, tuple[list[int], str]] = {}  # failed receive -> (blocks, digest)
     conn.send(("ready", {"port": tr.endpoint.port}))
     while True:
         if conn.poll(0.001):
@@ -96,8 +97,11 @@ def _worker_main(
             elif cmd == "shm_peers":
                 conn.send(("shm_peers", {"peers": tr.shared_memory_peers()}))
             elif cmd == "expect":  # decode: reserve blocks, issue a ticket
+                # Descending ids are scattered (received via staging buffers); ascending ones
+                # of a free stretch are consecutive (received straight into the blocks).
                 n = blocks_needed(arg["num_tokens"], BLOCK)
-                free = [b for b in range(BLOCKS - 1, -1, -1) if held[b] == 0][:n]
+                ids = range(BLOCKS) if arg.get("ascending") else range(BLOCKS - 1, -1, -1)
+                free = [b for b in ids if held[b] == 0][:n]
                 ticket = new_ticket(
                     tr.endpoint, tr.layout, "req", free, arg["num_tokens"], arg["timeout_s"]
                 )
@@ -118,6 +122,9 @@ def _worker_main(
                     tr.cancel(arg["tid"])
                     pacing.pop(arg["tid"], None)
                 conn.send(("cancelled", {"late": late}))
+            elif cmd == "intact":  # are the blocks a failed receive freed still as scribbled?
+                freed, want = scribbled[arg["tid"]]
+                conn.send(("intact", {"intact": _digest(cache, freed) == want}))
             elif cmd == "busy":  # a long engine step: no transport poll meanwhile
                 conn.send(("busy", {}))
                 time.sleep(arg["seconds"])
@@ -132,9 +139,11 @@ def _worker_main(
             mine = blocks.pop(res.transfer_id)
             digest = _digest(cache, mine) if res.ok and res.role == "recv" else None
             held.subtract(mine)  # the request finishes (ok) or is abandoned: free once
-            if res.role == "send":  # freed source blocks get reused: scribble over them
+            if res.role == "send" or not res.ok:  # freed blocks get reused: scribble on them
                 for b in (b for b in mine if held[b] == 0):
                     cache.kv[:, b].copy_(torch.randn(cache.kv[:, b].shape, generator=scribble))
+            if res.role == "recv" and not res.ok:
+                scribbled[res.transfer_id] = (mine, _digest(cache, mine))
             pacing.pop(res.transfer_id, None)
             conn.send(
                 (
@@ -248,9 +257,13 @@ def start_transfer(
     src: list[int],
     interval_s: float = 0.0,
     timeout_s: float = LONG,
+    ascending: bool = False,
 ) -> tuple[str, str]:
-    """Issue a ticket on `d`, open it on `p`; returns (transfer id, sender's digest)."""
-    ticket = d.call("expect", "ticket", num_tokens=num_tokens, timeout_s=timeout_s)
+    """Issue a ticket on `d`, open it on `p`; returns (transfer id, sender's digest).
+    `ascending`: consecutive destination blocks, which gloo receives straight into."""
+    ticket = d.call(
+        "expect", "ticket", num_tokens=num_tokens, timeout_s=timeout_s, ascending=ascending
+    )
     opened = p.call("open", "opened", ticket=ticket, src=src, interval_s=interval_s)
     return str(ticket["transfer_id"]), str(opened["digest"])
 
@@ -280,9 +293,9 @@ def test_many_concurrent_transfers_all_exact(cluster: dict[str, Peer]):
             (3 * BLOCK, [20, 5, 39]),  # shares cached blocks 20, 5 with the previous prompt
         ]
         pairs = [(d0, p0), (d0, w2), (w2, p0), (d0, p0)]  # (receiver, sender)
-        started = [
-            (d, p, *start_transfer(d, p, n, src, interval_s=0.01))
-            for d, p in pairs
+        started = [  # half received through staging buffers, half straight into the blocks
+            (d, p, *start_transfer(d, p, n, src, interval_s=0.01, ascending=k % 2 == 1))
+            for k, (d, p) in enumerate(pairs)
             for n, src in cases
         ]
         for d, p, tid, digest in started:
@@ -300,13 +313,14 @@ def test_many_concurrent_transfers_all_exact(cluster: dict[str, Peer]):
 @pytest.mark.parametrize("victim", ["p0", "d0"])
 def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int):
     """The survivor fails the transfer within its deadline, frees its blocks, and a new
-    transfer with a restarted peer works."""
+    transfer with a restarted peer works. A surviving receiver has posted its receives
+    straight into the blocks (gloo) or gets notifications (shared memory)."""
     d, p = cluster["d0"], cluster["p0"]
     tid, digest = start_transfer(d, p, 9 * BLOCK, list(range(10, 19)))
     check_exact(d, p, tid, digest)  # the pair is established and healthy
     # Layers every 0.4 s: the fault lands between layer 1 and layer 2.
     tid, _ = start_transfer(
-        d, p, 9 * BLOCK, list(range(20, 29)), interval_s=0.4, timeout_s=DEADLINE_S
+        d, p, 9 * BLOCK, list(range(20, 29)), 0.4, DEADLINE_S, ascending=victim == "p0"
     )
     time.sleep(0.6)
     cluster[victim].signal(sig)
@@ -391,3 +405,32 @@ def test_sender_hears_ok_while_the_receiving_engine_is_busy(cluster: dict[str, P
     got_d = d.result(ticket["transfer_id"], LONG)
     assert got_d["ok"] and got_d["digest"] == opened["digest"], got_d
     assert_all_free(d, p)
+
+
+def test_a_cancelled_direct_receive_reports_only_once_its_receives_are_done():
+    """Received straight into the blocks (gloo, consecutive destination blocks), a transfer the
+    decode side cancels mid-stream reports its result — which frees, and here scribbles over,
+    the blocks — only once the rest of the stream has landed, so no late layer overwrites a
+    freed block."""
+    d = Peer("decode", "cd").wait_ready()
+    p = Peer("prefill", "cp", seed=4).wait_ready()
+    try:
+        tid, digest = start_transfer(d, p, 2 * BLOCK, [0, 1], ascending=True)
+        check_exact(d, p, tid, digest)  # the pair is established
+        # Layers 0.3 s apart: the cancel lands after layer 0, layers 1 and 2 are still to come.
+        tid, _ = start_transfer(d, p, 4 * BLOCK, [4, 5, 6, 7], interval_s=0.3, ascending=True)
+        time.sleep(0.1)
+        assert not d.call("cancel", "cancelled", tid=tid)["late"]
+        cancelled = time.monotonic()
+        got_d = d.result(tid, LONG)
+        assert not got_d["ok"] and got_d["error"] == "cancelled by receiver", got_d
+        assert time.monotonic() - cancelled >= 0.2, "reported before the stream was done"
+        assert not p.result(tid, LONG)["ok"]
+        time.sleep(0.2)
+        assert d.call("intact", "intact", tid=tid)["intact"], "a layer landed after the result"
+        assert_all_free(d, p)
+        tid, digest = start_transfer(d, p, 4 * BLOCK, [8, 9, 10, 11], ascending=True)
+        check_exact(d, p, tid, digest)
+    finally:
+        d.stop()
+        p.stop()

@@ -1,0 +1,142 @@
+"""Where one transfer's layers land on the decode side: the receives a transfer thread posts,
+and how it makes sure none of them can still write once it is done. Runs in decode workers,
+in the receiving threads of `kvtransfer.dist_recv`.
+
+Three ways, chosen once per transfer (`post_receives`):
+
+- **direct** (gloo, destination blocks consecutive): each layer is received straight into
+  the destination blocks (`KVCache.layer_slice`, a view): no staging buffer, no copy. gloo
+  writes those bytes whenever they arrive, so the transfer's result waits until no receive can
+  write any more (`RecvTransfer.receiving`, cleared by `settle`): each posted receive has
+  completed, or a wait on the pair failed — a gloo wait that fails or times out closes the
+  pair's connection, after which nothing lands in any of its buffers;
+- **staged** (scattered destination blocks, or NCCL): into pooled staging buffers, which the
+  thread writes into the blocks itself (`kvtransfer.staging.write_layer`) under the
+  transfer's lock, so nothing is written after the result;
+- **notified** (shared-memory pair, `kvtransfer.shm`): each message is a layer's
+  notification and the thread copies the layer out of the sender's cache.
+
+Every way posts one more receive after the layers: the stream's trailer (`kvtransfer.wire`).
+A refused transfer's stream is drained into scratch memory (`drain_and_answer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch._C._distributed_c10d import Work
+
+from kvtransfer import rendezvous as rdv
+from kvtransfer.recv_state import RecvTransfer
+from kvtransfer.staging import StagingPool
+from kvtransfer.types import Code
+from kvtransfer.wire import control_tensor, empty_control, remaining, td
+from model_runtime.kv_cache import KVCache
+
+Mode = Literal["direct", "staged", "notified"]
+ACK_TIMEOUT_S = 5.0  # bound on sending a verdict or acknowledgement to a live peer
+
+
+@dataclass
+class Posted:
+    """A transfer's posted receives: one per layer (into `bufs`, or the blocks themselves when
+    `mode` is "direct"), then the trailer's. Waited in that order, each once (`wait_next`):
+    a gloo receive's wait consumes its completion, so a second wait would block."""
+
+    mode: Mode
+    bufs: list[torch.Tensor]  # staging buffers or notifications; empty when direct
+    works: list[Work]  # the layers' receives, then the trailer's
+    trailer: torch.Tensor
+    waited: int = 0  # how many of `works` were waited (returned or raised)
+
+    def wait_next(self, deadline: float) -> None:
+        """Wait for the next receive in order, at most until `deadline`; raises when it fails
+        or times out (which closes the pair's connection)."""
+        work = self.works[self.waited]
+        self.waited += 1
+        work.wait(td(remaining(deadline)))
+
+
+def post_receives(
+    group: rdv.PairGroup,
+    tr: RecvTransfer,
+    tag: int,
+    cache: KVCache,
+    staging: StagingPool,
+    direct_ok: bool,
+) -> Posted:
+    """Post every layer's receive and the trailer's, all up front: gloo only moves a message
+    once its receive is posted, so receiving a few layers ahead would cost a round trip per
+    layer. `direct_ok`: the pair's backend may receive into the cache (gloo).
+
+    A transfer the engine already finished is never received directly. If posting fails, the
+    pair's connection is closed (gloo refuses new operations only then), so nothing already
+    posted can land either, and `tr.receiving` is cleared before the error propagates.
+    """
+    t = tr.ticket
+    device, layers = cache.device, t.layout.num_layers
+    trailer = empty_control(device)
+    if tr.src_ids is not None:
+        notes = [empty_control(device) for _ in range(layers)]
+        works = [group.recv([n], 1, tag) for n in [*notes, trailer]]
+        return Posted("notified", notes, works, trailer)
+    dst = t.dst_block_ids[: t.num_blocks]
+    first = KVCache.run_start(dst) if direct_ok else None
+    if first is not None:
+        with tr.lock:  # `finish` reads `receiving` under the same lock
+            if not tr.finished:
+                tr.receiving = True
+        if tr.receiving:
+            try:
+                views = [cache.layer_slice(i, first, len(dst)) for i in range(layers)]
+                works = [group.recv([v], 1, tag) for v in [*views, trailer]]
+                return Posted("direct", [], works, trailer)
+            except RuntimeError:
+                with tr.lock:
+                    tr.receiving = False
+                raise
+    shape = cache.message_shape(t.num_blocks)
+    bufs = staging.take_many(math.prod(shape), cache.dtype, device, layers)
+    works = [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
+    works.append(group.recv([trailer], 1, tag))
+    return Posted("staged", bufs, works, trailer)
+
+
+def settle(tr: RecvTransfer, posted: Posted) -> None:
+    """Return once none of a direct transfer's receives can write into its blocks any more,
+    and clear `tr.receiving`. Waits each receive at most until the ticket's deadline: past it,
+    a wait times out, which closes the pair and kills the others. No-op for other modes."""
+    if posted.mode != "direct":
+        return
+    while posted.waited < len(posted.works):
+        # A wait that fails or times out closes the pair: nothing more lands on it.
+        with contextlib.suppress(RuntimeError):
+            posted.wait_next(tr.deadline)
+    with tr.lock:
+        tr.receiving = False
+
+
+def drain_and_answer(
+    group: rdv.PairGroup,
+    tag: int,
+    code: Code,
+    cache: KVCache,
+    n_blocks: int,
+    notified: bool,
+    deadline: float,
+) -> None:
+    """Receive a refused transfer's stream into scratch memory, then send `code` as the
+    acknowledgement. Raises when a wait fails or times out."""
+    scratch = (
+        empty_control(cache.device)
+        if notified
+        else torch.empty(cache.message_shape(n_blocks), dtype=cache.dtype, device=cache.device)
+    )
+    for _ in range(cache.num_layers):
+        group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
+    group.recv([empty_control(cache.device)], 1, tag).wait(td(remaining(deadline)))
+    group.send([control_tensor(code, cache.device)], 1, tag).wait(td(ACK_TIMEOUT_S))
