@@ -21,7 +21,11 @@ one run:
 - shm: the same transfer on the same-host shared-memory data plane (`kvtransfer.shm`: a
   notification per layer, the decode side copies the blocks straight out of the prefill
   worker's cache), from a second prefill transport on the same cache, interleaved with the rest;
-- memcpy: one in-process copy of the same bytes;
+- memcpy: the same source bytes (the prompt's blocks in the prefill cache, layer by layer)
+  copied in-process into a buffer of the same size, interleaved with the rest, so the source
+  is in the same cache state as the transfers'; ``memcpy_hot`` is one copy of a buffer just
+  copied (at 512 tokens source and destination fit in this host's 32 MB L3: a cache-speed
+  reference, not a memory-speed one);
 - streaming (both data planes): a real prefill with ``on_layer_done -> send_layer``;
   ``exposed`` is the time from the end of the forward pass to the KV being complete on the
   decode side (the part not hidden behind compute), ``hidden = 1 - exposed / transfer``, and
@@ -29,8 +33,11 @@ one run:
   and sampling excluded).
 
 Medians over ``--reps``; ``paired`` ratios are the median of rep-by-rep ratios (each transfer
-against the raw run right beside it), which the host's slow drift affects least. Writes JSON
-and prints (and writes next to it, `.md`) a short table.
+against the raw run right beside it), which the host's slow drift affects least. The targets
+are judged on the paired ratio against raw gloo (best-against-best swings by +-30 % between
+runs of the same code on this shared 2-core host: each side's best is its one luckiest rep)
+and on the best shm transfer against the best like-for-like memcpy. Writes JSON and prints
+(and writes next to it, `.md`) a short table.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from kvtransfer.torch_dist import TorchDistTransport
 from kvtransfer.types import TransferResult, blocks_needed
 from model_runtime.kv_cache import KVCache
 
-TARGETS = {
+TARGETS = {  # judged on: paired vs raw gloo, median hidden and share, best shm vs best memcpy
     "vs_raw_gloo": 0.90,
     "hidden": 0.75,
     "share_of_ttft_at_1k_plus": 0.05,
@@ -100,12 +107,22 @@ def bench_raw(raw: rdv.PairGroup, d: Decode, layers: list[torch.Tensor]) -> floa
     return float(d.wait("raw_done")) - t0
 
 
-def bench_memcpy(nbytes: int) -> float:
+def bench_memcpy_hot(nbytes: int) -> float:
+    """One copy of `nbytes` from a buffer that was just copied (cache-hot when it fits)."""
     src = torch.rand(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
     t0 = time.perf_counter()
     dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def bench_memcpy(cache: KVCache, n_blocks: int, dst: torch.Tensor) -> float:
+    """Copy blocks 0..n_blocks-1 of every layer of `cache` into `dst` (same shape, already
+    faulted in): the bytes a transfer moves, from where it reads them."""
+    t0 = time.perf_counter()
+    for layer in range(cache.num_layers):
+        dst[layer].copy_(cache.layer_slice(layer, 0, n_blocks))
     return time.perf_counter() - t0
 
 
@@ -154,14 +171,16 @@ def measure_bandwidth(
     ids = list(range(blocks_needed(n, BLOCK)))
     layers = [cache.gather_layer(i, ids) for i in range(cache.num_layers)]  # the same bytes
     nbytes = sum(t.numel() * t.element_size() for t in layers)
-    xfer, rawt, scat, shm, shm_scat = [], [], [], [], []
+    copy_dst = torch.zeros((cache.num_layers, *cache.message_shape(len(ids))), dtype=cache.dtype)
+    xfer, rawt, scat, shm, shm_scat, memt = [], [], [], [], [], []
     for _ in range(reps):
         xfer.append(bench_transfer(p, d, n))
         rawt.append(bench_raw(raw, d, layers))
         scat.append(bench_transfer(p, d, n, scattered=True))
         shm.append(bench_transfer(p_shm, d, n))
         shm_scat.append(bench_transfer(p_shm, d, n, scattered=True))
-    mem = min(bench_memcpy(nbytes) for _ in range(reps))
+        memt.append(bench_memcpy(cache, len(ids), copy_dst))
+    mem, mem_hot = min(memt), min(bench_memcpy_hot(nbytes) for _ in range(reps))
     x, r, sc, sh, shs = _stats(xfer), _stats(rawt), _stats(scat), _stats(shm), _stats(shm_scat)
     return {
         "tokens": n,
@@ -169,6 +188,8 @@ def measure_bandwidth(
         "transfer_s": x,
         "raw_gloo_s": r,
         "memcpy_s": mem,
+        "memcpy_all_s": memt,
+        "memcpy_hot_s": mem_hot,
         "transfer_gbs": nbytes / x["min"] / 1e9,
         "raw_gloo_gbs": nbytes / r["min"] / 1e9,
         "memcpy_gbs": nbytes / mem / 1e9,
@@ -189,6 +210,7 @@ def measure_bandwidth(
         "shm_vs_raw_gloo": r["min"] / sh["min"],
         "shm_vs_raw_gloo_paired": statistics.median(a / b for a, b in zip(rawt, shm, strict=True)),
         "shm_vs_memcpy": mem / sh["min"],
+        "shm_vs_memcpy_hot": mem_hot / sh["min"],
         "shm_scattered_vs_memcpy": mem / shs["min"],
     }
 
@@ -296,7 +318,7 @@ def run(model_dir: str, sizes: list[int], reps: int, stream_reps: int) -> dict[s
 
 def _meets(bandwidth: list[dict[str, Any]], streaming: list[dict[str, Any]]) -> dict[str, bool]:
     return {
-        "vs_raw_gloo": all(b["vs_raw_gloo"] >= TARGETS["vs_raw_gloo"] for b in bandwidth),
+        "vs_raw_gloo": all(b["vs_raw_gloo_paired"] >= TARGETS["vs_raw_gloo"] for b in bandwidth),
         "hidden": all(s["hidden"] >= TARGETS["hidden"] for s in streaming),
         "share_of_ttft_at_1k_plus": all(
             s["exposed_share_of_ttft"] <= TARGETS["share_of_ttft_at_1k_plus"]
@@ -329,15 +351,16 @@ def table(res: dict[str, Any]) -> str:
         "Shared-memory data plane (same host):",
         "",
         "| tokens | shm ms best (median) | GB/s | vs raw gloo: best [paired] | vs memcpy "
-        "| scattered src: ms best, vs memcpy |",
-        "|---|---|---|---|---|---|",
+        "| vs hot memcpy | scattered src: ms best, vs memcpy |",
+        "|---|---|---|---|---|---|---|",
     ]
     for b in res["bandwidth"]:
         lines.append(
             f"| {b['tokens']} | {b['shm_s']['min'] * 1e3:.2f} ({b['shm_s']['median'] * 1e3:.2f}) "
             f"| {b['shm_gbs']:.2f} | {b['shm_vs_raw_gloo']:.0%} "
             f"[{b['shm_vs_raw_gloo_paired']:.0%}] | {b['shm_vs_memcpy']:.0%} | "
-            f"{b['shm_scattered_s']['min'] * 1e3:.2f}, {b['shm_scattered_vs_memcpy']:.0%} |"
+            f"{b['shm_vs_memcpy_hot']:.0%} | {b['shm_scattered_s']['min'] * 1e3:.2f}, "
+            f"{b['shm_scattered_vs_memcpy']:.0%} |"
         )
     for title, key in (("gloo bytes", "streaming"), ("shared memory", "streaming_shm")):
         lines += ["", f"Streaming ({title}):", ""]
