@@ -37,7 +37,7 @@ class RecvTransfer:
     sender: str | None = None  # set under the receiver's lock when a header is accepted
     pair: RecvPair | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the three below
-    finished: bool = False  # set by the engine when it decides the result
+    finished: bool = False  # set by the engine when it decides the result (or cancels)
     layers_written: int = 0
     # Receives posted straight into the blocks may still write (`kvtransfer.recv_stream`):
     # the result is reported only once this is False again.

@@ -86,24 +86,30 @@ def post_receives(
         return Posted("notified", notes, works, trailer)
     dst = t.dst_block_ids[: t.num_blocks]
     first = KVCache.run_start(dst) if direct_ok else None
-    if first is not None:
-        with tr.lock:  # `finish` reads `receiving` under the same lock
-            if not tr.finished:
-                tr.receiving = True
-        if tr.receiving:
-            try:
-                views = [cache.layer_slice(i, first, len(dst)) for i in range(layers)]
-                works = [group.recv([v], 1, tag) for v in [*views, trailer]]
-                return Posted("direct", [], works, trailer)
-            except RuntimeError:
-                with tr.lock:
-                    tr.receiving = False
-                raise
+    if first is not None and _claim_blocks(tr):
+        try:
+            views = [cache.layer_slice(i, first, len(dst)) for i in range(layers)]
+            works = [group.recv([v], 1, tag) for v in [*views, trailer]]
+            return Posted("direct", [], works, trailer)
+        except RuntimeError:
+            with tr.lock:
+                tr.receiving = False
+            raise
     shape = cache.message_shape(t.num_blocks)
     bufs = staging.take_many(math.prod(shape), cache.dtype, device, layers)
     works = [group.recv([StagingPool.view(buf, shape)], 1, tag) for buf in bufs]
     works.append(group.recv([trailer], 1, tag))
     return Posted("staged", bufs, works, trailer)
+
+
+def _claim_blocks(tr: RecvTransfer) -> bool:
+    """Mark `tr` as receiving into its blocks, unless the engine already decided its result
+    (`Receiver.finish` reads the mark under the same lock)."""
+    with tr.lock:
+        if tr.finished:
+            return False
+        tr.receiving = True
+        return True
 
 
 def settle(tr: RecvTransfer, posted: Posted) -> None:

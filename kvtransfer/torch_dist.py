@@ -164,7 +164,10 @@ class TorchDistTransport:
         if transfer_id in self._sends:
             self._sender.stop(self._sends[transfer_id], cancelled=True)
         elif transfer_id in self._recvs:
-            self._recvs[transfer_id].cancelled = True
+            rcv = self._recvs[transfer_id]
+            rcv.cancelled = True  # its result goes out at the next poll
+            with rcv.lock:  # decided now: the receiving thread neither writes nor acks OK
+                rcv.finished = True
         else:
             raise ValueError(f"cancel: unknown transfer id {transfer_id!r}")
 
