@@ -22,8 +22,8 @@ one run:
   notification per layer, the decode side copies the blocks straight out of the prefill
   worker's cache), from a second prefill transport on the same cache, interleaved with the rest;
 - memcpy: the same source bytes (the prompt's blocks in the prefill cache, layer by layer)
-  copied in-process into a buffer of the same size, interleaved with the rest, so the source
-  is in the same cache state as the transfers'; ``memcpy_hot`` is one copy of a buffer just
+  copied in-process into a buffer of the same size, interleaved with the transfers (so the
+  source is in the same cache state as theirs); ``memcpy_hot`` is one copy of a buffer just
   copied (at 512 tokens source and destination fit in this host's 32 MB L3: a cache-speed
   reference, not a memory-speed one);
 - streaming (both data planes): a real prefill with ``on_layer_done -> send_layer``;
@@ -180,6 +180,9 @@ def measure_bandwidth(
         shm.append(bench_transfer(p_shm, d, n))
         shm_scat.append(bench_transfer(p_shm, d, n, scattered=True))
         memt.append(bench_memcpy(cache, len(ids), copy_dst))
+        # torch's 2-thread copy leaves its OpenMP threads spinning for a while; without the
+        # pause the next transfer ran ~1.5x slower.
+        time.sleep(0.05)
     mem, mem_hot = min(memt), min(bench_memcpy_hot(nbytes) for _ in range(reps))
     x, r, sc, sh, shs = _stats(xfer), _stats(rawt), _stats(scat), _stats(shm), _stats(shm_scat)
     return {
