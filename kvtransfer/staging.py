@@ -4,8 +4,9 @@ Runs in both kinds of worker: a prefill worker copies a layer of scattered sourc
 (`read_layer`; consecutive blocks are sent as a view of the cache, no copy), a decode worker's
 receiving thread writes an arrived layer into the destination blocks (`write_layer`).
 
-Both copy on CPU through numpy (``take`` / fancy-index assignment over a same-width integer
-view of the cache): single-threaded, GIL-free and bit-exact for every dtype. Torch's 2-thread
+Both copy on CPU through numpy (`copy_runs`: one contiguous copy per run of consecutive blocks,
+over a same-width integer view of the cache): single-threaded, GIL-free and bit-exact for
+every dtype. Torch's 2-thread
 ``index_select`` / ``index_copy_`` stall on the second OpenMP thread on a busy 2-core host (~5
 ms per 4 MB against ~0.1 ms here) — and during a transfer the other core is busy with gloo.
 Other devices use `KVCache.gather_layer` / `KVCache.scatter_layer`.
@@ -35,6 +36,27 @@ def as_int_array(t: torch.Tensor) -> npt.NDArray[np.generic]:
     return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy()
 
 
+def copy_runs(
+    dst: npt.NDArray[np.generic],
+    dst_ids: Sequence[int],
+    src: npt.NDArray[np.generic],
+    src_ids: Sequence[int],
+) -> None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i (blocks along axis 0), as one
+    contiguous copy per stretch where both id lists go up by one: a prompt's blocks are a few
+    such runs (a cached prefix, then fresh blocks), and a contiguous copy runs ~1.9x faster
+    than numpy's indexed ``take`` / assignment here (12 layers of 32 blocks in 2-4 runs: 0.55
+    against 1.05 ms); even single-block runs are no slower."""
+    n, start = len(src_ids), 0
+    if len(dst_ids) != n:
+        raise ValueError(f"copy_runs: {len(dst_ids)} destination ids for {n} source ids")
+    for i in range(1, n + 1):
+        if i == n or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
+            d, s, k = dst_ids[start], src_ids[start], i - start
+            np.copyto(dst[d : d + k], src[s : s + k])
+            start = i
+
+
 def read_layer(
     cache: KVCache, layer: int, block_ids: Sequence[int], out: torch.Tensor
 ) -> torch.Tensor:
@@ -50,8 +72,7 @@ def read_layer(
             f"read_layer: out is {tuple(out.shape)} {out.dtype}, want contiguous {expected} "
             f"{cache.dtype}"
         )
-    idx = np.asarray(block_ids, dtype=np.int64)
-    np.take(as_int_array(cache.kv[layer]), idx, axis=0, out=as_int_array(out))
+    copy_runs(as_int_array(out), range(len(block_ids)), as_int_array(cache.kv[layer]), block_ids)
     return out
 
 
@@ -65,13 +86,8 @@ def write_layer(cache: KVCache, layer: int, block_ids: Sequence[int], data: torc
         raise ValueError(
             f"write_layer: got {tuple(data.shape)} {data.dtype}, want {expected} {cache.dtype}"
         )
-    dst = as_int_array(cache.kv[layer])
     src = as_int_array(data.contiguous())
-    first = KVCache.run_start(block_ids)
-    if first is not None:  # one contiguous copy: ~1.4-1.8x faster than the indexed write
-        np.copyto(dst[first : first + len(block_ids)], src)
-    else:
-        dst[np.asarray(block_ids, dtype=np.int64)] = src
+    copy_runs(as_int_array(cache.kv[layer]), block_ids, src, range(len(block_ids)))
 
 
 STAGING_POOL_BYTES = 256 << 20  # default bound on the bytes a transport keeps for reuse

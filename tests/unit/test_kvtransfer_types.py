@@ -6,12 +6,13 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from kvtransfer import rendezvous as rdv
 from kvtransfer.dist_send import Sender, SendTransfer
-from kvtransfer.staging import StagingPool, read_layer, write_layer
+from kvtransfer.staging import StagingPool, copy_runs, read_layer, write_layer
 from kvtransfer.types import (
     Code,
     LayoutMismatchError,
@@ -140,6 +141,29 @@ def test_write_layer_matches_scatter_layer_bit_for_bit(dtype: torch.dtype):
         write_layer(b, 1, ids[:2], data)
 
 
+def test_copy_runs_matches_indexed_copy_for_any_block_arrangement():
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randint(0, 1 << 30, (40, 3, 5), generator=gen, dtype=torch.int32).numpy()
+    cases = [  # (source ids, destination ids)
+        ([4, 5, 6, 7], [10, 11, 12, 13]),  # one run on both sides
+        ([30, 31, 32, 0, 1, 2], [5, 6, 7, 8, 9, 10]),  # a cached prefix, then fresh blocks
+        ([3, 4, 5, 6], [20, 21, 9, 10]),  # runs break on the destination side only
+        ([9, 8, 7, 6], [0, 1, 2, 3]),  # descending: single-block runs
+        ([17], [33]),
+        ([], []),
+    ]
+    perm = torch.randperm(40, generator=gen).tolist()
+    cases.append((perm[:25], torch.randperm(40, generator=gen).tolist()[:25]))
+    for src_ids, dst_ids in cases:
+        want = np.zeros((40, 3, 5), dtype=np.int32)
+        want[dst_ids] = src[src_ids]
+        got = np.zeros_like(want)
+        copy_runs(got, dst_ids, src, src_ids)
+        assert np.array_equal(got, want), (src_ids, dst_ids)
+    with pytest.raises(ValueError, match="2 destination ids for 3 source ids"):
+        copy_runs(got, [0, 1], src, [0, 1, 2])
+
+
 def test_helper_threads_join_is_bounded():
     release = threading.Event()
     helpers = HelperThreads()
@@ -223,10 +247,10 @@ def test_staging_pool_reuses_buffers_by_size_class_and_keeps_at_most_its_cap():
 def test_read_layer_matches_gather_layer_bit_for_bit(dtype: torch.dtype):
     cache = KVCache(tiny_model_config(), 10, 4, dtype)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
-    ids = [7, 2, 5]
-    out = torch.empty(cache.message_shape(3), dtype=dtype)
-    assert read_layer(cache, 1, ids, out) is out
-    assert torch.equal(out.view(torch.uint8), cache.gather_layer(1, ids).view(torch.uint8))
+    for ids in ([7, 2, 5], [3, 4, 9]):  # scattered; a run then a block
+        out = torch.empty(cache.message_shape(3), dtype=dtype)
+        assert read_layer(cache, 1, ids, out) is out
+        assert torch.equal(out.view(torch.uint8), cache.gather_layer(1, ids).view(torch.uint8))
     with pytest.raises(ValueError, match="read_layer"):
         read_layer(cache, 1, ids[:2], out)
 
