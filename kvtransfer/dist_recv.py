@@ -70,7 +70,7 @@ from model_runtime.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
-_IDLE_WAIT = td(3600.0)  # control-queue wait; close() wakes it with a stop record
+_IDLE_WAIT_S = 3600.0  # the control thread's blocking pop; close() wakes it with a stop record
 
 
 class Receiver:
@@ -98,10 +98,10 @@ class Receiver:
         self._events = events
         self._server = rdv.serve_store(host, port, connect_timeout_s)
         self.port: int = self._server.port
-        # Store clients serialise their operations, so the control thread's long wait gets a
-        # connection of its own; the server object's own connection (`_quick`) carries the
-        # short operations of the other threads.
-        self._ctl = rdv.connect_store(host, self.port, connect_timeout_s)
+        # Store clients serialise their operations, so the control thread's long blocking pop
+        # gets a connection of its own (whose timeout is the pop's); the server object's own
+        # connection (`_quick`) carries the short operations of the other threads.
+        self._ctl = rdv.connect_store(host, self.port, _IDLE_WAIT_S)
         self._quick = self._server
         self._lock = threading.Lock()
         self._pairs: dict[str, RecvPair] = {}
@@ -165,10 +165,9 @@ class Receiver:
 
     def _control_loop(self) -> None:
         while True:
-            try:
-                self._ctl.wait([rdv.CTL_QUEUE], _IDLE_WAIT)
-                raw = self._ctl.queue_pop(rdv.CTL_QUEUE, False)
-            except dist.DistStoreError:  # idle timeout or a racing pop: just wait again
+            try:  # one round trip per record (a wait then a pop took two: a longer tail)
+                raw = self._ctl.queue_pop(rdv.CTL_QUEUE, True)
+            except dist.DistStoreError:  # idle for an hour: just wait again
                 continue
             except RuntimeError as exc:
                 log.warning("kvtransfer: control queue of %s closed: %s", self._worker_id, exc)
