@@ -36,7 +36,8 @@ Medians over ``--reps``; ``paired`` ratios are the median of rep-by-rep ratios (
 against the raw run right beside it), which the host's slow drift affects least. The targets
 are judged on the paired ratio against raw gloo (best-against-best swings by +-30 % between
 runs of the same code on this shared 2-core host: each side's best is its one luckiest rep)
-and on the best shm transfer against the best like-for-like memcpy. Writes JSON and prints
+and on the best shm transfer against the best like-for-like memcpy; one run of 25 reps still
+moves by +-15 %, so `benchmarks.kvtransfer_pool` pools several runs. Writes JSON and prints
 (and writes next to it, `.md`) a short table.
 """
 
