@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from benchmarks.kvtransfer_peer import BLOCK, Decode
+from benchmarks.kvtransfer_report import table
 from kvtransfer import rendezvous as rdv
 from kvtransfer.torch_dist import TorchDistTransport
 from kvtransfer.types import TransferResult, blocks_needed
@@ -331,63 +332,6 @@ def _meets(bandwidth: list[dict[str, Any]], streaming: list[dict[str, Any]]) -> 
         ),
         "shm_vs_memcpy": all(b["shm_vs_memcpy"] >= TARGETS["shm_vs_memcpy"] for b in bandwidth),
     }
-
-
-def table(res: dict[str, Any]) -> str:
-    lines = [
-        "| tokens | MB | transfer ms best (median) | GB/s | raw gloo GB/s "
-        "| vs raw: best (median) [paired] | scattered src: vs raw best (median) [paired] "
-        "| memcpy GB/s | vs memcpy |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for b in res["bandwidth"]:
-        lines.append(
-            f"| {b['tokens']} | {b['bytes'] / 1e6:.1f} | {b['transfer_s']['min'] * 1e3:.1f} "
-            f"({b['transfer_s']['median'] * 1e3:.1f}) | {b['transfer_gbs']:.2f} | "
-            f"{b['raw_gloo_gbs']:.2f} | {b['vs_raw_gloo']:.0%} ({b['vs_raw_gloo_median']:.0%}) "
-            f"[{b['vs_raw_gloo_paired']:.0%}] | {b['scattered_vs_raw_gloo']:.0%} "
-            f"({b['scattered_vs_raw_gloo_median']:.0%}) "
-            f"[{b['scattered_vs_raw_gloo_paired']:.0%}] | "
-            f"{b['memcpy_gbs']:.2f} | {b['vs_memcpy']:.1%} |"
-        )
-    lines += [
-        "",
-        "Shared-memory data plane (same host):",
-        "",
-        "| tokens | shm ms best (median) | GB/s | vs raw gloo: best [paired] | vs memcpy "
-        "| vs hot memcpy | scattered src: ms best, vs memcpy |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for b in res["bandwidth"]:
-        lines.append(
-            f"| {b['tokens']} | {b['shm_s']['min'] * 1e3:.2f} ({b['shm_s']['median'] * 1e3:.2f}) "
-            f"| {b['shm_gbs']:.2f} | {b['shm_vs_raw_gloo']:.0%} "
-            f"[{b['shm_vs_raw_gloo_paired']:.0%}] | {b['shm_vs_memcpy']:.0%} | "
-            f"{b['shm_vs_memcpy_hot']:.0%} | {b['shm_scattered_s']['min'] * 1e3:.2f}, "
-            f"{b['shm_scattered_vs_memcpy']:.0%} |"
-        )
-    for title, key in (("gloo bytes", "streaming"), ("shared memory", "streaming_shm")):
-        lines += ["", f"Streaming ({title}):", ""]
-        lines += _streaming_table(res[key])
-    lines += ["", f"targets {res['targets']} -> met {res['meets']}"]
-    return "\n".join(lines)
-
-
-def _streaming_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| tokens | prefill alone ms | prefill + stream ms | transfer ms | exposed ms | hidden "
-        "| tail ms | hidden (tail) | TTFT ms | exposed / TTFT | tail / TTFT |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in rows:
-        lines.append(
-            f"| {s['tokens']} | {s['prefill_alone_s'] * 1e3:.0f} | "
-            f"{s['prefill_streaming_s'] * 1e3:.0f} | {s['transfer_s'] * 1e3:.1f} | "
-            f"{s['exposed_s'] * 1e3:.1f} | {s['hidden']:.0%} | {s['tail_s'] * 1e3:.1f} | "
-            f"{s['hidden_by_tail']:.0%} | {s['ttft_s'] * 1e3:.0f} | "
-            f"{s['exposed_share_of_ttft']:.2%} | {s['tail_share_of_ttft']:.2%} |"
-        )
-    return lines
 
 
 def main() -> None:

@@ -330,15 +330,16 @@ class Receiver:
             error = f"receive failed: {exc}"
             self._events.put(Event("recv_failed", tid, epoch, error=error, pair_broken=True))
             return
+        broken = False
         try:
             event = self._receive_layers(tr, pair, posted)
         except (RuntimeError, TimeoutError) as exc:
-            settle(tr, posted)
-            error = f"receive failed: {exc}"
-            self._events.put(Event("recv_failed", tid, epoch, error=error, pair_broken=True))
-            return
-        settle(tr, posted)  # every receive completed: only clears `receiving`
+            error, broken = f"receive failed: {exc}", True
+            event = Event("recv_failed", tid, epoch, error=error, pair_broken=True)
+        settle(tr, posted)  # no direct receive can land after this: only then the event
         self._events.put(event)
+        if broken:
+            return  # no acknowledgement gets through a broken pair
         with tr.lock:
             complete = not tr.finished and tr.layers_written == tr.ticket.layout.num_layers
         if complete:
@@ -367,7 +368,7 @@ class Receiver:
                 posted.wait_next(tr.deadline)
                 code = read_code(posted.trailer)
                 if code is not Code.OK:
-                    self._recycle(posted)
+                    posted.recycle(self._staging)
                     why = code.describe() if code else f"bad trailer {int(posted.trailer[0])}"
                     broken = code is not Code.SENDER_CANCELLED
                     return Event("recv_failed", tid, epoch, error=why, pair_broken=broken)
@@ -386,14 +387,9 @@ class Receiver:
                 elif posted.mode == "staged":
                     write_layer(self._cache, i, dst, StagingPool.view(posted.bufs[i], shape))
                 tr.layers_written += 1  # direct: the bytes are in the blocks already
-        self._recycle(posted)
+        posted.recycle(self._staging)
         nbytes = layers * math.prod(shape) * self._cache.kv.element_size()
         return Event("recv_done", tid, epoch, nbytes=nbytes)
-
-    def _recycle(self, posted: Posted) -> None:
-        """Staging buffers back to the pool, once every receive completed (none writes now)."""
-        if posted.mode == "staged":
-            self._staging.give(posted.bufs)
 
     def _group(self, pair: RecvPair, deadline: float) -> rdv.PairGroup:
         if not pair.ready.wait(remaining(deadline)):

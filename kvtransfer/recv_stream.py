@@ -60,6 +60,11 @@ class Posted:
         self.waited += 1
         work.wait(td(remaining(deadline)))
 
+    def recycle(self, staging: StagingPool) -> None:
+        """Staging buffers back to the pool, once every receive completed (none writes now)."""
+        if self.mode == "staged":
+            staging.give(self.bufs)
+
 
 def post_receives(
     group: rdv.PairGroup,
