@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from model_runtime.attention.base import AttentionBackend, AttentionMetadata, get_backend
+from model_runtime.attention.base import AttentionBackend, AttentionMetadata
+from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
 from model_runtime.kv_cache import KVCache
 from model_runtime.linear import LinearKernel, pack_linears

@@ -104,20 +104,3 @@ def slot_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     if m == 1:
         return slot_mapping
     return slot_mapping + (slot_mapping // block_size) * ((m - 1) * block_size)
-
-
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`torch`, `triton` or `auto` (Triton on CUDA when importable, else torch)."""
-    from model_runtime.attention.torch_ref import TorchAttentionBackend
-
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
-    try:
-        from model_runtime.attention.triton_backend import TritonAttentionBackend
-    except ImportError as exc:
-        if name == "triton":
-            raise ValueError(f"attention backend 'triton' unavailable: {exc}") from exc
-        return TorchAttentionBackend()
-    return TritonAttentionBackend()

@@ -1,6 +1,6 @@
 """`AttentionBackend` on Triton kernels. Runs inside the engine thread of a CUDA worker.
 
-Importing this module imports triton; `base.get_backend` treats an ImportError as "Triton is
+Importing this module imports triton; `select.get_backend` treats an ImportError as "Triton is
 unavailable". The kernels live in `triton_kernels`; this class only turns an
 `AttentionMetadata` into launches:
 

@@ -14,7 +14,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from model_runtime.attention.base import AttentionMetadata, get_backend
+from model_runtime.attention.base import AttentionMetadata
+from model_runtime.attention.select import get_backend
 from model_runtime.attention.torch_ref import TorchAttentionBackend, paged_decode_attention
 
 pytestmark = [
