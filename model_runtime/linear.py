@@ -89,13 +89,17 @@ class Linear(nn.Module):
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacked GEMM is available for CPU tensors in float32/bfloat16 on x86 builds."""
-    return (
+    """oneDNN prepacked GEMM is available for CPU tensors in float32 on x86 builds with oneDNN,
+    and in bfloat16 only where the CPU has the instructions oneDNN's bf16 path needs
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU such as Zen 1/2 has neither)."""
+    if not (
         device.type == "cpu"
         and dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_linear_kernel(
