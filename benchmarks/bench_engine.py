@@ -10,7 +10,7 @@ after a warm-up at its shape and as the best of `REPEATS` timings:
   the decode steps;
 - the same through HF `generate` (greedy, KV cache on): prefill = generate(max_new_tokens=1),
   decode = (generate(1 + steps) - generate(1)) per token;
-- the machine's memory bandwidth and fp32 matmul FLOP/s (`benchmarks.machine`, measured before,
+- the machine's memory bandwidth and fp32 matmul FLOP/s (`tooling.machine`, measured before,
   after, and once in every round; the largest of each counts), giving decode
   MBU = bytes read per step / step time / bandwidth (weights except the embedding table, plus
   the KV read), and prefill MFU = model FLOPs / time / matmul FLOP/s.
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.machine import measure_machine
 from model_runtime.config import ModelConfig
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
+from tooling.machine import measure_machine
 
 REPEATS = 3  # timed rounds after a warm-up; the best time of each measurement counts
 

@@ -40,11 +40,11 @@ from typing import Any
 
 import grpc
 
-from benchmarks.goodput.records import TIMING_FIELDS
 from benchmarks.prefix_workload import BLOCK, REPO, make_model, oracle_hit_rate, workload
 from proto.pdserve.v1 import inference_pb2 as ipb
 from proto.pdserve.v1 import inference_pb2_grpc
 from router.prefix_index.guard import reusable_chain
+from tooling.goodput.records import TIMING_FIELDS
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -140,8 +140,8 @@ async def run_client(address: str, prompts: list[list[int]], args: Any) -> dict[
 
 def start_workers(model: Path, args: Any) -> list[Any]:
     """2 prefill workers with `prefill_blocks` KV blocks each, 1 decode worker with room for
-    every concurrent request; `python -m deploy.worker` processes, one torch thread each."""
-    from deploy.worker import WorkerProcess
+    every concurrent request; `python -m worker` processes, one torch thread each."""
+    from worker.process import WorkerProcess
 
     def argv(role: str, wid: str, blocks: int) -> list[str]:
         engine = json.dumps({"block_size": BLOCK, "num_kv_blocks": blocks})
@@ -263,7 +263,7 @@ async def run_policy(
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from tests.fakes.redis_server import RedisServer
+    from tooling.redis_server import RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     model = Path(args.model) if args.model else make_model(tmp / "model", args.preset)

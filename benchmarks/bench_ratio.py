@@ -34,9 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput.analysis import SLO
-from benchmarks.goodput.records import RequestRecord, RequestSpec
-from benchmarks.planner.harness import (
+from router.ratio.config import RatioConfig
+from router.ratio.driver import RatioController
+from tooling.goodput.analysis import SLO
+from tooling.goodput.records import RequestRecord, RequestSpec
+from tooling.planner.harness import (
     CpuMeter,
     Sidecar,
     cluster_pids,
@@ -46,10 +48,8 @@ from benchmarks.planner.harness import (
     start_cluster,
     wait_quiet,
 )
-from benchmarks.planner.timeline import plot_timeline, ratio_steps
-from benchmarks.planner.workload import parse_phases, phase_starts, shifting, to_sim
-from router.ratio.config import RatioConfig
-from router.ratio.driver import RatioController
+from tooling.planner.timeline import plot_timeline, ratio_steps
+from tooling.planner.workload import parse_phases, phase_starts, shifting, to_sim
 
 
 def predict(
@@ -63,9 +63,9 @@ def predict(
 ) -> dict[str, Any]:
     """The simulator's attainment for split p:d on `cores` shared cores, overall and per
     phase; with `adaptive`, p:d is the start and that controller moves workers."""
-    from benchmarks.planner.costs import CostModel
-    from benchmarks.planner.sim import ClusterSpec, simulate
-    from benchmarks.planner.sim import attainment as sim_att
+    from tooling.planner.costs import CostModel
+    from tooling.planner.sim import ClusterSpec, simulate
+    from tooling.planner.sim import attainment as sim_att
 
     cost = CostModel.load(cost_path)
     spec = ClusterSpec(
@@ -79,7 +79,7 @@ def predict(
     if adaptive is None:
         outs = simulate(to_sim(specs), spec, cost)
     else:
-        from benchmarks.planner.sim_adaptive import simulate_adaptive
+        from tooling.planner.sim_adaptive import simulate_adaptive
 
         outs = simulate_adaptive(to_sim(specs), spec, cost, adaptive).outcomes
     slo_s = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)

@@ -1,7 +1,7 @@
 """The decode-worker process of `benchmarks.bench_kvtransfer`, and the handle on it.
 
 A spawned process with a KV cache of the `small` preset's layout and a `TorchDistTransport`:
-it issues tickets, waits like a decode engine (`decode_worker.engine_thread`) and polls its
+it issues tickets, waits like a decode engine (`worker.engine_thread`) and polls its
 transport, and hosts the receiving end of the raw-gloo baseline. It reports to the benchmark
 over a pipe, with `time.monotonic()` stamps (one clock for every process on a Linux host).
 """
@@ -36,7 +36,7 @@ def _decode_cache(model_dir: str, num_blocks: int) -> KVCache:
 def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
     """The decode worker: issues tickets, polls its transport, and hosts the raw-gloo receiver.
 
-    Its loop waits like a decode engine's (`decode_worker.engine_thread`): for a command or the
+    Its loop waits like a decode engine's (`worker.engine_thread`): for a command or the
     transport's waker, at most 2 ms while a transfer is in flight, then polls the transport.
     """
     cache = _decode_cache(model_dir, num_blocks)

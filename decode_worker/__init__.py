@@ -1,9 +1,9 @@
-"""Decode role of a worker process, plus the pieces every worker process shares.
+"""The decode role, and the colocated role, of a worker process.
 
-A worker process is one model + KV cache owned by one engine thread (`engine_thread`) and a
-grpc.aio `Worker` service on an asyncio loop (`service`); they meet through thread-safe sinks
-(`sinks`). The role decides which RPCs are served: `decode.DecodeRole` (Reserve + Decode),
-`colocated.ColocatedRole` (Generate) and `prefill_worker.prefill.PrefillRole` (Prefill). The
-shared pieces live here because the decode worker is the streaming one; a process can switch
-between all three roles without reloading weights.
+`decode.DecodeRole` serves `Reserve` (take KV blocks, expect a transfer) and `Decode`
+(admit a prefilled request into continuous batching once its KV has landed, stream tokens).
+`colocated.ColocatedRole` serves `Generate` (prefill and decode on this one worker, with
+chunked prefill: the baseline every disaggregated run is compared against). Both plug into the
+worker host (`worker`: engine thread, gRPC service, role switch, `python -m worker`) and depend
+on it; they never import `prefill_worker`.
 """

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from decode_worker.convert import sampling_from_proto
-from decode_worker.roles import Role, ms
-from decode_worker.sinks import Sink, StreamSink, WorkerError
 from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
+from worker.convert import sampling_from_proto
+from worker.roles import Role, ms
+from worker.sinks import Sink, StreamSink, WorkerError
 
 
 @dataclass

@@ -40,13 +40,13 @@ from typing import Any
 
 import grpc
 
-from decode_worker.convert import sampling_from_proto, ticket_to_proto
-from decode_worker.roles import Role, ms
-from decode_worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_ticket
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2
+from worker.convert import sampling_from_proto, ticket_to_proto
+from worker.roles import Role, ms
+from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ def _names(value: str) -> tuple[str, ...]:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `bench`: max goodput of one or more configurations under SLOs."""
-    from benchmarks.goodput.clusters import CONFIG_NAMES
-    from benchmarks.goodput.workloads import WORKLOADS
+    from tooling.goodput.clusters import CONFIG_NAMES
+    from tooling.goodput.workloads import WORKLOADS
 
     p = subparsers.add_parser(
         "bench",
@@ -101,7 +101,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def bench_config(args: argparse.Namespace) -> Any:
     """Namespace -> validated `BenchConfig` (raises ValueError / ValidationError)."""
-    from benchmarks.goodput.bench import BenchConfig
+    from tooling.goodput.bench import BenchConfig
 
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
     configs = args.configs
@@ -122,13 +122,13 @@ def bench_config(args: argparse.Namespace) -> Any:
 
 
 def _default_configs() -> tuple[str, ...]:
-    from benchmarks.goodput.clusters import CONFIG_NAMES
+    from tooling.goodput.clusters import CONFIG_NAMES
 
     return CONFIG_NAMES
 
 
 def _run(prog: str, cfg: Any) -> int:
-    from benchmarks.goodput.bench import run_bench
+    from tooling.goodput.bench import run_bench
 
     try:
         summary = run_bench(cfg)
@@ -170,7 +170,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def report_main(args: argparse.Namespace) -> int:
-    from benchmarks.goodput.report import write_comparison, write_report
+    from tooling.goodput.report import write_comparison, write_report
 
     try:
         if len(args.dirs) == 1 and not args.out:
@@ -207,7 +207,7 @@ def add_goodput_demo_parser(
 
 def demo_config(model: Path, out: Path, seed: int = 0) -> Any:
     """The demo's `BenchConfig` (the `DEMO` settings, every configuration)."""
-    from benchmarks.goodput.bench import BenchConfig
+    from tooling.goodput.bench import BenchConfig
 
     return BenchConfig(
         out=out, model=model, seed=seed, calibrate_on="colocated",

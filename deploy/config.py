@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from model_runtime.engine_config import EngineConfig
 from router.config import RouterConfig
-from router.policy import POLICIES
+from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
 from router.ratio.config import RatioConfig
 

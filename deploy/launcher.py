@@ -4,7 +4,7 @@ Runs in the process that launches (`pdserve up --no-ray`, e2e test fixtures). Ch
 started, awaited and stopped by `deploy.processes` (own session, log file, stop by PID, atexit
 clean-up); a cluster stops in order: router first, then workers.
 
-    workers = launch_workers(config)             # N x `python -m deploy.worker`, READY parsed
+    workers = launch_workers(config)             # N x `python -m worker`, READY parsed
     workers.addresses()                          # {"prefill": ["127.0.0.1:4711"], ...}
     router = launch_router_process(config.router_config(workers.addresses(), port=0))
     cluster = launch_local_cluster(config)       # both of the above: LocalCluster
@@ -45,13 +45,13 @@ ROUTER_READY = re.compile(r"^pdserve-router ready host=(\S+) port=(\d+)\s*$", re
 
 
 def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
-    """The command line of one worker process (`python -m deploy.worker ...`)."""
+    """The command line of one worker process (`python -m worker ...`)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     argv = [
         sys.executable,
         "-m",
-        "deploy.worker",
+        "worker",
         "--model",
         str(config.model.resolve()),
         "--role",

@@ -68,7 +68,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    from benchmarks.planner.profiler import profile_engine
+    from tooling.planner.profiler import profile_engine
 
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -88,7 +88,7 @@ def profile_main(args: argparse.Namespace) -> int:
             repeats=args.repeats,
         )
         if args.calibrate:
-            from benchmarks.planner.calibrate import calibrate_local
+            from tooling.planner.calibrate import calibrate_local
 
             engine = {
                 "block_size": 16,
@@ -157,10 +157,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _specs(args: argparse.Namespace) -> list[Any]:
-    from benchmarks.planner.workload import parse_phases, requests, shifting
+    from tooling.planner.workload import parse_phases, requests, shifting
 
     if args.trace:
-        from benchmarks.goodput.traces import read_trace
+        from tooling.goodput.traces import read_trace
 
         return read_trace(args.trace)
     if args.phases:
@@ -173,10 +173,10 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from benchmarks.planner.costs import CostModel
-    from benchmarks.planner.planner import plan, table
-    from benchmarks.planner.sim import ClusterSpec
-    from benchmarks.planner.workload import requests, to_sim
+    from tooling.planner.costs import CostModel
+    from tooling.planner.planner import plan, table
+    from tooling.planner.sim import ClusterSpec
+    from tooling.planner.workload import requests, to_sim
 
     try:
         if args.workers < 2:
@@ -185,7 +185,7 @@ def plan_main(args: argparse.Namespace) -> int:
         if args.profile:
             cost = CostModel.load(args.profile)
         else:
-            from benchmarks.planner.profiler import profile_engine
+            from tooling.planner.profiler import profile_engine
 
             cost = profile_engine(args.model, threads=args.threads)
         base = ClusterSpec(
@@ -258,10 +258,10 @@ def _adaptive(args: argparse.Namespace, reqs: list[Any], cost: Any, base: Any) -
     """Simulate the controller (mode 'adaptive', bounds 1..N-1) from an N//2 : N - N//2 start."""
     from dataclasses import replace
 
-    from benchmarks.planner.planner import goodput_rps
-    from benchmarks.planner.sim import attainment
-    from benchmarks.planner.sim_adaptive import simulate_adaptive
     from router.ratio.config import RatioConfig
+    from tooling.planner.planner import goodput_rps
+    from tooling.planner.sim import attainment
+    from tooling.planner.sim_adaptive import simulate_adaptive
 
     n = args.workers
     cfg = RatioConfig(

@@ -53,14 +53,15 @@ NAMESPACE = "pdserve"
 
 @ray.remote
 class WorkerActor:
-    """Thin Ray wrapper over `deploy.worker.WorkerServer` (the plain class, tested without
+    """Thin Ray wrapper over `worker.server.WorkerServer` (the plain class, tested without
     Ray). The constructor starts the server, so a Ray restart restarts the worker.
 
     `worker_config_json` is a `WorkerConfig` as JSON; its host "auto" becomes this node's IP.
     `port_file` (on this node) remembers the bound port across restarts of this actor."""
 
     def __init__(self, worker_config_json: str, port_file: str) -> None:
-        from deploy.worker import WorkerConfig, WorkerServer
+        from worker.config import WorkerConfig
+        from worker.server import WorkerServer
 
         config = WorkerConfig.model_validate_json(worker_config_json)
         update: dict[str, Any] = {}
@@ -199,7 +200,7 @@ class RayWorkers:
 
 def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: str) -> str:
     """The `WorkerConfig` (as JSON) of one worker actor; `host` "auto" = its node's IP."""
-    from deploy.worker import WorkerConfig
+    from worker.config import WorkerConfig
 
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     wc = WorkerConfig(

@@ -47,15 +47,15 @@ from typing import Any
 
 import grpc
 
-from decode_worker.convert import sampling_from_proto, ticket_from_proto
-from decode_worker.roles import Role, ms
-from decode_worker.sinks import Sink, UnarySink, WorkerError
 from kvtransfer.types import LayoutMismatchError, TransferResult, TransferTicket, check_layout
 from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput, stop_reason
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
+from worker.convert import sampling_from_proto, ticket_from_proto
+from worker.roles import Role, ms
+from worker.sinks import Sink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
 

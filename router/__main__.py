@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from router.app import start_router
 from router.config import RouterConfig
-from router.policy import POLICIES
+from router.policies import POLICIES
 from router.ratio.config import RatioConfig
 
 

@@ -35,7 +35,8 @@ from model_runtime.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.indexer import Indexers, KVEventSource
 from router.kv_source import GrpcKVEventSource
-from router.policy import Role, WorkerView, make_policy
+from router.policies import make_policy
+from router.policy import Role, WorkerView
 from router.pool import WorkerPool
 from router.prefix_index.config import RedisIndexConfig, make_index
 from router.prefix_index.guard import GuardedPrefixIndex

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.policy import POLICIES
+from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
 from router.prefix_policy import PrefixRoutingConfig
 from router.ratio.config import RatioConfig

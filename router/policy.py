@@ -5,21 +5,19 @@ synchronous: they see frozen `WorkerView` snapshots (the last polled `WorkerStat
 router's own in-flight count) and do no I/O. Returning `None` means "no capacity now"; the caller
 turns that into RESOURCE_EXHAUSTED (or UNAVAILABLE when no worker of a role is usable at all).
 
-Implementations are registered by name in `POLICIES`; `make_policy(name)` builds one.
+Implementations are registered by name in `router.policies.POLICIES`; `make_policy(name)`
+there builds one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 from model_runtime.hashing import BlockHash
 from router.prefix_index.base import PrefixMatch
-
-if TYPE_CHECKING:
-    from router.prefix_policy import PrefixRoutingConfig
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
@@ -211,31 +209,3 @@ class LeastLoadPolicy:
 def with_room(request: RouteRequest, views: Sequence[WorkerView]) -> list[WorkerView]:
     """The usable views with free KV blocks for the request's prompt + max_tokens."""
     return [v for v in views if v.usable and v.free_blocks >= v.blocks_needed(request.total_tokens)]
-
-
-def _prefix_aware() -> RoutingPolicy:
-    # Deferred: `router.prefix_policy` builds on this module.
-    from router.prefix_policy import PrefixAwarePolicy
-
-    return PrefixAwarePolicy()
-
-
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    RoundRobinPolicy.name: RoundRobinPolicy,
-    LeastLoadPolicy.name: LeastLoadPolicy,
-    "prefix_aware": _prefix_aware,
-}
-"""Policy registry: name -> factory. `RouterConfig.policy` must be one of these names."""
-
-
-def make_policy(name: str, prefix: PrefixRoutingConfig | None = None) -> RoutingPolicy:
-    """Build the policy registered as `name` (`prefix`: the weights of "prefix_aware");
-    ValueError lists the known names."""
-    if name == "prefix_aware" and prefix is not None:
-        from router.prefix_policy import PrefixAwarePolicy
-
-        return PrefixAwarePolicy(prefix)
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None

@@ -5,7 +5,6 @@
 - `controller.decide` — the pure core: window + state -> `Decision` with its reason;
 - `driver.RatioController` — the async loop, `observe(...)` hook and the JSONL decision log;
 - `actuator` — the `Actuator` seam (`PoolActuator`: Worker.SetRole; optional `WorkerScaler`);
-- `fake` — in-memory pool and actuator for tests.
 """
 
 from router.ratio.actuator import ActuationError, Actuator, PoolActuator, WorkerScaler

@@ -15,7 +15,7 @@ at a time). Contract of an `Actuator`:
 `PoolActuator` is the real one: `Worker.SetRole` over the pool's channel, then a pool poll
 (the registry takes a worker's role from its status), then `on_role_change` (e.g. start or
 stop the worker's prefix indexer). Scaling goes through an optional `WorkerScaler`, a launcher
-callback. The in-memory fake for tests is `router.ratio.fake.FakeActuator`.
+callback. The in-memory fake for tests is `tests.fakes.ratio_pool.FakeActuator`.
 """
 
 from __future__ import annotations

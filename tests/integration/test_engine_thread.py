@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 
-from decode_worker import engine_thread
-from decode_worker.engine_thread import EngineThread
-from decode_worker.roles import Role, RoleContext
-from decode_worker.sinks import Sink, UnarySink, WorkerError
 from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from model_runtime.sampling_params import SamplingParams
+from worker.engine_thread import EngineThread
+from worker.roles import Role, RoleContext
+from worker.sinks import Sink, UnarySink, WorkerError
 
 LAYER_S = 0.1  # each layer of the slowed-down model
 
@@ -70,9 +69,9 @@ def slow_thread(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         return execute(items, each_layer)
 
     monkeypatch.setattr(engine.runner, "execute", slow_execute)
-    monkeypatch.setitem(engine_thread.ROLES, SlowStepRole.name, SlowStepRole)
     transport = LoopbackTransport(LoopbackHub(), "w", engine.runner.kv_cache)
-    thread = EngineThread(RoleContext(engine, transport, "w", 1, 30.0, 60.0), SlowStepRole.name)
+    ctx = RoleContext(engine, transport, "w", 1, 30.0, 60.0)
+    thread = EngineThread(ctx, {SlowStepRole.name: SlowStepRole}, SlowStepRole.name)
     thread.start()
     yield thread, engine.model_config.num_hidden_layers * LAYER_S
     thread.stop(0.0)

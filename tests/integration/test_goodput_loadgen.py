@@ -16,14 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.goodput.analysis import SLO, attainment
-from benchmarks.goodput.bench import BenchConfig, run_bench
-from benchmarks.goodput.loadgen import LoadJob, run_load, run_load_process_async
-from benchmarks.goodput.records import TIMING_FIELDS
-from benchmarks.goodput.workloads import make_requests
 from deploy.bench_cli import add_report_parser, report_main
 from tests.fakes.cluster import fake_cluster
 from tests.fakes.fake_worker import FakeWorkerConfig
+from tooling.goodput.analysis import SLO, attainment
+from tooling.goodput.bench import BenchConfig, run_bench
+from tooling.goodput.loadgen import LoadJob, run_load, run_load_process_async
+from tooling.goodput.records import TIMING_FIELDS
+from tooling.goodput.workloads import make_requests
 
 WORKER = FakeWorkerConfig(token_delay_s=0.004, prefill_delay_s=0.01, total_blocks=4096)
 

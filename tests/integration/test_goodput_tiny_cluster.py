@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput.bench import BenchConfig, run_bench
-from benchmarks.goodput.records import TIMING_FIELDS
 from deploy.bench_cli import main as bench_cli_main
+from tooling.goodput.bench import BenchConfig, run_bench
+from tooling.goodput.records import TIMING_FIELDS
 
 pytestmark = pytest.mark.slow
 

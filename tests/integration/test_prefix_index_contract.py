@@ -23,7 +23,7 @@ from router.prefix_index.base import (
     PrefixMatch,
 )
 from router.prefix_index.memory import InMemoryPrefixIndex
-from tests.fakes.redis_server import SKIP_REASON, RedisServer, redis_server_path
+from tooling.redis_server import SKIP_REASON, RedisServer, redis_server_path
 
 MakeIndex = Callable[[float], PrefixIndex]
 TTL = 0.4

@@ -3,7 +3,7 @@ this process and a real redis-server: shared prefixes hit the prefill worker tha
 greedy outputs equal the colocated engine's without prefix reuse, and Redis killed mid-run
 fails no request and heals when it comes back.
 
-Workers are `python -m deploy.worker` processes started by `deploy.launcher.launch_workers`
+Workers are `python -m worker` processes started by `deploy.launcher.launch_workers`
 (ready = READY line + health SERVING) and stopped by PID; Redis is started on a free port and
 stopped by PID.
 """
@@ -25,7 +25,7 @@ from proto.pdserve.v1 import inference_pb2_grpc
 from router.app import RouterHandle, start_router
 from router.prefix_index.config import RedisIndexConfig
 from tests.fakes.cluster import wait_until
-from tests.fakes.redis_server import SKIP_REASON, RedisServer, redis_server_path
+from tooling.redis_server import SKIP_REASON, RedisServer, redis_server_path
 
 pytestmark = [
     pytest.mark.slow,

@@ -21,7 +21,7 @@ from router.prefix_index.breaker import BreakerState, CircuitBreaker
 from router.prefix_index.guard import GuardedPrefixIndex
 from router.prefix_index.redis_index import RedisPrefixIndex
 from tests.fakes.kv_events import FakeKVWorker
-from tests.fakes.redis_server import SKIP_REASON, RedisServer, redis_server_path
+from tooling.redis_server import SKIP_REASON, RedisServer, redis_server_path
 
 pytestmark = pytest.mark.skipif(redis_server_path() is None, reason=SKIP_REASON)
 

@@ -19,7 +19,7 @@ from router.app import start_router
 from router.prefix_index.config import RedisIndexConfig
 from tests.fakes.cluster import FakeCluster, fake_cluster, wait_until
 from tests.fakes.fake_worker import FakeWorkerConfig
-from tests.fakes.redis_server import SKIP_REASON, RedisServer, redis_server_path
+from tooling.redis_server import SKIP_REASON, RedisServer, redis_server_path
 
 PREFIX, SUFFIX = 64, 8  # tokens; 4 shared blocks of 16 per group
 ROOMY = FakeWorkerConfig(total_blocks=1024)  # every request of a burst fits on the decode side

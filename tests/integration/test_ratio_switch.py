@@ -1,7 +1,7 @@
 """A real role switch made by the ratio controller under load drops nothing.
 
 Runs in the pytest process: a tiny-model cluster of 1 prefill + 2 decode worker processes and
-a router process (`benchmarks.planner.harness.start_cluster`), and in this process a sidecar
+a router process (`tooling.planner.harness.start_cluster`), and in this process a sidecar
 pool + `RatioController` (adaptive) acting through the real `PoolActuator` (Worker.SetRole).
 While requests stream, the controller is fed TTFT misses, decides "decode -> prefill", drains
 the least-loaded decode worker and switches it. Checked: every request completes with all its
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput.records import RequestSpec
-from benchmarks.planner.harness import Sidecar, send_all, start_cluster
 from model_runtime.config import ModelConfig
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
+from tooling.goodput.records import RequestSpec
+from tooling.planner.harness import Sidecar, send_all, start_cluster
 
 pytestmark = pytest.mark.slow
 

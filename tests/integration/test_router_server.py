@@ -215,9 +215,9 @@ async def _concurrent(c: FakeCluster, n: int, max_tokens: int) -> None:
 
 def test_least_load_spreads_concurrent_requests(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
-        # Prefills long enough (50 ms) that all 8 are routed while the first ones still run,
+        # Prefills long enough (0.5 s) that all 8 are routed while the first ones still run,
         # even on a loaded machine: the spread comes from in-flight counts, not from timing.
-        worker = FakeWorkerConfig(token_delay_s=0.01, prefill_delay_s=0.05)
+        worker = FakeWorkerConfig(token_delay_s=0.01, prefill_delay_s=0.5)
         async with fake_cluster(tiny_model_dir, n_prefill=2, n_decode=2, worker=worker) as c:
             await _concurrent(c, 8, 10)
             reserves = [w.calls["Reserve"] for w in c.decode]

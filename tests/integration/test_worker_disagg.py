@@ -1,6 +1,6 @@
 """Prefill and decode worker processes driven by a direct gRPC client playing the router.
 
-Real processes (`python -m deploy.worker`, started by fixtures, ready on their READY line,
+Real processes (`python -m worker`, started by fixtures, ready on their READY line,
 stopped by PID) on the tiny model; KV moves over gloo. The client runs the router's hand-off:
 Reserve on D -> Prefill on P with the ticket -> Decode stream on D. Oracle: the colocated
 LLMEngine in this process, greedy, one prompt at a time. After every test both workers' free
@@ -19,11 +19,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy.worker import WorkerProcess
 from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
+from worker.process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

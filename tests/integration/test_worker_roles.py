@@ -1,6 +1,6 @@
 """Worker roles on real processes: colocated Generate, SetRole draining and switching.
 
-Two `python -m deploy.worker` processes on the tiny model: W1 starts as prefill, W2 as
+Two `python -m worker` processes on the tiny model: W1 starts as prefill, W2 as
 colocated. Oracle: the colocated LLMEngine in this process (greedy). Checked: Generate streams
 the oracle's tokens (first chunk = first token, with timings); a role switch under load lets
 every accepted request finish with the oracle's tokens (new work during the drain is refused
@@ -20,11 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.worker import WorkerProcess
 from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
+from worker.process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

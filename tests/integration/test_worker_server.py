@@ -14,10 +14,12 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from deploy.worker import WorkerConfig, WorkerServer, parse_args
 from model_runtime.engine import EngineConfig
 from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
+from worker.cli import parse_args
+from worker.config import WorkerConfig
+from worker.server import WorkerServer
 
 OPTS = [("grpc.enable_http_proxy", 0)]
 

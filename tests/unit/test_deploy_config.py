@@ -21,8 +21,8 @@ from deploy.cli import build_parser, up_overrides
 from deploy.client import build_request
 from deploy.config import ClusterConfig, check_model_dir, load_cluster_config
 from deploy.launcher import router_argv, worker_argv
-from deploy.worker import lower_priority
-from deploy.worker import parse_args as parse_worker_args
+from worker.cli import parse_args as parse_worker_args
+from worker.server import lower_priority
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.toml"))
@@ -192,7 +192,7 @@ def test_router_config_and_command_lines() -> None:
     niced = load_cluster_config(None, {"model": "m", "worker_nice": 7})
     wargv = worker_argv(niced, "decode-0", "decode")
     assert wargv[wargv.index("--nice") + 1] == "7"
-    cli = wargv[wargv.index("deploy.worker") + 1 :]
+    cli = wargv[wargv.index("worker") + 1 :]
     assert parse_worker_args(cli)[0].nice == 7
     assert json.loads(wargv[wargv.index("--engine-json") + 1]) == c.engine.model_dump(mode="json")
 

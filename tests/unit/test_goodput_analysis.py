@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.goodput.analysis import (
+from tooling.goodput.analysis import (
     SLO,
     attainment,
     goodput,
@@ -15,7 +15,7 @@ from benchmarks.goodput.analysis import (
     tightest_scale,
     ttft_breakdown,
 )
-from benchmarks.goodput.records import TIMING_FIELDS, RequestRecord, RunResult
+from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RunResult
 
 SLO_ = SLO(ttft_ms=100.0, tpot_ms=10.0)
 

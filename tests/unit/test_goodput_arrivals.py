@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from benchmarks.goodput.arrivals import arrival_times, empirical_rate, inter_arrival_gaps
-from benchmarks.goodput.workloads import WORKLOADS, make_requests
+from tooling.goodput.arrivals import arrival_times, empirical_rate, inter_arrival_gaps
+from tooling.goodput.workloads import WORKLOADS, make_requests
 
 
 @pytest.mark.parametrize("kind", ["poisson", "gamma"])

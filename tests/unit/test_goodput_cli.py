@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput.clusters import CONFIG_NAMES, EngineSizing, cluster_config
 from deploy.bench_cli import (
     add_bench_parser,
     add_goodput_demo_parser,
@@ -16,6 +15,7 @@ from deploy.bench_cli import (
     demo_config,
     main,
 )
+from tooling.goodput.clusters import CONFIG_NAMES, EngineSizing, cluster_config
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput.sweep import RateSearch, run_interleaved
+from tooling.goodput.sweep import RateSearch, run_interleaved
 
 
 def step_curve(capacity: float):  # type: ignore[no-untyped-def]

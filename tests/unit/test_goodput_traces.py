@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput.records import RequestRecord, RequestSpec, RunResult
-from benchmarks.goodput.traces import (
+from tooling.goodput.records import RequestRecord, RequestSpec, RunResult
+from tooling.goodput.traces import (
     FIRST_ID,
     native_rate,
     prompt_tokens,
@@ -15,7 +15,7 @@ from benchmarks.goodput.traces import (
     scale_to_rate,
     write_trace,
 )
-from benchmarks.goodput.workloads import make_requests
+from tooling.goodput.workloads import make_requests
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])

@@ -4,10 +4,10 @@ Pure, well under a second."""
 
 from __future__ import annotations
 
-from benchmarks.planner.costs import CostModel, Linear
-from benchmarks.planner.sim import ClusterSpec, SimRequest, _Sim, attainment, simulate
-from benchmarks.planner.sim_adaptive import simulate_adaptive
 from router.ratio.config import RatioConfig
+from tooling.planner.costs import CostModel, Linear
+from tooling.planner.sim import ClusterSpec, SimRequest, _Sim, attainment, simulate
+from tooling.planner.sim_adaptive import simulate_adaptive
 
 # prefill 1 ms/token (a 300-token prompt: 0.3 s); decode 5 ms + 5 ms per request in the batch
 COST = CostModel(prefill=Linear((0.0, 0.001, 0.0)), decode=Linear((0.005, 0.005, 0.0)))

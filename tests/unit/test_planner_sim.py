@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planner.costs import (
+from tooling.planner.costs import (
     CostModel,
     CpuSample,
     Linear,
@@ -14,8 +14,8 @@ from benchmarks.planner.costs import (
     fit_cpu_overheads,
     fit_linear,
 )
-from benchmarks.planner.planner import goodput_rps, max_rate, plan, rank
-from benchmarks.planner.sim import ClusterSpec, SimRequest, attainment, charged, simulate
+from tooling.planner.planner import goodput_rps, max_rate, plan, rank
+from tooling.planner.sim import ClusterSpec, SimRequest, attainment, charged, simulate
 
 # prefill: 10 ms + 1 ms/token; decode: 5 ms + 1 ms/request; transfer 2 ms; overhead 1 ms
 COST = CostModel(

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.planner.costs import CostModel, Linear
-from benchmarks.planner.timeline import plot_timeline, ratio_steps, rolling
-from benchmarks.planner.workload import parse_phases, shifting, to_sim
 from deploy.plan_cli import add_plan_parser, add_profile_parser
+from tooling.planner.costs import CostModel, Linear
+from tooling.planner.timeline import plot_timeline, ratio_steps, rolling
+from tooling.planner.workload import parse_phases, shifting, to_sim
 
 
 def test_shifting_phases_run_back_to_back() -> None:

@@ -1,4 +1,4 @@
-"""The worker-side KV event publisher (`decode_worker.kv_events`): numbering, the mirror set
+"""The worker-side KV event publisher (`worker.kv_events`): numbering, the mirror set
 behind snapshots, replay from the ring buffer, gaps when it overflows, heartbeats, and wake-ups
 from another thread (the engine thread) — with a real `BlockPool` as the event source."""
 
@@ -8,9 +8,9 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from decode_worker.kv_events import Heartbeat, KVEventPublisher
 from model_runtime.block_pool import BlockPool, KVCacheEvent
 from model_runtime.hashing import block_hash_chain
+from worker.kv_events import Heartbeat, KVEventPublisher
 
 Item = tuple[int, KVCacheEvent] | Heartbeat
 

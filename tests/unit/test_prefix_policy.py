@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from router.policy import RouteRequest, WorkerView, make_policy
+from router.policies import make_policy
+from router.policy import RouteRequest, WorkerView
 from router.prefix_index.base import PrefixMatch
 from router.prefix_policy import PendingPrefixes, PrefixAwarePolicy, PrefixRoutingConfig
 

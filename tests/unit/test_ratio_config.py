@@ -94,7 +94,7 @@ def test_ratio_package_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "import router.ratio, router.ratio.actuator, router.ratio.config, router.ratio.controller\n"
-        "import router.ratio.driver, router.ratio.fake, router.ratio.metrics\n"
+        "import router.ratio.driver, tests.fakes.ratio_pool, router.ratio.metrics\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
         "print('ok')\n"

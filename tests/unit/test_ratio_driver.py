@@ -12,8 +12,8 @@ import pytest
 
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
-from router.ratio.fake import FakeActuator, FakePool
 from router.ratio.metrics import MetricsAggregator, samples_from_views
+from tests.fakes.ratio_pool import FakeActuator, FakePool
 
 
 class Clock:

@@ -6,14 +6,13 @@ from dataclasses import replace
 
 import pytest
 
+from router.policies import POLICIES, make_policy
 from router.policy import (
-    POLICIES,
     LeastLoadPolicy,
     RoundRobinPolicy,
     RouteRequest,
     RoutingDecision,
     WorkerView,
-    make_policy,
 )
 
 

@@ -1,4 +1,4 @@
-"""In-memory pool and actuator for ratio-controller tests and simulations (no network).
+"""In-memory pool and actuator for ratio-controller tests (no network; test-only, not shipped).
 
 Runs wherever the controller's driver runs in a test. `FakePool` holds `WorkerView`s by
 address (tests set their load with `set_load`); `FakeActuator` implements the `Actuator`

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.goodput.arrivals import ArrivalKind, arrival_times
-from benchmarks.goodput.records import RequestSpec
+from tooling.goodput.arrivals import ArrivalKind, arrival_times
+from tooling.goodput.records import RequestSpec
 
 Lengths = list[tuple[int, int, int | None, int | None]]  # (input, output, group, prefix_len)
 MULTITURN_TURNS = 4

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput.calibrate import sequential
-from benchmarks.planner.costs import CostModel, CpuSample, calibrate_overheads, fit_cpu_overheads
-from benchmarks.planner.harness import CpuMeter, cluster_pids, send_all, start_cluster
-from benchmarks.planner.sim import ClusterSpec, charged
-from benchmarks.planner.workload import requests, to_sim
+from tooling.goodput.calibrate import sequential
+from tooling.planner.costs import CostModel, CpuSample, calibrate_overheads, fit_cpu_overheads
+from tooling.planner.harness import CpuMeter, cluster_pids, send_all, start_cluster
+from tooling.planner.sim import ClusterSpec, charged
+from tooling.planner.workload import requests, to_sim
 
 PROMPT_LENGTHS = (32, 128, 384)
 CPU_WORKLOADS = ("chat", "summarize")

@@ -1,6 +1,6 @@
 """Workloads for the planner and the ratio benchmark, from the goodput bench's generator.
 
-Pure numpy (through `benchmarks.goodput.workloads`); runs in `pdserve plan` and the
+Pure numpy (through `tooling.goodput.workloads`); runs in `pdserve plan` and the
 benchmarks. The planner simulates exactly the requests a real run would send:
 
 - `requests(name, n, rate, context, seed, output_len)`: `make_requests` of the goodput bench
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from benchmarks.goodput.records import RequestSpec
-from benchmarks.goodput.workloads import WORKLOADS, make_requests
-from benchmarks.planner.sim import SimRequest
+from tooling.goodput.records import RequestSpec
+from tooling.goodput.workloads import WORKLOADS, make_requests
+from tooling.planner.sim import SimRequest
 
 Phase = tuple[str, float, float]  # (workload, rate req/s, duration s)
 

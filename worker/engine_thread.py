@@ -34,24 +34,19 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from decode_worker.colocated import ColocatedRole
-from decode_worker.decode import DecodeRole
-from decode_worker.roles import Role, RoleContext
-from decode_worker.sinks import Sink, UnarySink, WorkerError
 from model_runtime.engine import LayerCallback
 from model_runtime.scheduler_types import SchedulerOutput
-from prefill_worker.prefill import PrefillRole
+from worker.roles import Role, RoleContext
+from worker.sinks import Sink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
 
-ROLES: dict[str, type[Role]] = {r.name: r for r in (PrefillRole, DecodeRole, ColocatedRole)}
-SERVED_BY = {m: r.name for r in ROLES.values() for m in r.methods}
 IDLE_WAIT_S = 0.05
 TRANSFER_POLL_S = 0.002
 
@@ -92,14 +87,21 @@ def _run_one(command: Callable[[], object], sink: Sink | None) -> None:
 
 
 class EngineThread:
-    """Runs the loop in the module docstring on a daemon thread (`start`, `stop`)."""
+    """Runs the loop in the module docstring on a daemon thread (`start`, `stop`).
 
-    def __init__(self, ctx: RoleContext, role: str) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+    `roles` maps every role name this worker may take (`role` first, then any `SetRole`
+    target) to its class; the worker host plugs the role packages in here
+    (`worker.server.ROLES`), so this module depends on the `Role` contract only.
+    """
+
+    def __init__(self, ctx: RoleContext, roles: Mapping[str, type[Role]], role: str) -> None:
+        if role not in roles:
+            raise ValueError(f"role must be one of {sorted(roles)}, got {role!r}")
         self.ctx = ctx
         self.engine = ctx.engine
-        self.role: Role = ROLES[role](ctx)
+        self.roles = dict(roles)
+        self._served_by = {m: r.name for r in self.roles.values() for m in r.methods}
+        self.role: Role = self.roles[role](ctx)
         # (command, the sink it answers or None): the sink is failed if the thread has ended
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Sink | None]] = (
             queue.SimpleQueue()
@@ -246,7 +248,7 @@ class EngineThread:
             if method not in self.role.methods:
                 raise WorkerError(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{method} needs a worker in role '{SERVED_BY.get(method, '?')}'; worker "
+                    f"{method} needs a worker in role '{self._served_by.get(method, '?')}'; worker "
                     f"{self.ctx.worker_id} is in role '{self.role.name}'",
                 )
             self.role.handle(method, request, sink, timeout_s)
@@ -275,11 +277,11 @@ class EngineThread:
     # ---- draining and role switch ------------------------------------------------------------
 
     def _on_set_role(self, role: str, drain_timeout_s: float, sink: UnarySink) -> None:
-        if role not in ROLES:
+        if role not in self.roles:
             sink.fail(
                 WorkerError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"role must be one of {sorted(ROLES)}, got {role!r}",
+                    f"role must be one of {sorted(self.roles)}, got {role!r}",
                 )
             )
         elif self._drain is not None:
@@ -328,7 +330,7 @@ class EngineThread:
             return
         self.engine.check_integrity(self.role.external_blocks())
         self.engine.reset_scheduler()
-        self.role = ROLES[drain.target](self.ctx)
+        self.role = self.roles[drain.target](self.ctx)
         self._drain = None
         log.info("role is now %s", drain.target)
         self.snapshot = self._make_snapshot()

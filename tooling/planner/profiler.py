@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.planner.costs import CostModel, fit_linear
+from tooling.planner.costs import CostModel, fit_linear
 
 PREFILL_LENGTHS = (16, 32, 64, 128, 256, 384, 512)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)

@@ -32,15 +32,15 @@ from typing import Any
 
 import grpc
 
-from benchmarks.goodput.analysis import SLO, attainment
-from benchmarks.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests, consume_stream
-from benchmarks.goodput.records import RequestRecord, RequestSpec
-from benchmarks.planner.workload import Phase, phase_starts
 from proto.pdserve.v1 import inference_pb2_grpc
 from router.policy import Role
 from router.pool import WorkerPool
 from router.ratio.actuator import PoolActuator
 from router.registry import InMemoryWorkerRegistry
+from tooling.goodput.analysis import SLO, attainment
+from tooling.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests, consume_stream
+from tooling.goodput.records import RequestRecord, RequestSpec
+from tooling.planner.workload import Phase, phase_starts
 
 
 def start_cluster(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from benchmarks.goodput.analysis import DEFAULT_TARGET, MaxGoodput, max_goodput
+from tooling.goodput.analysis import DEFAULT_TARGET, MaxGoodput, max_goodput
 
 
 class RateSearch:

@@ -1,6 +1,6 @@
 """The load generator: sends a run's requests at their scheduled times over the public API.
 
-Runs in its own process (`python -m benchmarks.goodput.loadgen JOB.json RESULT.json`), started
+Runs in its own process (`python -m tooling.goodput.loadgen JOB.json RESULT.json`), started
 by the orchestrator with `run_load_process` / `run_load_process_async`, so the orchestrator's
 work (starting clusters, plotting) never delays a send. It imports no torch.
 
@@ -37,9 +37,9 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.goodput.records import TIMING_FIELDS, RequestRecord, RequestSpec, RunResult
-from benchmarks.goodput.traces import prompt_tokens
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RequestSpec, RunResult
+from tooling.goodput.traces import prompt_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
@@ -213,7 +213,7 @@ async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
 
 
 def _argv(job_path: Path, out_path: Path) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.goodput.loadgen", str(job_path), str(out_path)]
+    return [sys.executable, "-m", "tooling.goodput.loadgen", str(job_path), str(out_path)]
 
 
 def _env() -> dict[str, str]:
@@ -275,10 +275,10 @@ def raise_priority() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.goodput.loadgen JOB.json RESULT.json` -> exit status 0/2."""
+    """`python -m tooling.goodput.loadgen JOB.json RESULT.json` -> exit status 0/2."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m benchmarks.goodput.loadgen JOB.json RESULT.json", file=sys.stderr)
+        print("usage: python -m tooling.goodput.loadgen JOB.json RESULT.json", file=sys.stderr)
         return 2
     job = LoadJob.from_json(json.loads(Path(args[0]).read_text()))
     priority = raise_priority()

@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from decode_worker.engine_thread import EngineThread
-from decode_worker.kv_events import Heartbeat, KVEventPublisher
-from decode_worker.sinks import StreamSink, UnarySink, WorkerError
 from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from worker.engine_thread import EngineThread
+from worker.kv_events import Heartbeat, KVEventPublisher
+from worker.sinks import StreamSink, UnarySink, WorkerError
 
 SERVICE_NAME = "pdserve.v1.Worker"
 

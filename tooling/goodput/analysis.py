@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.goodput.records import TIMING_FIELDS, RequestRecord, RunResult
+from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RunResult
 
 PERCENTILES = (50, 90, 99)
 DEFAULT_TARGET = 0.9

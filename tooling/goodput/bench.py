@@ -33,15 +33,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from benchmarks.goodput.analysis import SLO, attainment, goodput
-from benchmarks.goodput.arrivals import ArrivalKind
-from benchmarks.goodput.calibrate import calibrate
-from benchmarks.goodput.clusters import CONFIG_NAMES, ClusterSet, EngineSizing, start_clusters
-from benchmarks.goodput.loadgen import LoadJob, model_info, run_load_process
-from benchmarks.goodput.records import RequestSpec, RunResult
-from benchmarks.goodput.sweep import RateSearch, run_interleaved
-from benchmarks.goodput.traces import read_trace, scale_to_rate
-from benchmarks.goodput.workloads import WORKLOADS, length_summary, make_requests
+from tooling.goodput.analysis import SLO, attainment, goodput
+from tooling.goodput.arrivals import ArrivalKind
+from tooling.goodput.calibrate import calibrate
+from tooling.goodput.clusters import CONFIG_NAMES, ClusterSet, EngineSizing, start_clusters
+from tooling.goodput.loadgen import LoadJob, model_info, run_load_process
+from tooling.goodput.records import RequestSpec, RunResult
+from tooling.goodput.sweep import RateSearch, run_interleaved
+from tooling.goodput.traces import read_trace, scale_to_rate
+from tooling.goodput.workloads import WORKLOADS, length_summary, make_requests
 
 
 class BenchConfig(BaseModel):
@@ -228,8 +228,8 @@ class Bench:
 
 def run_bench(cfg: BenchConfig, on_ready: Callable[[Bench], None] | None = None) -> Any:
     """Run the whole benchmark (module docstring); returns `report.Summary`."""
-    from benchmarks.goodput.report import write_report
-    from benchmarks.machine import measure_machine
+    from tooling.goodput.report import write_report
+    from tooling.machine import measure_machine
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     started = time.time()

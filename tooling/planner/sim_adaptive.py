@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.planner.costs import CostModel
-from benchmarks.planner.sim import ClusterSpec, SimOutcome, SimRequest, _Sim, _Worker
 from router.policy import WorkerView
 from router.ratio.config import RatioConfig
 from router.ratio.controller import ControllerState, Decision, decide
 from router.ratio.metrics import MetricsAggregator, samples_from_views
+from tooling.planner.costs import CostModel
+from tooling.planner.sim import ClusterSpec, SimOutcome, SimRequest, _Sim, _Worker
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from benchmarks.planner.costs import CostModel
-from benchmarks.planner.sim import ClusterSpec, SimOutcome, SimRequest, attainment, simulate
+from tooling.planner.costs import CostModel
+from tooling.planner.sim import ClusterSpec, SimOutcome, SimRequest, attainment, simulate
 
 
 @dataclass(frozen=True)

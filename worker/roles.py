@@ -1,7 +1,7 @@
 """What a worker role is: the engine-thread half of the RPCs one role serves.
 
 Runs in the engine thread of every worker process; nothing here is thread-safe and nothing
-blocks. The engine thread (`decode_worker.engine_thread`) owns one `Role` at a time and calls:
+blocks. The engine thread (`worker.engine_thread`) owns one `Role` at a time and calls:
 
 - `handle(method, request, sink, timeout_s)` for each accepted RPC (it has already checked the
   role and the draining state). Rejections raise `WorkerError`; the engine thread fails the
@@ -32,12 +32,12 @@ from typing import Any, ClassVar
 
 import grpc
 
-from decode_worker.sinks import Sink, WorkerError
 from kvtransfer.base import KVTransport
 from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback, LLMEngine
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler import SchedulerOutput
+from worker.sinks import Sink, WorkerError
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Runs in two processes. The *orchestrator* (`pdserve bench`, `pdserve demo`, tests) measures the
 machine, starts clusters, calibrates SLOs, plans a rate sweep and writes the report. The *load
-generator* (`python -m benchmarks.goodput.loadgen`) is a separate process that speaks only the
+generator* (`python -m tooling.goodput.loadgen`) is a separate process that speaks only the
 public gRPC API and sends requests at their scheduled times.
 
 Modules, from data to report:

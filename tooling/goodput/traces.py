@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.goodput.records import RequestSpec
+from tooling.goodput.records import RequestSpec
 
 FIRST_ID = 4
 COLUMNS = ("timestamp", "input_len", "output_len", "prefix_group", "prefix_len")

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.planner.costs import CostModel
+from tooling.planner.costs import CostModel
 
 EPS = 1e-12
 

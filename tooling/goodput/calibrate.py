@@ -18,8 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.goodput.loadgen import LoadJob, run_load
-from benchmarks.goodput.records import RequestSpec
+from tooling.goodput.loadgen import LoadJob, run_load
+from tooling.goodput.records import RequestSpec
 
 
 @dataclass(frozen=True)

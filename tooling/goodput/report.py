@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput.analysis import (
+from tooling.goodput.analysis import (
     SLO,
     MaxGoodput,
     attainment,
@@ -27,8 +27,8 @@ from benchmarks.goodput.analysis import (
     tightest_scale,
     ttft_breakdown,
 )
-from benchmarks.goodput.plots import plot_attainment, plot_breakdown, plot_cdfs
-from benchmarks.goodput.records import SEND_LAG_LIMIT_MS, RunResult
+from tooling.goodput.plots import plot_attainment, plot_breakdown, plot_cdfs
+from tooling.goodput.records import SEND_LAG_LIMIT_MS, RunResult
 
 BASELINES = ("colocated", "colocated-nochunk")
 

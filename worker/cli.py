@@ -1,0 +1,93 @@
+"""The worker process's command line: ``python -m worker`` (see `worker/__main__.py`).
+
+    python -m worker --model DIR --role prefill|decode|colocated [--port 0]
+        [--worker-id ID] [--engine-json JSON] [--torch-threads N] [--host H] [--kv-host H]
+        [--kv-port P] [--transfer-timeout-s S] [--stop-grace-s S] [--log-level LEVEL]
+
+prints exactly one line ``PDSERVE_WORKER_READY host:port`` on stdout once its gRPC server
+answers health checks with SERVING (logs go to stderr), and stops cleanly on SIGTERM / SIGINT:
+no new work, in-flight work gets `--stop-grace-s` to finish, the rest is aborted, every KV
+block released, the transport closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from model_runtime.engine_config import EngineConfig
+from worker.config import READY_PREFIX, WorkerConfig
+from worker.server import WorkerServer
+
+log = logging.getLogger("pdserve.worker")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
+    """(config, stop grace in seconds) from the command line; argparse exits on bad input."""
+    p = argparse.ArgumentParser(prog="python -m worker", description="One pdserve worker process.")
+    p.add_argument("--model", required=True, help="HF model folder")
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument("--worker-id", help="unique worker id (default: worker-<random>)")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick)")
+    p.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
+    p.add_argument("--torch-threads", type=int, help="torch.set_num_threads")
+    p.add_argument("--nice", type=int, default=0, help="niceness to run at (0-19)")
+    p.add_argument(
+        "--sched-idle", action="store_true", help="run under SCHED_IDLE (see WorkerConfig)"
+    )
+    p.add_argument("--kv-host", default="127.0.0.1", help="KV transport address")
+    p.add_argument("--kv-port", type=int, default=0, help="KV store port (0 = pick)")
+    p.add_argument(
+        "--kv-shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="same-host shared-memory KV data plane (CPU)",
+    )
+    p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--stop-grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    logging.getLogger().setLevel(args.log_level)
+    fields = {
+        "model_dir": args.model,
+        "role": args.role,
+        "host": args.host,
+        "port": args.port,
+        "engine": EngineConfig.model_validate_json(args.engine_json),
+        "torch_threads": args.torch_threads,
+        "nice": args.nice,
+        "sched_idle": args.sched_idle,
+        "kv_host": args.kv_host,
+        "kv_port": args.kv_port,
+        "kv_shared_memory": args.kv_shared_memory,
+        "transfer_timeout_s": args.transfer_timeout_s,
+    }
+    if args.worker_id:
+        fields["worker_id"] = args.worker_id
+    return WorkerConfig(**fields), args.stop_grace_s
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    try:
+        config, grace_s = parse_args(argv)
+    except ValueError as exc:  # pydantic ValidationError included
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = WorkerServer(config)
+    server.start()
+    print(f"{READY_PREFIX} {server.address}", flush=True)
+    stop.wait()
+    log.info("signal received; stopping (grace %.1f s)", grace_s)
+    server.stop(grace_s)
+    return 0

@@ -1,0 +1,84 @@
+"""`WorkerConfig`: everything one worker process is started with. Torch-free.
+
+Used by the worker process (`python -m worker`), the launchers that build its command line or
+Ray actor (`deploy.launcher`, `deploy.ray_launcher`) and the cluster config (`deploy.config`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from model_runtime.engine_config import EngineConfig
+
+READY_PREFIX = "PDSERVE_WORKER_READY"
+"""Start of the one stdout line a worker prints once it serves (``... host:port``)."""
+
+Role = Literal["prefill", "decode", "colocated"]
+
+
+class WorkerConfig(BaseModel):
+    """Everything one worker process is started with. Frozen; discovered values (bound ports,
+    epoch, KV block count) live on `WorkerServer`, never here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    worker_id: str = Field(
+        default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}",
+        description="Unique id of this worker (no '/' or '@'); names it in tickets and logs.",
+    )
+    model_dir: Path = Field(description="HF model folder (config.json + safetensors).")
+    role: Role = Field(description="Initial role; SetRole changes it without a restart.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine sizing.")
+    host: str = Field(default="127.0.0.1", description="gRPC bind address.")
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one.")
+    torch_threads: int | None = Field(
+        default=None, gt=0, description="torch.set_num_threads; None keeps torch's default."
+    )
+    nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="Niceness to run at (raised at start, never lowered): on hosts where the "
+        "router and Redis share CPUs with workers, their latency-critical work goes first.",
+    )
+    sched_idle: bool = Field(
+        default=False,
+        description="Run under SCHED_IDLE (Linux): the worker gets a CPU only when no "
+        "normal-priority task wants it, so the router and Redis sharing its CPUs are never "
+        "kept waiting by model compute. Stronger than `nice`; use it only on a host that serves "
+        "nothing else, since any busy normal task starves the worker.",
+    )
+    transfer_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Reservation lifetime and KV transfer deadline when a Reserve carries no "
+        "timeout_s.",
+    )
+    kv_host: str = Field(
+        default="127.0.0.1", description="Address of this worker's KV transport (store + pairs)."
+    )
+    kv_port: int = Field(default=0, ge=0, le=65535, description="KV store port; 0 = pick.")
+    kv_shared_memory: bool = Field(
+        default=True,
+        description="Keep the KV cache in shared memory and use the same-host data plane "
+        "with peers that do too (CPU only; see kvtransfer.shm).",
+    )
+    kv_connect_timeout_s: float = Field(
+        default=10.0, gt=0, description="Bound on joining a KV peer (never above a deadline)."
+    )
+    default_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Deadline of a request that carries neither timeout_s nor a gRPC deadline.",
+    )
+
+    @field_validator("worker_id")
+    @classmethod
+    def _check_worker_id(cls, v: str) -> str:
+        if not v or "/" in v or "@" in v or any(c.isspace() for c in v):
+            raise ValueError(f"worker_id must be non-empty without '/', '@' or spaces, got {v!r}")
+        return v

@@ -1,0 +1,165 @@
+"""`WorkerServer`: one worker's engine thread + gRPC server in this process (the composition root).
+
+Runs in a worker process (`python -m worker`, a Ray actor, or a test fixture). `start()` loads
+the model once, starts the engine thread (`worker.engine_thread`) with the three roles plugged
+in (prefill from `prefill_worker`, decode and colocated from `decode_worker`) and a grpc.aio
+server on its own event-loop thread, and returns ``"host:port"``. This module is the only part
+of the worker host that knows the role packages; the rest of `worker` is role-agnostic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2_grpc
+
+from decode_worker.colocated import ColocatedRole
+from decode_worker.decode import DecodeRole
+from kvtransfer.torch_dist import TorchDistTransport
+from model_runtime.engine import LLMEngine
+from prefill_worker.prefill import PrefillRole
+from proto.pdserve.v1 import worker_pb2_grpc
+from worker.config import WorkerConfig
+from worker.engine_thread import EngineThread
+from worker.kv_events import KVEventPublisher
+from worker.roles import Role, RoleContext
+from worker.service import WorkerService
+
+log = logging.getLogger("pdserve.worker")
+
+ROLES: dict[str, type[Role]] = {r.name: r for r in (PrefillRole, DecodeRole, ColocatedRole)}
+"""Every role a worker can take, by name (what `--role` and `SetRole` accept)."""
+
+
+class WorkerServer:
+    """A worker's engine thread + gRPC server in this process. `start()` once, `stop()` once."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.epoch = time.time_ns()  # changes on every start of a worker process
+        self.address = ""
+        self.kv_endpoint = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._engine_thread: EngineThread | None = None
+        self._service: WorkerService | None = None
+        self.kv_events = KVEventPublisher(config.worker_id, self.epoch)
+
+    def start(self) -> str:
+        """Load the model, start serving; return "host:port" once health says SERVING.
+
+        Raises ValueError for an unusable config (e.g. host still "auto") and whatever model
+        loading or binding raises; nothing is left running then.
+        """
+        cfg = self.config
+        for name in ("host", "kv_host"):
+            if getattr(cfg, name) == "auto":
+                raise ValueError(f"{name} 'auto' must be resolved to an address before start()")
+        log.info("worker config %s", cfg.model_dump_json())
+        lower_priority(cfg.nice, cfg.sched_idle)
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        engine = LLMEngine.from_model_dir(cfg.model_dir, cfg.engine, self.kv_events.on_event)
+        transport = TorchDistTransport(
+            engine.runner.kv_cache,
+            cfg.worker_id,
+            host=cfg.kv_host,
+            port=cfg.kv_port,
+            connect_timeout_s=cfg.kv_connect_timeout_s,
+            shared_memory=cfg.kv_shared_memory,
+        )
+        self.kv_endpoint = f"{transport.endpoint.host}:{transport.endpoint.port}"
+        ctx = RoleContext(
+            engine=engine,
+            transport=transport,
+            worker_id=cfg.worker_id,
+            epoch=self.epoch,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            default_timeout_s=cfg.default_timeout_s,
+        )
+        engine_thread = EngineThread(ctx, ROLES, cfg.role)
+        engine_thread.start()
+        self._engine_thread = engine_thread
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._loop_thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
+        self._loop_thread.start()
+        try:
+            port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result(timeout=60)
+        except BaseException:
+            self.stop(0.0)
+            raise
+        self.address = f"{cfg.host}:{port}"
+        log.info(
+            "worker %s serving on %s as %s; KV endpoint %s; %d KV blocks",
+            cfg.worker_id,
+            self.address,
+            cfg.role,
+            self.kv_endpoint,
+            engine.num_kv_blocks,
+        )
+        return self.address
+
+    async def _serve(self) -> int:
+        assert self._engine_thread is not None, "start() creates the engine thread first"
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_servicer = health.aio.HealthServicer()
+        service = WorkerService(
+            self._engine_thread,
+            health_servicer,
+            self.config.worker_id,
+            self.kv_endpoint,
+            self.epoch,
+            self.kv_events,
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = int(server.add_insecure_port(f"{self.config.host}:{self.config.port}"))
+        if port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server, self._service = server, service
+        await service.set_serving(True)
+        return port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """NOT_SERVING; refuse new work; give in-flight work `grace_s` to finish, abort the
+        rest (every block released); close the KV transport; stop the gRPC server."""
+        loop = self._loop
+        if loop is not None and self._service is not None:
+            asyncio.run_coroutine_threadsafe(self._service.set_serving(False), loop).result(5)
+        if self._engine_thread is not None:
+            self._engine_thread.stop(grace_s)  # streams end while the loop still runs
+            self._engine_thread = None
+        if loop is not None:
+            server = self._server
+            if server is not None:
+                asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(10)
+            loop.close()
+            self._loop = self._server = self._service = None
+        log.info("worker %s stopped", self.config.worker_id)
+
+
+def lower_priority(nice: int, sched_idle: bool = False) -> int:
+    """Raise the calling thread's niceness to `nice` (no-op if already at or above it) and, with
+    `sched_idle`, move it to the SCHED_IDLE policy; return the niceness now. Linux niceness and
+    scheduling policy are per thread and inherited by threads started later, so call it before
+    the engine, torch and gRPC threads exist (`WorkerServer.start` does)."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    if sched_idle:
+        if not hasattr(os, "SCHED_IDLE"):
+            raise ValueError("sched_idle needs Linux's SCHED_IDLE scheduling policy")
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return os.getpriority(os.PRIO_PROCESS, 0)
