@@ -2,7 +2,7 @@
 sends straight from the cache (zero-copy, `KVCache.run_start`); any other prompt's layers are
 copied out first (`kvtransfer.staging.read_layer`).
 
-    python -m benchmarks.bench_block_runs --out benchmarks/results/block_runs.json
+    python -m benchmarks.bench_block_runs --out runs/bench/block_runs.json
 
 Drives the colocated engine the way a prefill worker does (``max_tokens=1``, blocks held until
 the transfer ends — here one step later) on the random `tiny` model with a mixed workload:
@@ -73,7 +73,7 @@ def run_mix(model_dir: str, num_blocks: int, num_prompts: int, seed: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/block_runs.json")
+    ap.add_argument("--out", default="runs/bench/block_runs.json")
     ap.add_argument("--blocks", default="4096,400", help="KV-cache sizes in blocks")
     ap.add_argument("--prompts", type=int, default=300)
     args = ap.parse_args()

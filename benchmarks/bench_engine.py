@@ -1,6 +1,6 @@
 """Engine throughput on the `small` preset vs HF transformers, with MBU and MFU. Standalone.
 
-    python -m benchmarks.bench_engine --model models/small --out benchmarks/results/engine.json
+    python -m benchmarks.bench_engine --model models/small --out runs/bench/engine.json
 
 Measures, in one run and interleaved per batch size so machine drift hits both sides, each
 after a warm-up at its shape and as the best of `REPEATS` timings:
@@ -117,7 +117,7 @@ class HFRunner:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="models/small")
-    ap.add_argument("--out", default="benchmarks/results/engine.json")
+    ap.add_argument("--out", default="runs/bench/engine.json")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-prompt-len", type=int, default=128)

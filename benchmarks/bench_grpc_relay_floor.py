@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_grpc_relay_floor [--requests 1000] [--out FILE]
 
+The JSON goes to `runs/bench/grpc_relay_floor.json` unless `--out` says otherwise (`-`: stdout).
+
 Four processes, as in `bench_router_overhead --layout procs`: a backend with two unary calls
 and an 8-message server stream (the shape of Reserve, Prefill and Decode); two relays whose
 one server-streaming call makes those three calls and forwards every message as it comes — no
@@ -185,7 +187,11 @@ def _start(args: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--out", type=Path, default=None, help="write the JSON here (else stdout)")
+    ap.add_argument(
+        "--out",
+        default="runs/bench/grpc_relay_floor.json",
+        help="write the JSON here (- for stdout)",
+    )
     ap.add_argument("--role", choices=("backend", "relay", "thread-relay"), help=argparse.SUPPRESS)
     ap.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
@@ -232,11 +238,13 @@ def main() -> None:
             file=sys.stderr,
         )
     text = json.dumps(res, indent=2) + "\n"
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    else:
+    if args.out == "-":
         sys.stdout.write(text)
+    else:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

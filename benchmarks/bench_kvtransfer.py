@@ -1,6 +1,6 @@
 """KV-transfer benchmark on the `small` preset: bandwidth, overlap with prefill, share of TTFT.
 
-    python -m benchmarks.bench_kvtransfer --out benchmarks/results/kvtransfer.json
+    python -m benchmarks.bench_kvtransfer --out runs/bench/kvtransfer.json
 
 (`--model` defaults to models/small and builds the random `small` model there if missing.)
 
@@ -337,7 +337,7 @@ def _meets(bandwidth: list[dict[str, Any]], streaming: list[dict[str, Any]]) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="models/small", help="model folder (made if missing)")
-    ap.add_argument("--out", default="benchmarks/results/kvtransfer.json")
+    ap.add_argument("--out", default="runs/bench/kvtransfer.json")
     ap.add_argument("--sizes", default="512,1024,2048", help="prompt lengths in tokens")
     ap.add_argument("--reps", type=int, default=7, help="bandwidth repetitions (interleaved)")
     ap.add_argument("--stream-reps", type=int, default=3, help="prefill repetitions per size")

@@ -385,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="same-host shared-memory KV data plane (else gloo bytes)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternating")
     p.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
-    p.add_argument("--out", help="write the JSON report here (default: stdout)")
+    p.add_argument(
+        "--out",
+        default="runs/bench/prefix_routing.json",
+        help="write the JSON report here (- for stdout)",
+    )
     p.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # the child's role
     args = p.parse_args(argv)
     if args.client:
@@ -398,10 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(main_async(args))
     print_table(report)
     text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
+    if args.out == "-":
         print(text)
+    else:
+        out_path = Path(args.out)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(text + "\n")
+        print(f"wrote {out_path}", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,7 @@ workload, on one local cluster, in one run; and the planner's predictions vs the
     python -m benchmarks.bench_ratio --model models/small --workers 3 \
         --phases chat:2.5:60,summarize:1.2:90 --context 512 \
         --slo-ttft-ms 3000 --slo-tpot-ms 150 --profile runs/small.profile.json \
-        --out benchmarks/results/ratio
+        --out runs/bench/ratio
 
 Runs in its own process (the load generator and the controller sidecar share its event loop;
 the router and the workers are separate processes). Steps:
@@ -327,7 +327,7 @@ def finish(results: dict[str, Any], args: argparse.Namespace, out: Path) -> None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/small")
-    p.add_argument("--out", default="benchmarks/results/ratio")
+    p.add_argument("--out", default="runs/bench/ratio")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--phases", default="chat:2.5:60,summarize:1.2:90")
     p.add_argument("--configs", type=lambda s: s.split(","), default=None)

@@ -260,17 +260,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=None, help="write the JSON here (else stdout)")
+    ap.add_argument(
+        "--out",
+        default="runs/bench/router_overhead.json",
+        help="write the JSON here (- for stdout)",
+    )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or _make_model(Path(tmp) / "tiny")
         result = asyncio.run(run(args, model))
     print(_table(result), file=sys.stderr)
     text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    else:
+    if args.out == "-":
         print(text)
+    else:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

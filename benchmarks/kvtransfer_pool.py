@@ -1,6 +1,6 @@
 """Pool several `benchmarks.bench_kvtransfer` runs into one verdict per prompt length.
 
-    python -m benchmarks.kvtransfer_pool benchmarks/results/kvtransfer_runs/final_*.json
+    python -m benchmarks.kvtransfer_pool runs/bench/kvtransfer_*.json
 
 One run's paired ratio is the median of its reps' ratios (raw gloo / transfer, each transfer
 against the raw run right beside it); on a shared 2-core host one run of 25 reps still moves by

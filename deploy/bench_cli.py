@@ -165,7 +165,7 @@ def add_report_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "DIR/results.json. With several DIRs (or --out), write a side-by-side comparison.",
     )
     p.add_argument("dirs", nargs="+", metavar="DIR", help="run folders (with results.json)")
-    p.add_argument("--out", help="comparison folder (default: report-compare-YYYYmmdd-HHMMSS)")
+    p.add_argument("--out", help="comparison folder (default: runs/report-compare-YYYYmmdd-HHMMSS)")
     p.set_defaults(func=report_main)
 
 
@@ -176,7 +176,7 @@ def report_main(args: argparse.Namespace) -> int:
         if len(args.dirs) == 1 and not args.out:
             summary = write_report(args.dirs[0])
         else:
-            out = args.out or f"report-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+            out = args.out or f"runs/report-compare-{time.strftime('%Y%m%d-%H%M%S')}"
             summary = write_comparison(args.dirs, out)
     except (ValueError, KeyError, OSError) as exc:
         print(f"pdserve report: {exc!r}", file=sys.stderr)
