@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.batch import add_batch_parser
 from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_report_parser
+from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
 from deploy.plan_cli import add_plan_parser, add_profile_parser
 
@@ -48,9 +49,14 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
         description="Write a random-weight HF Llama folder (config.json, model.safetensors, "
         "tokenizer.json). Same preset and seed give byte-identical files.",
     )
-    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small"],
+        default="tiny",
+        help="model size: tiny (~1 M parameters, tests) or small (~129 M, benchmarks)",
+    )
     p.add_argument("--out", required=True, help="output folder (created if missing)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.add_argument(
         "--if-missing", action="store_true", help="do nothing if OUT already holds a config.json"
     )
@@ -85,11 +91,13 @@ def add_batch_demo_parser(
         "write demo prompts to OUT/input.jsonl, run `pdserve batch` on them into "
         "OUT/output.jsonl and print a summary.",
     )
-    p.add_argument("--model", default="models/small", help="model folder (default models/small)")
-    p.add_argument("--preset", choices=["tiny", "small"], default="small")
-    p.add_argument("--out", default="runs/batch-demo", help="run folder (default runs/batch-demo)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--model", default="models/small", help="model folder")
+    p.add_argument(
+        "--preset", choices=["tiny", "small"], default="small", help="model to build if missing"
+    )
+    p.add_argument("--out", default="runs/batch-demo", help="run folder")
+    p.add_argument("--num-prompts", type=int, default=16, help="demo prompts to run")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.set_defaults(func=batch_demo_main)
 
 
@@ -159,20 +167,36 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         "Flags override the --config file. --mode alone also zeroes the counts of roles that "
         "mode does not use; --ray-address drops the file's ray.num_cpus (local clusters only).",
     )
-    p.add_argument("--config", help="cluster TOML file (see deploy/examples/)")
-    p.add_argument("--model", help="HF model folder")
-    p.add_argument("--mode", choices=["disagg", "colocated"])
-    p.add_argument("--prefill", type=int, help="prefill workers (disagg)")
-    p.add_argument("--decode", type=int, help="decode workers (disagg)")
-    p.add_argument("--colocated", type=int, help="colocated workers (colocated mode)")
-    p.add_argument("--port", type=int, help="router port (0 picks a free one)")
-    p.add_argument("--host", help="router interface (default 127.0.0.1)")
-    p.add_argument("--torch-threads", type=int, help="torch threads per worker")
-    p.add_argument("--ray-address", help="join this Ray cluster ('auto', 'ray://h:10001')")
+    # Unset flags keep the --config file's value, else the built-in default named here.
+    p.add_argument(
+        "--config", help="cluster TOML file, see deploy/examples/ (default: built-in defaults)"
+    )
+    p.add_argument("--model", help="HF model folder (default: the file's `model`)")
+    p.add_argument(
+        "--mode",
+        choices=["disagg", "colocated"],
+        help="serving mode (default: the file's, else disagg)",
+    )
+    p.add_argument("--prefill", type=int, help="prefill workers (default: the file's, else 1)")
+    p.add_argument("--decode", type=int, help="decode workers (default: the file's, else 1)")
+    p.add_argument("--colocated", type=int, help="colocated workers (default: the file's, else 1)")
+    p.add_argument(
+        "--port", type=int, help="router port, 0 picks a free one (default: the file's, else 50051)"
+    )
+    p.add_argument("--host", help="router interface (default: the file's, else 127.0.0.1)")
+    p.add_argument(
+        "--torch-threads", type=int, help="torch threads per worker (default: the file's, else 1)"
+    )
+    p.add_argument(
+        "--ray-address",
+        help="join this Ray cluster: 'auto', 'host:6379', 'ray://host:10001' (default: the "
+        "file's, else start a local Ray cluster sized for the workers)",
+    )
     p.add_argument("--no-ray", action="store_true", help="workers as plain local processes")
     p.add_argument(
         "--redis-url",
-        help="shared prefix index in Redis (redis://host:port/db); default: in-memory",
+        help="shared prefix index in Redis, redis://host:port/db (default: the file's, else an "
+        "in-memory index in the router)",
     )
     p.add_argument("--log-dir", help="worker logs with --no-ray (default: a temp folder)")
     p.set_defaults(func=up_main, default_log_level="INFO")
@@ -219,7 +243,7 @@ def up_main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"pdserve up: bad config: {exc}", file=sys.stderr)
         return 2
-    log.info("effective config: %s", config.model_dump_json())
+    log.debug("effective config: %s", config.model_dump_json())
     # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     workers: ProcessWorkers | RayWorkers | None = None
@@ -282,15 +306,16 @@ async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWork
         await handle.stop()
 
 
+LOG_LEVEL_HELP = "logging level: DEBUG, INFO, WARNING, ... (default: INFO for `up`, else WARNING)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `pdserve` parser: every subcommand, each option's help showing its default, and
+    `--log-level` accepted before or after the subcommand."""
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        help="logging level (DEBUG, INFO, WARNING, ...; default INFO for `up`, else WARNING)",
-    )
+    parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_make_model_parser(sub)
     add_batch_parser(sub)
@@ -302,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
+    for sp in sub.choices.values():
+        # SUPPRESS: unless given here, the value before the subcommand (or None) stands.
+        sp.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+    use_defaults_help(parser)
     return parser
 
 

@@ -16,7 +16,7 @@ sub-model per TOML table; every field is described and defaulted where a default
 
     [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
     [router]   host = "127.0.0.1"  port = 50051  policy = "prefix_aware"  max_queued = 256 ...
-    [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6379/0"   (default: memory)
+    [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6380/0"   (default: memory)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
     [transfer] timeout_s = 30  kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
@@ -244,7 +244,9 @@ class ClusterConfig(_Frozen):
         if self.launcher == "ray" and r.num_cpus is not None and need > r.num_cpus:
             raise ValueError(
                 f"{self.num_workers} workers x ray.cpus_per_worker={r.cpus_per_worker} need "
-                f"{need:g} CPUs but ray.num_cpus={r.num_cpus}"
+                f"{need:g} CPUs but ray.num_cpus={r.num_cpus}: raise ray.num_cpus (or leave it "
+                f"unset: pdserve up sizes its local cluster for the workers), lower "
+                f"ray.cpus_per_worker, or start fewer workers"
             )
         cuda = self.engine.device.startswith("cuda")
         if r.gpus_per_worker > 0 and not cuda:

@@ -14,8 +14,10 @@ torch.distributed, never through Ray.
 Steps of `launch_ray_workers`:
 
 1. join Ray: keep an already initialised Ray (the caller owns it), else `ray.init` — a new
-   local cluster when `ray.address` is empty (we shut it down in `stop()`), else the external
-   one (`stop()` only disconnects);
+   local cluster when `ray.address` is empty, sized for every worker's bundle (we shut it down
+   in `stop()`), else the external one (`stop()` only disconnects);
+   then fail at once, naming the fix, if the bundles can never be placed on it or the Redis URL
+   is its GCS port (`deploy.preflight`);
 2. reserve one bundle per worker ({"CPU": cpus_per_worker, "GPU": gpus_per_worker}) in a
    placement group: PACK on a one-node cluster, SPREAD on several (or `ray.placement_strategy`);
 3. start one `WorkerActor` per bundle; its constructor starts a `WorkerServer` (model load,
@@ -44,6 +46,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.config import ClusterConfig, Role, check_model_dir
+from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_collision
 from deploy.processes import wait_serving
 
 log = logging.getLogger(__name__)
@@ -221,19 +224,42 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
 
 
 def _join_ray(config: ClusterConfig) -> bool:
-    """Initialise Ray unless it already is; True when this call did it."""
+    """Initialise Ray unless it already is; True when this call did it. A local cluster gets
+    enough CPUs for every worker's bundle (`preflight.local_cluster_cpus`), said in one line."""
     if ray.is_initialized():
         return False
-    if config.ray.address:
-        ray.init(address=config.ray.address, namespace=NAMESPACE, log_to_driver=True)
-    else:
-        ray.init(
-            num_cpus=config.ray.num_cpus,
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=True,
-        )
+    r = config.ray
+    if r.address:
+        ray.init(address=r.address, namespace=NAMESPACE, log_to_driver=True)
+        return True
+    cpus, note = local_cluster_cpus(
+        config.num_workers, r.cpus_per_worker, r.num_cpus, os.cpu_count() or 1
+    )
+    if note:
+        log.info("%s", note)
+    ray.init(num_cpus=cpus, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
     return True
+
+
+def _ray_client_mode() -> bool:
+    """True when this process talks to Ray through Ray Client (`ray.address` 'ray://...')."""
+    return bool(ray.util.client.ray.is_connected())  # type: ignore[no-untyped-call]
+
+
+def _preflight(config: ClusterConfig, bundle: dict[str, float]) -> None:
+    """Fail at once, naming the fix, when the workers can never be placed on this cluster or
+    the Redis URL is Ray's own GCS port (ValueError)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    problem = placement_problem(bundle, config.num_workers, nodes)
+    index = config.router.prefix_index
+    url = getattr(index, "url", None)
+    # A Ray Client connection (ray://) has no GCS address here, and no local Redis to confuse.
+    if problem is None and isinstance(url, str) and not _ray_client_mode():
+        gcs = ray.get_runtime_context().gcs_address
+        here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        problem = redis_ray_collision(url, gcs, here)
+    if problem:
+        raise ValueError(problem)
 
 
 def _available() -> dict[str, float]:
@@ -251,7 +277,8 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
     """Start the workers of `config` as Ray actors (see the module docstring for the steps)
     and return once each one serves. On failure everything started here is torn down and the
     error propagates: TimeoutError (no placement / not serving in `ray.start_timeout_s`),
-    RuntimeError (an actor died while starting), ValueError (bad model folder)."""
+    RuntimeError (an actor died while starting), ValueError (bad model folder, workers that can
+    never be placed, a Redis URL on Ray's GCS port)."""
     check_model_dir(config)
     owns_ray = _join_ray(config)
     host = config.worker_host
@@ -262,6 +289,12 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
     if r.gpus_per_worker:
         bundle["GPU"] = r.gpus_per_worker
     roles = config.worker_roles()
+    try:
+        _preflight(config, bundle)
+    except ValueError:
+        if owns_ray:
+            ray.shutdown()
+        raise
     pg = placement_group([dict(bundle) for _ in roles], strategy=_strategy(config))
     actors: list[Any] = []
     try:

@@ -206,5 +206,9 @@ def make_random_model(
         out / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
-    save_file(random_weights(p, vocab_size, seed), str(out / "model.safetensors"), {"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(random_weights(p, vocab_size, seed), str(weights), {"format": "pt"})
+    # safetensors writes through a private (0600) temp file: give the weights the permissions
+    # of the files written beside them (0644 under the usual umask), so others can read them.
+    weights.chmod((out / "config.json").stat().st_mode & 0o777)
     return out

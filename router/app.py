@@ -139,7 +139,7 @@ async def start_router(
     `registry` defaults to an `InMemoryWorkerRegistry`; `kv_sources(address)` gives a worker's
     KV event source (default: the worker's `StreamKVEvents` / `GetKVSnapshot` RPCs).
     """
-    log.info("router config: %s", _config_for_log(config))
+    log.debug("router config: %s", _config_for_log(config))
     model = ModelConfig.from_model_dir(config.model_dir)
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
     limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)

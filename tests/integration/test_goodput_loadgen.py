@@ -118,6 +118,12 @@ def test_run_bench_against_a_fake_cluster(threaded_fake_cluster: str, tmp_path: 
     assert summary.max_goodput["fake"].rate == 80.0 and summary.max_goodput["fake"].lower_bound
     report = (out / "report.md").read_text()
     assert "max goodput" in report and "fake" in report and "GB/s" in report
+    # A run's SLO goodput and a sweep's max goodput are named apart (report and JSON).
+    assert "| SLO goodput |" in report and "| goodput |" not in report
+    fake = json.loads((out / "summary.json").read_text())["series"]["fake"]
+    assert fake["max_goodput_rps"] == 80.0 and fake["max_goodput_is_lower_bound"]
+    assert [r["offered_rate_rps"] for r in fake["runs"]] == [20.0, 40.0, 80.0]
+    assert all(0 < r["slo_goodput_rps"] <= r["offered_rate_rps"] * 1.5 for r in fake["runs"])
     for png in ("attainment.png", "latency_cdf.png", "ttft_breakdown.png"):
         assert (out / png).stat().st_size > 1000
     # `pdserve report` re-renders it, and compares two runs

@@ -93,7 +93,7 @@ def local_ray() -> Iterator[None]:
         ray.shutdown()
 
 
-def _config(model_dir: Path) -> ClusterConfig:
+def _config(model_dir: Path, **overrides: object) -> ClusterConfig:
     return load_cluster_config(
         None,
         {
@@ -104,6 +104,7 @@ def _config(model_dir: Path) -> ClusterConfig:
             "ray.max_restarts": 1,
             "router.port": 0,
             "router.status_poll_interval_s": 0.2,
+            **overrides,
         },
     )
 
@@ -177,3 +178,23 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
             break
         assert time.monotonic() < deadline, f"left behind: {actors}, pids {procs}, CPU {cpus}"
         time.sleep(0.1)
+
+
+def test_workers_that_cannot_be_placed_fail_at_once(local_ray: None, tiny_model_dir: Path) -> None:
+    """3 workers x 1 CPU on this module's 2-CPU cluster: an error naming the fix in well under
+    a second, not a wait for `ray.start_timeout_s` (180 s by default)."""
+    config = _config(tiny_model_dir, **{"workers.prefill": 2})
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"3 workers .* 2 CPU in all .*lower ray.cpus_per_worker"):
+        launch_ray_workers(config)
+    assert time.monotonic() - t0 < 10.0
+    assert ray.available_resources().get("CPU") == 2.0  # nothing reserved
+
+
+def test_redis_url_on_rays_gcs_port_fails_at_once(local_ray: None, tiny_model_dir: Path) -> None:
+    gcs_port = ray.get_runtime_context().gcs_address.rpartition(":")[2]
+    url = f"redis://127.0.0.1:{gcs_port}/0"
+    config = _config(tiny_model_dir, **{"router.prefix_index": {"kind": "redis", "url": url}})
+    with pytest.raises(ValueError, match=r"is Ray's GCS address .* another port"):
+        launch_ray_workers(config)
+    assert ray.available_resources().get("CPU") == 2.0

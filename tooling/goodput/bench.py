@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tooling.goodput.analysis import SLO, attainment, goodput
+from tooling.goodput.analysis import SLO, attainment, slo_goodput_rps
 from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
 from tooling.goodput.clusters import CONFIG_NAMES, ClusterSet, EngineSizing, start_clusters
@@ -213,7 +213,8 @@ class Bench:
         say(
             f"{name:>18} @ {rate:7.3f} req/s: {len(run.records)} req, attainment "
             f"{att.both:6.1%} (TTFT {att.ttft:6.1%}, TPOT {att.tpot:6.1%}, errors {att.errors}), "
-            f"goodput {goodput(run, self.slo):.3f} req/s, {time.monotonic() - t0:.0f} s{bad}"
+            f"SLO goodput {slo_goodput_rps(run, self.slo):.3f} req/s, "
+            f"{time.monotonic() - t0:.0f} s{bad}"
         )
         self.save()
         return att.both
