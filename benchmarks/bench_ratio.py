@@ -36,10 +36,10 @@ from typing import Any
 
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
+from tooling.cpu import CpuMeter
 from tooling.goodput.analysis import SLO
 from tooling.goodput.records import RequestRecord, RequestSpec
 from tooling.planner.harness import (
-    CpuMeter,
     Sidecar,
     cluster_pids,
     meets_both,

@@ -31,7 +31,9 @@ from deploy.batch import add_batch_parser
 from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_report_parser
 from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
-from deploy.plan_cli import add_plan_parser, add_profile_parser
+from deploy.plan_cli import add_plan_parser
+from deploy.profile_cli import add_profile_parser
+from deploy.simulate_cli import add_simulate_parser
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
@@ -327,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_simulate_parser(sub)
     for sp in sub.choices.values():
         # SUPPRESS: unless given here, the value before the subcommand (or None) stands.
         sp.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)

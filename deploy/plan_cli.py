@@ -1,22 +1,23 @@
-"""`pdserve profile` and `pdserve plan`: measure step costs, recommend a prefill:decode ratio.
+"""`pdserve plan`: recommend a configuration by simulation, or validate the simulator.
 
-Runs in the CLI process. Heavy imports (torch, the engine) happen inside the subcommands.
+Runs in the CLI process. Heavy imports happen inside the subcommand.
 
-    pdserve profile --model DIR --out PROFILE.json [--threads 1] [--chunk 256]
-                    [--max-prompt 512] [--max-batch 32] [--repeats 3] [--calibrate]
     pdserve plan (--workload chat --rate 2 | --phases chat:4:60,summarize:1:60 | --trace F)
-                 --slo-ttft-ms MS --slo-tpot-ms MS --workers N
-                 (--profile PROFILE.json | --model DIR) [--context 1024] [--num-requests 200]
-                 [--cores 2] [--chunk-tokens 128,256] [--max-num-seqs 16,32] [--search-rate]
-                 [--json OUT.json]
+                 --slo-ttft-ms MS --slo-tpot-ms MS (--profile PROFILE.json | --model DIR)
+                 [--workers 2] [--threads 1] [--colocated-workers 1] [--context 1024]
+                 [--num-requests 200] [--cores 2] [--chunk-tokens 128,256] [--search-rate]
+                 [--adaptive] [--json OUT.json]
+    pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json
+                 [--cores 2] [--report validation.md] [--json validation.json]
 
-`profile` times the model's prefill and decode steps on this machine (`LLMEngine`, as a worker
-runs it) and fits the planner's cost model; `--calibrate` also starts a local 1P+1D cluster to
-measure the serving overheads (router, RPCs, KV transfer, token streaming). `plan` simulates
-every split of `--workers` workers (and the listed chunk / batch settings) on the workload's
-requests and prints a table, best first, and the recommendation. Exit codes: 0 ok, 2 bad
-arguments, 1 failure. `add_profile_parser` / `add_plan_parser` register the subcommands
-(deploy/cli.py's convention: `func(args) -> int`).
+`plan` simulates the alternatives for a budget of --workers workers of --threads threads:
+colocated (--colocated-workers workers sharing the same threads; each chunk budget, and whole
+prompts) and every prefill:decode split (each chunk budget), on the workload's requests; it
+prints them ranked, each with its predicted goodput (with --search-rate: its max rate meeting
+the attainment target, DistServe's goodput), and the recommended (mode, ratio, chunk budget).
+`plan --validate` replays the exact requests of saved `pdserve bench` runs and compares
+predicted with measured attainment and latency percentiles (`tooling.planner.validate`).
+Exit codes: 0 ok, 2 bad arguments, 1 failure.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 
-def _ints(value: str) -> tuple[int, ...]:
+def ints(value: str) -> tuple[int, ...]:
+    """argparse type: '128,256' -> (128, 256), each >= 1."""
     try:
         out = tuple(int(x) for x in value.split(",") if x.strip())
     except ValueError:
@@ -42,87 +43,25 @@ def _ints(value: str) -> tuple[int, ...]:
     return out
 
 
-def add_profile_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `profile`: fit the planner's cost model on this machine."""
-    p = subparsers.add_parser(
-        "profile",
-        help="measure prefill/decode step costs of a model on this machine (for `plan`)",
-        description="Time prefill and decode engine steps of --model with --threads torch "
-        "threads (as a worker runs them), fit the planner's cost model and write it to --out. "
-        "--calibrate also measures serving overheads on a local 1P+1D cluster.",
-    )
-    p.add_argument("--model", required=True, help="HF model folder")
-    p.add_argument("--out", required=True, help="profile JSON to write")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--chunk", type=int, default=256, help="prefill step budget in tokens")
-    p.add_argument("--max-prompt", type=int, default=512, help="longest prompt timed")
-    p.add_argument("--max-batch", type=int, default=32, help="largest decode batch timed")
-    p.add_argument("--max-context", type=int, default=640, help="longest decode context timed")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per shape")
-    p.add_argument(
-        "--calibrate", action="store_true", help="measure overheads on a local 1P+1D cluster"
-    )
-    p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks (calibration)")
-    p.add_argument("--context", type=int, default=512, help="context of calibration loads")
-    p.set_defaults(func=profile_main)
-
-
-def profile_main(args: argparse.Namespace) -> int:
-    from tooling.planner.profiler import profile_engine
-
-    model = Path(args.model)
-    if not (model / "config.json").is_file():
-        print(f"pdserve profile: --model {model} is not a model folder", file=sys.stderr)
-        return 2
-    if min(args.threads, args.chunk, args.max_prompt, args.max_batch, args.repeats) < 1:
-        print("pdserve profile: numeric options must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        cost = profile_engine(
-            model,
-            threads=args.threads,
-            chunk=args.chunk,
-            max_prompt=args.max_prompt,
-            max_batch=args.max_batch,
-            max_context=args.max_context,
-            repeats=args.repeats,
-        )
-        if args.calibrate:
-            from tooling.planner.calibrate import calibrate_local
-
-            engine = {
-                "block_size": 16,
-                "num_kv_blocks": args.num_kv_blocks,
-                "max_num_batched_tokens": max(args.chunk, args.max_batch),
-                "max_num_seqs": args.max_batch,
-            }
-            logs = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
-            cost = calibrate_local(model, cost, engine, args.threads, logs, args.context)
-    except ValueError as exc:
-        print(f"pdserve profile: {exc}", file=sys.stderr)
-        return 2
-    out = cost.save(args.out)
-    print(cost.summary())
-    print(f"wrote {out}")
-    return 0
-
-
 def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `plan`: recommend a prefill:decode ratio by simulation."""
+    """Register `plan`: recommend a mode, ratio and chunk budget by simulation."""
     p = subparsers.add_parser(
         "plan",
-        help="recommend a prefill:decode ratio (and batch/chunk settings) for a workload",
-        description="Simulate every prefill:decode split of --workers workers on the workload "
-        "with costs profiled on this machine; print the ranking and the recommendation.",
+        help="recommend colocated or a prefill:decode ratio (and chunk budget) for a workload; "
+        "or validate the simulator against saved bench runs (--validate)",
+        description="Simulate colocated and every prefill:decode split of --workers workers "
+        "on the workload with profiled costs; print them ranked with their predicted goodput "
+        "and the recommendation. --validate RUN_DIR... replays saved `pdserve bench` runs.",
     )
     w = p.add_mutually_exclusive_group(required=True)
     w.add_argument("--workload", help="chat | code | summarize | prefix | multiturn")
     w.add_argument(
         "--phases",
         metavar="W:RATE:S[,...]",
-        help="shifting workload, a comma list of WORKLOAD:RATE:SECONDS phases",
+        help="shifting workload, a comma list of WORKLOAD[@CONTEXT]:RATE:SECONDS phases",
     )
     w.add_argument("--trace", help="request trace (.csv/.jsonl) of the goodput bench")
+    w.add_argument("--validate", nargs="+", metavar="RUN_DIR", help="saved bench runs to replay")
     p.add_argument(
         "--rate", type=float, help="requests/s for --workload (required with it; no default)"
     )
@@ -132,37 +71,42 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "--output-len", type=int, help="fixed output length (default: the workload's draw)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths")
-    p.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT SLO in ms")
-    p.add_argument("--slo-tpot-ms", type=float, required=True, help="TPOT SLO in ms")
+    p.add_argument(
+        "--slo-ttft-ms", type=float, help="TTFT SLO in ms (required unless --validate; no default)"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, help="TPOT SLO in ms (required unless --validate; no default)"
+    )
     p.add_argument("--target", type=float, default=0.9, help="attainment target")
-    p.add_argument("--workers", type=int, required=True, help="prefill + decode workers")
+    p.add_argument("--workers", type=int, default=2, help="workers of a disaggregated cluster")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--colocated-workers",
+        type=int,
+        default=1,
+        help="colocated workers sharing the disaggregated cluster's threads (1: one with all)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--profile", help="cost profile JSON from `pdserve profile`")
+    src.add_argument("--profile", help="cost profile JSON (`pdserve profile`, deploy/profiles)")
     src.add_argument("--model", help="profile this model folder first (no calibration)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads when profiling")
     p.add_argument(
         "--cores",
         type=float,
         default=float(os.cpu_count() or 1),
-        help="CPU cores the workers share (default: this machine's); 0 = one core each",
+        help="CPU cores the workers share (default: this machine's); 0 = a device each (GPU)",
     )
     p.add_argument(
         "--chunk-tokens",
-        type=_ints,
+        type=ints,
         metavar="N[,N...]",
         default=(256,),
         help="prefill step budgets to try, a comma list, e.g. 128,256,512",
     )
-    p.add_argument(
-        "--max-num-seqs",
-        type=_ints,
-        metavar="N[,N...]",
-        default=(32,),
-        help="decode batch limits to try, a comma list, e.g. 16,32,64",
-    )
+    p.add_argument("--max-num-seqs", type=int, default=32, help="decode batch limit per worker")
     p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks per worker")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-inflight", type=int, default=64, help="router's running limit")
+    p.add_argument("--max-queued", type=int, default=256, help="router's waiting limit")
     p.add_argument("--search-rate", action="store_true", help="also find each max rate")
     p.add_argument(
         "--adaptive",
@@ -172,7 +116,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--window-s", type=float, default=8.0, help="controller window (--adaptive)")
     p.add_argument("--cooldown-s", type=float, default=6.0, help="controller cooldown")
     p.add_argument("--min-requests", type=int, default=6, help="controller min_requests")
-    p.add_argument("--json", help="write the rows and inputs as JSON here (default: print only)")
+    p.add_argument(
+        "--report", help="--validate: write the Markdown report here (default: print only)"
+    )
+    p.add_argument(
+        "--json", help="write the rows (or the validation) as JSON here (default: print only)"
+    )
     p.set_defaults(func=plan_main)
 
 
@@ -192,29 +141,65 @@ def _specs(args: argparse.Namespace) -> list[Any]:
     )
 
 
+def _profile(args: argparse.Namespace) -> Any:
+    from tooling.planner.profiles import Profile, load_profile
+
+    if args.profile:
+        return load_profile(args.profile)
+    from tooling.planner.profiler import profile_engine
+
+    threads = {args.threads, args.threads * args.workers // max(1, args.colocated_workers)}
+    return Profile(costs={t: profile_engine(args.model, threads=t) for t in sorted(threads)})
+
+
+def validate_main(args: argparse.Namespace, profile: Any) -> int:
+    from tooling.planner.validate import validate, validation_markdown
+
+    v = validate(args.validate, profile, args.cores if args.cores > 0 else None)
+    text = validation_markdown(v, args.profile or args.model)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(v.to_json(), indent=1) + "\n")
+    return 0
+
+
 def plan_main(args: argparse.Namespace) -> int:
-    from tooling.planner.costs import CostModel
-    from tooling.planner.planner import plan, table
+    from tooling.planner.planner import alternatives, plan_alternatives, table
     from tooling.planner.sim import ClusterSpec
     from tooling.planner.workload import requests, to_sim
 
     try:
+        if args.validate:
+            return validate_main(args, _profile(args))
+        if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+            raise ValueError("--slo-ttft-ms and --slo-tpot-ms are required")
         if args.workers < 2:
             raise ValueError(f"--workers must be >= 2, got {args.workers}")
         specs = _specs(args)
-        if args.profile:
-            cost = CostModel.load(args.profile)
-        else:
-            from tooling.planner.profiler import profile_engine
-
-            cost = profile_engine(args.model, threads=args.threads)
+        profile = _profile(args)
+        colocated_workers = args.colocated_workers
+        shared = args.threads * args.workers // max(1, colocated_workers)
+        if shared not in profile.costs:
+            print(
+                f"pdserve plan: the profile has no costs for {shared} threads; colocated is "
+                f"planned as {args.workers} workers of {args.threads} thread(s)",
+                file=sys.stderr,
+            )
+            colocated_workers = args.workers
         base = ClusterSpec(
             prefill=1,
             decode=1,
+            max_num_seqs=args.max_num_seqs,
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             max_inflight=args.max_inflight,
+            max_queued=args.max_queued,
             cores=args.cores if args.cores > 0 else None,
+        )
+        alts = alternatives(
+            base, args.workers, args.threads, colocated_workers, args.chunk_tokens, args.context
         )
         search = None
         if args.search_rate:
@@ -222,30 +207,23 @@ def plan_main(args: argparse.Namespace) -> int:
                 raise ValueError("--search-rate needs --workload (a rate-free request list)")
 
             def search(rate: float) -> list[Any]:
+                n = max(args.num_requests, 1)
                 return to_sim(
-                    requests(
-                        args.workload,
-                        args.num_requests,
-                        rate,
-                        args.context,
-                        args.seed,
-                        args.output_len,
-                    )
+                    requests(args.workload, n, rate, args.context, args.seed, args.output_len)
                 )
 
-        rows = plan(
+        rows = plan_alternatives(
             to_sim(specs),
-            cost,
-            args.workers,
+            profile.cost,
+            alts,
             args.slo_ttft_ms / 1e3,
             args.slo_tpot_ms / 1e3,
-            base,
-            args.chunk_tokens,
-            args.max_num_seqs,
             rate_search=search,
             target=args.target,
         )
-        adaptive = _adaptive(args, to_sim(specs), cost, base) if args.adaptive else None
+        adaptive = None
+        if args.adaptive:
+            adaptive = _adaptive(args, to_sim(specs), profile.cost(args.threads), base)
     except (ValueError, OSError, KeyError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
@@ -257,17 +235,20 @@ def plan_main(args: argparse.Namespace) -> int:
             f"{len(adaptive['changes']) - 1} role switches"
         )
     best = rows[0]
+    what = "max rate" if best.max_rate is not None else "goodput at this rate"
+    value = best.max_rate if best.max_rate is not None else best.goodput_rps
     print(
-        f"\nrecommended: {best.ratio} (prefill:decode), chunk_tokens={best.chunk_tokens}, "
-        f"max_num_seqs={best.max_num_seqs}: predicted attainment {best.attainment:.1%}"
-        + (f", max rate {best.max_rate:.2f} req/s" if best.max_rate is not None else "")
+        f"\nrecommended: {best.mode} {best.ratio}, chunk {best.chunk_label}, "
+        f"{best.threads} thread(s)/worker, max_num_seqs={best.max_num_seqs}: predicted "
+        f"attainment {best.attainment:.1%}, {what} {value:.2f} req/s"
     )
     if args.json:
         data = {
             "args": {k: v for k, v in vars(args).items() if k != "func"},
             "requests": len(specs),
-            "cost": cost.to_json(),
-            "rows": [r.to_json() for r in rows],
+            "profile": profile.to_json(),
+            "rows": [r.to_json() | {"mode": r.mode, "ratio": r.ratio} for r in rows],
+            "recommended": rows[0].to_json() | {"mode": rows[0].mode, "ratio": rows[0].ratio},
             "adaptive": adaptive,
         }
         Path(args.json).write_text(json.dumps(data, indent=1, default=str) + "\n")
@@ -301,7 +282,7 @@ def _adaptive(args: argparse.Namespace, reqs: list[Any], cost: Any, base: Any) -
         prefill=n // 2,
         decode=n - n // 2,
         chunk_tokens=args.chunk_tokens[0],
-        max_num_seqs=args.max_num_seqs[0],
+        max_num_seqs=args.max_num_seqs,
     )
     res = simulate_adaptive(reqs, spec, cost, cfg)
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)

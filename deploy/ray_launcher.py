@@ -72,6 +72,8 @@ class WorkerActor:
             update["host"] = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         if getattr(config, "kv_host", None) == "auto":
             update["kv_host"] = update.get("host", config.host)
+        if config.node == "auto":  # the node label the router pairs by: Ray's node id
+            update["node"] = ray.get_runtime_context().get_node_id()
         path = Path(port_file)
         if path.is_file():  # a restart: take the port the router already knows
             update["port"] = int(path.read_text())
@@ -87,6 +89,14 @@ class WorkerActor:
     def pid(self) -> int:
         """The actor's process id (changes when Ray restarts it)."""
         return os.getpid()
+
+    def node(self) -> str:
+        """The node label this worker reports (Ray's node id)."""
+        return self._server.config.node
+
+    def kv_shared_memory_peers(self) -> list[str]:
+        """Receivers this worker now sends KV to through shared memory (the rest: gloo bytes)."""
+        return self._server.kv_shared_memory_peers()
 
     def stop(self, grace_s: float) -> None:
         """Stop the gRPC server, giving in-flight calls `grace_s`."""
@@ -219,6 +229,7 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
         transfer_timeout_s=config.transfer.timeout_s,
         kv_host=kv_host,
         kv_shared_memory=config.transfer.shared_memory,
+        node="auto",
     )
     return wc.model_dump_json()
 

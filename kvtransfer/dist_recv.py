@@ -86,8 +86,10 @@ class Receiver:
         events: EventQueue,
         staging: StagingPool,
         shared_memory: bool = False,
+        node: str = "",
     ) -> None:
         self._worker_id = worker_id
+        self._node = node
         self._shared_memory = shared_memory and cache.device.type == "cpu"
         self._cache = cache
         self._layout = cache.layout
@@ -218,7 +220,7 @@ class Receiver:
         if shm is None or not self._shared_memory:
             return None
         try:
-            return PeerCache.for_receiver(shm, self._cache)
+            return PeerCache.for_receiver(shm, self._cache, self._node)
         except ShmUnavailable as exc:
             log.info("kvtransfer: no shared memory with %s, bytes go over gloo: %s", sender, exc)
             return None

@@ -67,6 +67,7 @@ class SegmentInfo:
     token: str  # hex
     shape: tuple[int, ...]
     itemsize: int
+    node: str = ""  # the sender's node label: the plane is used only between equal labels
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +81,7 @@ class SegmentInfo:
             "token": self.token,
             "shape": list(self.shape),
             "itemsize": self.itemsize,
+            "node": self.node,
         }
 
     @classmethod
@@ -91,6 +93,7 @@ class SegmentInfo:
             token=str(d["token"]),
             shape=tuple(int(x) for x in d["shape"]),
             itemsize=int(d["itemsize"]),
+            node=str(d.get("node", "")),
         )
 
 
@@ -101,7 +104,7 @@ class SharedCacheSegment:
     stays open for the life of the process: receivers open it through ``/proc``.
     """
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, node: str = "") -> None:
         if cache.device.type != "cpu":
             raise ShmUnavailable(f"a shared-memory cache must be on the CPU, not {cache.device}")
         if not hasattr(os, "memfd_create"):
@@ -126,6 +129,7 @@ class SharedCacheSegment:
             token=token.hex(),
             shape=tuple(old.shape),
             itemsize=old.element_size(),
+            node=node,
         )
 
 
@@ -157,14 +161,22 @@ class PeerCache:
         self._kv: npt.NDArray[np.generic] = flat.reshape(info.shape)
 
     @classmethod
-    def for_receiver(cls, record: Any, cache: KVCache) -> PeerCache:
+    def for_receiver(cls, record: Any, cache: KVCache, node: str = "") -> PeerCache:
         """Map the segment a ``join`` record offers (`SegmentInfo.to_dict`) for a receiver
-        whose cache is `cache`: same layers, block shape and item size (the block count may
-        differ). ShmUnavailable says why not."""
+        on node `node` whose cache is `cache`: same node label, same layers, block shape and
+        item size (the block count may differ). ShmUnavailable says why not.
+
+        The node labels decide first: workers the cluster places on different nodes never
+        share memory, even when (as in a test cluster of several Ray nodes on one machine)
+        the host would allow it — their KV then crosses as gloo bytes, as between hosts."""
         try:
             info = SegmentInfo.from_dict(record)
         except (KeyError, TypeError, ValueError) as exc:
             raise ShmUnavailable(f"malformed segment record: {exc!r}") from exc
+        if info.node != node:
+            raise ShmUnavailable(
+                f"the sender is on node {info.node!r}, this receiver on {node!r} (labels differ)"
+            )
         mine = tuple(cache.kv.shape)
         if len(info.shape) != len(mine) or info.shape[:1] + info.shape[2:] != mine[:1] + mine[2:]:
             raise ShmUnavailable(f"segment shape {info.shape} does not fit this cache's {mine}")

@@ -54,8 +54,10 @@ class TorchDistTransport:
     (`kvtransfer.staging.StagingPool`; 0 keeps none). `shared_memory` (CPU caches): move this
     worker's cache into shared memory and use the same-host data plane with every peer that
     also has it on (`kvtransfer.shm`) — the receiver copies the blocks straight from the
-    sender's cache; other peers still get the bytes over gloo. Build the transport before the
-    cache serves a step (it moves the cache's tensor).
+    sender's cache; other peers still get the bytes over gloo. `node`: this worker's node
+    label; the shared-memory plane is used only between equal labels (workers placed on
+    different nodes move bytes over gloo even when they share a host). Build the transport
+    before the cache serves a step (it moves the cache's tensor).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class TorchDistTransport:
         serve: bool = True,
         staging_pool_bytes: int = STAGING_POOL_BYTES,
         shared_memory: bool = False,
+        node: str = "",
     ) -> None:
         if not worker_id or "/" in worker_id or "@" in worker_id:
             raise ValueError(f"worker_id must be non-empty without '/' or '@', got {worker_id!r}")
@@ -80,7 +83,7 @@ class TorchDistTransport:
         # directions: at most `staging_pool_bytes` beyond what transfers in flight hold.
         pool = StagingPool(staging_pool_bytes)
         # CPU caches only: CUDA caches move over NCCL.
-        segment = _share(cache) if shared_memory and cache.device.type == "cpu" else None
+        segment = _share(cache, node) if shared_memory and cache.device.type == "cpu" else None
         self.shared_memory = segment is not None
         self._receiver = (
             Receiver(
@@ -92,6 +95,7 @@ class TorchDistTransport:
                 self._events,
                 pool,
                 shared_memory=self.shared_memory,
+                node=node,
             )
             if serve
             else None
@@ -280,10 +284,11 @@ class TorchDistTransport:
             raise ValueError(f"transport {self._endpoint.worker_id} is closed")
 
 
-def _share(cache: KVCache) -> SegmentInfo | None:
-    """Move `cache` into shared memory; None (bytes over gloo only) where that cannot be done."""
+def _share(cache: KVCache, node: str = "") -> SegmentInfo | None:
+    """Move `cache` into shared memory; None (bytes over gloo only) where that cannot be done.
+    `node`: this worker's node label (receivers share memory only with an equal label)."""
     try:
-        return SharedCacheSegment(cache).info
+        return SharedCacheSegment(cache, node).info
     except ShmUnavailable as exc:
         log.warning("kvtransfer: shared memory off: %s", exc)
         return None

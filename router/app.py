@@ -35,6 +35,7 @@ from model_runtime.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.indexer import Indexers, KVEventSource
 from router.kv_source import GrpcKVEventSource
+from router.pair_scoring import PairScoringConfig
 from router.policies import make_policy
 from router.policy import Role, WorkerView
 from router.pool import WorkerPool
@@ -51,6 +52,20 @@ log = logging.getLogger(__name__)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+
+
+def pair_scoring(config: RouterConfig, model: ModelConfig) -> PairScoringConfig:
+    """The configured pair scoring, with the KV bytes per token and the layer count taken from
+    the model where the config leaves them 0 (K and V of every layer in the model's dtype)."""
+    ps = config.pair_scoring
+    update: dict[str, float | int] = {}
+    if ps.kv_bytes_per_token == 0:
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}[model.torch_dtype]
+        layers, heads = model.num_hidden_layers, model.num_key_value_heads
+        update["kv_bytes_per_token"] = float(2 * layers * heads * model.head_dim * width)
+    if ps.num_layers == 0:
+        update["num_layers"] = model.num_hidden_layers
+    return ps.model_copy(update=update)
 
 def has_usable_route(mode: str, views: list[WorkerView]) -> bool:
     """True when a request could be routed now (ignoring capacity)."""
@@ -173,7 +188,7 @@ async def start_router(
     for addr in (*config.prefill_addrs, *config.colocated_addrs):
         indexers.add(addr, sources(addr))
     ratio = make_ratio_controller(config, pool, indexers, sources)
-    policy = make_policy(config.policy, config.prefix_routing)
+    policy = make_policy(config.policy, config.prefix_routing, pair_scoring(config, model))
     service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index, ratio)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((service.rpc_handlers(),))

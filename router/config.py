@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.pair_scoring import PairScoringConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
 from router.prefix_policy import PrefixRoutingConfig
@@ -49,6 +50,11 @@ class RouterConfig(BaseModel):
     prefix_routing: PrefixRoutingConfig = Field(
         default_factory=PrefixRoutingConfig,
         description="Weights of the 'prefix_aware' policy.",
+    )
+    pair_scoring: PairScoringConfig = Field(
+        default_factory=PairScoringConfig,
+        description="How 'least_load' and 'prefix_aware' price the KV move of a prefill/decode "
+        "pair on different nodes (`router.pair_scoring`).",
     )
     ratio: RatioConfig = Field(
         default_factory=RatioConfig,

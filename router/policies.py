@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from router.pair_scoring import PairScoringConfig
 from router.policy import LeastLoadPolicy, RoundRobinPolicy, RoutingPolicy
 from router.prefix_policy import PrefixAwarePolicy, PrefixRoutingConfig
 
@@ -20,11 +21,18 @@ POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
 """Policy registry: name -> factory with default weights."""
 
 
-def make_policy(name: str, prefix: PrefixRoutingConfig | None = None) -> RoutingPolicy:
-    """Build the policy registered as `name` (`prefix`: the weights of "prefix_aware");
+def make_policy(
+    name: str,
+    prefix: PrefixRoutingConfig | None = None,
+    pair: PairScoringConfig | None = None,
+) -> RoutingPolicy:
+    """Build the policy registered as `name` (`prefix`: the weights of "prefix_aware";
+    `pair`: how "least_load" and "prefix_aware" price a pair's KV move across nodes);
     ValueError lists the known names."""
-    if name == PrefixAwarePolicy.name and prefix is not None:
-        return PrefixAwarePolicy(prefix)
+    if name == PrefixAwarePolicy.name and (prefix is not None or pair is not None):
+        return PrefixAwarePolicy(prefix, pair=pair)
+    if name == LeastLoadPolicy.name and pair is not None:
+        return LeastLoadPolicy(pair)
     try:
         return POLICIES[name]()
     except KeyError:

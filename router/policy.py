@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from model_runtime.hashing import BlockHash
+from router.pair_scoring import PairScoringConfig, PrefillCandidate, choose_pair
 from router.prefix_index.base import PrefixMatch
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -47,6 +48,7 @@ class WorkerView:
     in_flight_prompt_tokens: int = 0  # prompt tokens of this router's `in_flight` requests
     in_flight_tokens: int = 0  # ... of which the worker must compute (minus expected hits)
     epoch: int = 0  # the worker process's start epoch (0: unknown)
+    node: str = ""  # the worker's node label ("" = unlabelled: all one node)
 
     @property
     def usable(self) -> bool:
@@ -168,11 +170,16 @@ class LeastLoadPolicy:
     - prefill: fewest `waiting_tokens + in_flight * prompt_tokens`, then fewest running;
     - decode: only workers with free blocks for prompt + max_tokens; among them the fewest
       `num_running + num_waiting + in_flight`, then the most free blocks;
+    - the pair: scored together with its KV transfer cost when workers sit on different nodes
+      (`router.pair_scoring`; on one node this is the choice above);
     - colocated: free blocks as for decode, then the prefill rule, then the most free blocks.
     """
 
     name = "least_load"
     uses_prefix_matches = False
+
+    def __init__(self, pair: PairScoringConfig | None = None) -> None:
+        self.pair = pair or PairScoringConfig()
 
     def choose(
         self,
@@ -194,16 +201,20 @@ class LeastLoadPolicy:
                 ),
             )
             return RoutingDecision(colocated=best)
-        prefills = [v for v in prefill_views if v.usable]
-        decodes = with_room(request, decode_views)
-        if not prefills or not decodes:
+        prefills = [
+            PrefillCandidate(
+                v,
+                -float(_prefill_load(v, request)),
+                0,
+                (_prefill_load(v, request), v.num_running, v.address),
+            )
+            for v in prefill_views
+            if v.usable
+        ]
+        pair = choose_pair(request, prefills, with_room(request, decode_views), self.pair)
+        if pair is None:
             return None
-        prefill = min(prefills, key=lambda v: (_prefill_load(v, request), v.num_running, v.address))
-        decode = min(
-            decodes,
-            key=lambda v: (v.num_running + v.num_waiting + v.in_flight, -v.free_blocks, v.address),
-        )
-        return RoutingDecision(prefill=prefill, decode=decode)
+        return RoutingDecision(prefill=pair[0].view, decode=pair[1])
 
 
 def with_room(request: RouteRequest, views: Sequence[WorkerView]) -> list[WorkerView]:

@@ -133,6 +133,7 @@ class WorkerPool:
                     in_flight_prompt_tokens=prompt_tokens,
                     in_flight_tokens=tokens,
                     epoch=st.epoch,
+                    node=st.node,
                 )
             )
         return out

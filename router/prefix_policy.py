@@ -33,7 +33,9 @@ Pending credit: the chosen worker is credited at once with the request's whole c
 published (and spreads to a second worker only when the balance or the score says so).
 
 With `prefix_matches` None (index down / slow / breaker open) the policy routes by load only.
-Decode choice is `policy.LeastLoadPolicy`'s: room for prompt + max_tokens, then least busy.
+Decode choice: room for prompt + max_tokens, then least busy — scored together with the prefill
+choice and the KV transfer between them when workers sit on different nodes
+(`router.pair_scoring`; on one node it is `policy.LeastLoadPolicy`'s decode rule).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from model_runtime.hashing import BlockHash
+from router.pair_scoring import PairScoringConfig, PrefillCandidate, choose_pair
 from router.policy import RouteRequest, RoutingDecision, WorkerView, with_room
 
 
@@ -133,8 +136,10 @@ class PrefixAwarePolicy:
         self,
         config: PrefixRoutingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pair: PairScoringConfig | None = None,
     ) -> None:
         self.config = config or PrefixRoutingConfig()
+        self.pair = pair or PairScoringConfig()
         self._clock = clock
         self.pending = PendingPrefixes(self.config.pending_ttl_s, self.config.max_pending_blocks)
         self._picks = 0
@@ -166,36 +171,39 @@ class PrefixAwarePolicy:
         if not candidates or (not request.colocated and not decodes):
             return None
         now = self._clock()
-        chosen, cached = self._pick_prefill(request, candidates, now)
+        scored = self._score_prefills(request, candidates, now)
+        decode: WorkerView | None = None
+        if request.colocated:
+            best = min(scored, key=lambda c: (-c.score, *c.order))
+        else:
+            pair = choose_pair(request, scored, decodes, self.pair, self.config.load_weight)
+            assert pair is not None  # both sides have candidates
+            best, decode = pair
+        chosen, cached = best.view, best.cached
         self.pending.add(chosen.worker_id, request.block_hashes, now)
         self._picks += 1
         self._last_pick[chosen.address] = self._picks
-        if request.colocated:
+        if decode is None:
             return RoutingDecision(colocated=chosen, cached_tokens=cached)
-        decode = min(
-            decodes,
-            key=lambda v: (v.num_running + v.num_waiting + v.in_flight, -v.free_blocks, v.address),
-        )
         return RoutingDecision(prefill=chosen, decode=decode, cached_tokens=cached)
 
-    def _pick_prefill(
+    def _score_prefills(
         self, request: RouteRequest, candidates: list[WorkerView], now: float
-    ) -> tuple[WorkerView, int]:
+    ) -> list[PrefillCandidate]:
+        """The candidates inside the balance threshold, scored; tie-break order: min load,
+        min running, least recently picked, min address."""
         cfg = self.config
         loads = {v.address: load_tokens(v) for v in candidates}
         limit = cfg.balance_rel * min(loads.values()) + cfg.balance_abs_tokens
-        best: tuple[float, int, int, int, str] | None = None
-        chosen: tuple[WorkerView, int] | None = None
+        out = []
         for v in candidates:
             load = loads[v.address]
             if load > limit:
                 continue
             cached = self.cached_tokens(request, v, now)
             score = cfg.cache_weight * cached - cfg.load_weight * load
-            # max score, then min load, min running, least recently picked, min address
             recency = self._last_pick.get(v.address, 0)
-            key = (-score, load, v.num_running + v.in_flight, recency, v.address)
-            if best is None or key < best:
-                best, chosen = key, (v, cached)
-        assert chosen is not None, (limit, loads)  # the least-loaded worker is always in
-        return chosen
+            order = (load, v.num_running + v.in_flight, recency, v.address)
+            out.append(PrefillCandidate(v, score, cached, order))
+        assert out, (limit, loads)  # the least-loaded worker is always in
+        return out

@@ -48,6 +48,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         default=True,
         help="same-host shared-memory KV data plane (CPU)",
     )
+    p.add_argument("--node", default="", help="node label (see WorkerConfig.node)")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--stop-grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -65,6 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         "kv_host": args.kv_host,
         "kv_port": args.kv_port,
         "kv_shared_memory": args.kv_shared_memory,
+        "node": args.node,
         "transfer_timeout_s": args.transfer_timeout_s,
     }
     if args.worker_id:

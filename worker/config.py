@@ -67,6 +67,12 @@ class WorkerConfig(BaseModel):
         description="Keep the KV cache in shared memory and use the same-host data plane "
         "with peers that do too (CPU only; see kvtransfer.shm).",
     )
+    node: str = Field(
+        default="",
+        description="Node label this worker reports (Ray's node id under the Ray launcher): "
+        "the router prefers prefill/decode pairs on one node, and the shared-memory KV plane "
+        "is used only between workers with equal labels ('' = unlabelled, one host).",
+    )
     kv_connect_timeout_s: float = Field(
         default=10.0, gt=0, description="Bound on joining a KV peer (never above a deadline)."
     )

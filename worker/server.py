@@ -45,6 +45,7 @@ class WorkerServer:
         self.epoch = time.time_ns()  # changes on every start of a worker process
         self.address = ""
         self.kv_endpoint = ""
+        self._transport: TorchDistTransport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -74,8 +75,10 @@ class WorkerServer:
             port=cfg.kv_port,
             connect_timeout_s=cfg.kv_connect_timeout_s,
             shared_memory=cfg.kv_shared_memory,
+            node=cfg.node,
         )
         self.kv_endpoint = f"{transport.endpoint.host}:{transport.endpoint.port}"
+        self._transport = transport
         ctx = RoleContext(
             engine=engine,
             transport=transport,
@@ -118,6 +121,7 @@ class WorkerServer:
             self.kv_endpoint,
             self.epoch,
             self.kv_events,
+            node=self.config.node,
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -128,6 +132,10 @@ class WorkerServer:
         self._server, self._service = server, service
         await service.set_serving(True)
         return port
+
+    def kv_shared_memory_peers(self) -> list[str]:
+        """Receivers this worker sends KV to through shared memory now (empty before start)."""
+        return [] if self._transport is None else self._transport.shared_memory_peers()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """NOT_SERVING; refuse new work; give in-flight work `grace_s` to finish, abort the

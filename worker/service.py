@@ -43,8 +43,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_endpoint: str,
         epoch: int,
         kv_events: KVEventPublisher | None = None,
+        node: str = "",
     ) -> None:
         self._engine = engine
+        self._node = node
         self._kv_events = kv_events
         self._health = health_servicer
         self._worker_id = worker_id
@@ -74,6 +76,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             block_size=s.block_size,
             kv_endpoint=self._kv_endpoint,
             epoch=self._epoch,
+            node=self._node,
         )
 
     # ---- RPCs ------------------------------------------------------------------------------

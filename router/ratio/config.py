@@ -120,6 +120,21 @@ class RatioConfig(BaseModel):
         le=1,
         description="Decode KV utilisation at or above which decode counts as saturated.",
     )
+    backlog: float = Field(
+        default=2.0,
+        gt=0,
+        description="Mean requests waiting per worker of a role at or above which that role "
+        "counts as queued: a queue says which role the requests wait for (TTFT misses with no "
+        "prefill queue wait for decode capacity; decode KV held by requests queued for prefill "
+        "is not a decode shortage).",
+    )
+    max_step: int = Field(
+        default=4,
+        ge=1,
+        description="Most workers one decision moves: a switch toward the role the previous "
+        "switch fed, made as soon as the cooldown allowed, doubles the step (1, 2, 4, ..) up to "
+        "this and to half the donor role.",
+    )
     drain_timeout_s: float = Field(
         default=30.0,
         gt=0,

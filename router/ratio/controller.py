@@ -64,8 +64,15 @@ class Decision:
     from_role: Phase | None = None
     to_role: Phase | None = None
     revert: bool = False  # undoes the previous change (which made attainment worse)
+    also: tuple[str, ...] = ()  # switch: further workers moved with `address`, the same way
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every worker this decision moves or removes (`address` first)."""
+        return () if self.address is None else (self.address, *self.also)
 
     def __post_init__(self) -> None:
+        assert not self.also or self.action == "switch", f"only a switch moves several: {self}"
         need = {
             "hold": (False, False, False),
             "switch": (True, True, True),
@@ -87,6 +94,7 @@ class ControllerState:
     last: Decision | None = None  # the last completed switch, until judged (rule 2)
     before: MetricsWindow | None = None  # the window the pending / last change was decided on
     tabu: dict[tuple[str, str], float] = field(default_factory=dict)  # (from, to) -> until
+    streak: tuple[Phase, int] | None = None  # the last completed switch: (to_role, workers)
 
     def begin(self, decision: Decision, now: float, before: MetricsWindow | None = None) -> None:
         """A change starts (or, in advisory mode, is only advised) at `now`; `before` is the
@@ -107,6 +115,8 @@ class ControllerState:
         self.changes += 1
         judge = ok and done.action == "switch" and not done.revert and self.before is not None
         self.last = done if judge else None
+        fed = ok and done.action == "switch" and not done.revert and done.to_role is not None
+        self.streak = (done.to_role, len(done.addresses)) if fed and done.to_role else None
 
 
 def _hold(reason: str) -> Decision:
@@ -142,7 +152,7 @@ def dropped(before: float, n_before: int, after: float, n_after: int, band: floa
 
 def _phase_att(window: MetricsWindow, role: Phase) -> float:
     """The attainment of the SLO a role is responsible for: TTFT (prefill), TPOT (decode)."""
-    return window.ttft_attainment if role == "prefill" else window.tpot_attainment
+    return window.ttft_attainment if role == "prefill" else window.decode_attainment
 
 
 def _bound(config: RatioConfig, kind: str, role: Phase) -> int | None:
@@ -150,27 +160,87 @@ def _bound(config: RatioConfig, kind: str, role: Phase) -> int | None:
     return value
 
 
+def queued(window: MetricsWindow, role: Phase, config: RatioConfig) -> bool:
+    """Whether requests wait for `role`: its workers hold a queue of `backlog` requests each
+    on average (decode also when its KV is saturated: reservations start to fail)."""
+    if role == "prefill":
+        return window.prefill_workers > 0 and window.prefill_waiting >= config.backlog
+    return window.decode_workers > 0 and (
+        window.decode_waiting >= config.backlog or window.decode_kv_utilisation >= config.kv_high
+    )
+
+
 def bottleneck(window: MetricsWindow, config: RatioConfig) -> tuple[Phase | None, str]:
-    """The phase that limits attainment (or None) and why (rule 2 of the module docstring)."""
+    """The phase that limits attainment (or None) and why (rule 3 of the module docstring).
+
+    TTFT misses are the prefill's doing only when requests queue for prefill: with no prefill
+    queue and a decode queue (or saturated decode KV), requests wait for decode capacity —
+    at the router's admission, or for a reservation — and miss TTFT there. TPOT misses (of
+    the requests that reached decode) are decode's. Saturated KV with both missing alike
+    and no prefill queue means decode."""
     ttft_miss = 1.0 - window.ttft_attainment
-    tpot_miss = 1.0 - window.tpot_attainment
+    tpot_miss = 1.0 - window.decode_attainment
     misses = f"TTFT miss {ttft_miss:.0%}, TPOT miss {tpot_miss:.0%}"
-    if window.decode_workers and window.decode_kv_utilisation >= config.kv_high:
+    pre_q, dec_q = queued(window, "prefill", config), queued(window, "decode", config)
+    queues = (
+        f"prefill queue {window.prefill_waiting:.1f} requests "
+        f"({window.prefill_waiting_tokens:.0f} tokens)/worker, decode queue "
+        f"{window.decode_waiting:.1f} requests/worker, decode KV utilisation "
+        f"{window.decode_kv_utilisation:.0%}"
+    )
+    if ttft_miss - tpot_miss > config.hysteresis:
+        if dec_q and not pre_q:
+            return "decode", f"{misses}, but requests wait for decode: {queues}"
+        return "prefill", f"{misses}; {queues}"
+    if tpot_miss - ttft_miss > config.hysteresis:
+        return "decode", f"{misses}; decode batch {window.decode_batch:.1f}/worker; {queues}"
+    if window.decode_workers and window.decode_kv_utilisation >= config.kv_high and not pre_q:
         return "decode", (
             f"decode KV utilisation {window.decode_kv_utilisation:.0%} >= kv_high "
             f"{config.kv_high:.0%} ({misses})"
         )
-    if ttft_miss - tpot_miss > config.hysteresis:
-        return "prefill", (
-            f"{misses}; prefill queue {window.prefill_waiting_tokens:.0f} tokens/worker"
-        )
-    if tpot_miss - ttft_miss > config.hysteresis:
-        return "decode", f"{misses}; decode batch {window.decode_batch:.1f}/worker"
     return None, f"{misses}: within hysteresis {config.hysteresis:.0%} of each other"
 
 
-def _least_loaded(workers: list[WorkerLoad]) -> WorkerLoad:
-    return min(workers, key=lambda w: (w.requests, w.waiting_tokens, w.kv_utilisation, w.address))
+def _by_load(workers: list[WorkerLoad]) -> list[WorkerLoad]:
+    """Least loaded first (ties: address)."""
+    return sorted(
+        workers, key=lambda w: (w.requests, w.waiting_tokens, w.kv_utilisation, w.address)
+    )
+
+
+def step_size(
+    window: MetricsWindow,
+    state: ControllerState,
+    now: float,
+    config: RatioConfig,
+    need: Phase,
+    candidates: int,
+) -> tuple[int, str]:
+    """How many workers a switch toward `need` moves, and why (rule 4): 1, or twice the last
+    switch's when that one fed `need` too and this one comes as soon as the cooldown let it
+    (the shortfall outlasted the last step), capped by `max_step`, by half the donor role, by
+    the donor's `min_*` and the needy role's `max_*` bound."""
+    donor = _other(need)
+    size, why = 1, ""
+    if state.streak is not None and state.last_change_end is not None:
+        role, last = state.streak
+        soon = now - state.last_change_end <= config.cooldown_s + 2 * config.interval_s
+        if role == need and soon:
+            size, why = 2 * last, f"step {2 * last}: the last switch fed {need} too"
+    donor_min = _bound(config, "min", donor)
+    cap = _bound(config, "max", need)
+    assert donor_min is not None
+    limits = [
+        config.max_step,
+        max(1, window.count(donor) // 2),
+        window.count(donor) - donor_min,
+        candidates,
+    ]
+    if cap is not None:
+        limits.append(cap - window.count(need))
+    size = max(1, min([size, *limits]))
+    return size, (why if size > 1 else "")
 
 
 def _gate(window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig) -> str:
@@ -247,17 +317,20 @@ def _judge(
     else:
         return None
     state.tabu[(last.from_role, last.to_role)] = now + config.tabu_s
-    if not any(w.address == last.address and w.usable for w in window.workers):
+    usable = {w.address for w in window.workers if w.usable and w.role == last.to_role}
+    back = [a for a in last.addresses if a in usable]
+    if not back:
         return None
     return Decision(
         "switch",
-        f"{att}: the last switch ({last.address} {last.from_role} -> {last.to_role}) made it "
-        f"worse: {why}; revert, and no {last.from_role} -> {last.to_role} switch for "
-        f"{config.tabu_s:g}s",
-        address=last.address,
+        f"{att}: the last switch ({', '.join(last.addresses)} {last.from_role} -> "
+        f"{last.to_role}) made it worse: {why}; revert, and no {last.from_role} -> "
+        f"{last.to_role} switch for {config.tabu_s:g}s",
+        address=back[0],
         from_role=last.to_role,
         to_role=last.from_role,
         revert=True,
+        also=tuple(back[1:]),
     )
 
 
@@ -274,15 +347,16 @@ def _grow(
         return _hold(f"{att}; need {need} ({why}) but max_{need}={cap} reached")
     donor_att = _phase_att(window, donor)
     low = config.attainment_target - config.hysteresis
-    # KV saturation makes TTFT miss too (reservations fail or wait): not the donor's fault
-    kv_bound = need == "decode" and window.decode_kv_utilisation >= config.kv_high
+    # TTFT misses with no prefill queue are not the prefill's doing (the requests waited for
+    # decode capacity); TPOT misses always are decode's
+    own_miss = donor_att < low and (donor == "decode" or queued(window, "prefill", config))
     donor_min = _bound(config, "min", donor)
     assert donor_min is not None
     candidates = [w for w in window.workers if w.role == donor and w.usable]
     blocked = ""
     if window.count(donor) <= donor_min:
         blocked = f"{donor} at min_{donor}={donor_min}"
-    elif donor_att < low and not kv_bound:
+    elif own_miss:
         blocked = f"{donor} misses its own SLO ({donor_att:.0%} < {low:.0%})"
     elif not candidates:
         blocked = f"no usable {donor} worker"
@@ -290,14 +364,17 @@ def _grow(
         left = state.tabu[(donor, need)] - now
         blocked = f"{donor} -> {need} made attainment worse lately (barred {left:.0f}s more)"
     if not blocked:
-        pick = _least_loaded(candidates)
+        size, step_why = step_size(window, state, now, config, need, len(candidates))
+        picks = [w.address for w in _by_load(candidates)[:size]]
         return Decision(
             "switch",
             f"{att}; {need} is the bottleneck ({why}); {donor} has slack "
-            f"({donor_att:.0%} attainment): move least-loaded {pick.address}",
-            address=pick.address,
+            f"({donor_att:.0%} attainment): move least-loaded {', '.join(picks)}"
+            + (f" ({step_why})" if step_why else ""),
+            address=picks[0],
             from_role=donor,
             to_role=need,
+            also=tuple(picks[1:]),
         )
     total = window.prefill_workers + window.decode_workers
     if config.allow_scale_out:
@@ -329,7 +406,7 @@ def _shrink(window: MetricsWindow, config: RatioConfig, att: str) -> Decision | 
     candidates = [w for w in window.workers if w.role == role and w.usable]
     if not candidates:
         return None
-    pick = _least_loaded(candidates)
+    pick = _by_load(candidates)[0]
     return Decision(
         "remove",
         f"{att} >= target + hysteresis; {role} load {load:.2f} requests/worker < "

@@ -60,6 +60,7 @@ class DecisionRecord:
     address: str | None = None
     from_role: str | None = None
     to_role: str | None = None
+    also: tuple[str, ...] = ()  # further workers the same switch moves
     applied: bool = False
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -98,6 +99,7 @@ class RatioController:
         self._t0 = clock()
         self._agg = MetricsAggregator(config.window_s, config.slo_ttft_s, config.slo_tpot_s)
         self._seq = 0
+        self._next_eval: float | None = None  # when `tick` evaluates next
         self._task: asyncio.Task[None] | None = None
         self._change: asyncio.Task[None] | None = None
 
@@ -157,7 +159,15 @@ class RatioController:
         try:
             if d.action == "switch":
                 assert d.address is not None and d.to_role is not None
-                await self._actuator.switch_role(d.address, d.to_role, self.config.drain_timeout_s)
+                role, drain = d.to_role, self.config.drain_timeout_s
+                # several workers drain side by side; the change completes when all are done
+                done = await asyncio.gather(
+                    *(self._actuator.switch_role(a, role, drain) for a in d.addresses),
+                    return_exceptions=True,
+                )
+                failed = [e for e in done if isinstance(e, BaseException)]
+                if failed:
+                    raise failed[0]
             elif d.action == "add":
                 assert d.to_role is not None
                 address = await self._actuator.add_worker(d.to_role)
@@ -211,6 +221,7 @@ class RatioController:
             address=address or d.address,
             from_role=d.from_role,
             to_role=d.to_role,
+            also=d.also,
             applied=applied,
             prefill_workers=window.prefill_workers,
             decode_workers=window.decode_workers,
@@ -234,16 +245,26 @@ class RatioController:
 
     # ---- the loop --------------------------------------------------------------------------
 
+    async def tick(self) -> DecisionRecord | None:
+        """One step of the loop: a sample now, and an evaluation when one is due (every
+        `interval_s` of the controller's clock). `run` calls it every `sample_interval_s`; a
+        simulator calls it on its own clock (the clock passed in) — no sleeping inside."""
+        self.sample()
+        now = self._clock()
+        if self._next_eval is None:
+            self._next_eval = self._t0 + self.config.interval_s
+        if now < self._next_eval:
+            return None
+        self._next_eval += self.config.interval_s
+        return await self.evaluate()
+
     async def run(self) -> None:
         """Sample every `sample_interval_s`, evaluate every `interval_s`, until cancelled."""
-        next_eval = self._clock() + self.config.interval_s
+        self._next_eval = self._clock() + self.config.interval_s
         while True:
             await asyncio.sleep(self.config.sample_interval_s)
             try:
-                self.sample()
-                if self._clock() >= next_eval:
-                    next_eval += self.config.interval_s
-                    await self.evaluate()
+                await self.tick()
             except Exception:  # keep controlling: a dead controller would freeze the ratio
                 log.exception("ratio controller evaluation failed")
 

@@ -96,6 +96,22 @@ class MetricsWindow:
     decode_requests: float  # mean running + waiting per decode worker
     workers: tuple[WorkerLoad, ...] = ()
     spare_workers: int = 0  # workers the launcher could add now
+    # TPOT attainment of the requests that got a first token (None: as `tpot_attainment`):
+    # a request shed or failed before it tells nothing about decode
+    tpot_reached_attainment: float | None = None
+    prefill_waiting: float = 0.0  # mean requests waiting per prefill worker
+
+    @property
+    def decode_waiting(self) -> float:
+        """Mean requests per decode worker waiting for a batch slot (prefilled, not running)."""
+        return max(0.0, self.decode_requests - self.decode_batch)
+
+    @property
+    def decode_attainment(self) -> float:
+        """TPOT attainment of the requests decode was responsible for."""
+        if self.tpot_reached_attainment is None:
+            return self.tpot_attainment
+        return self.tpot_reached_attainment
 
     def count(self, role: str) -> int:
         """Workers now in `role` ('prefill' or 'decode')."""
@@ -208,6 +224,7 @@ class MetricsAggregator:
         met = [self.meets(o) for o in outs]
         ttft_n = sum(a for a, _ in met)
         tpot_n = sum(b for _, b in met)
+        reached = [b for o, (_, b) in zip(outs, met, strict=True) if o.ttft_s is not None]
         both_n = sum(a and b for a, b in met)
         ticks = [s for s in self._samples if s and s[0].t >= start]
         loads = _loads(ticks)
@@ -232,6 +249,8 @@ class MetricsAggregator:
             decode_requests=_mean([w.requests for w in dec]),
             workers=tuple(loads),
             spare_workers=spare_workers,
+            tpot_reached_attainment=sum(reached) / len(reached) if reached else 1.0,
+            prefill_waiting=_mean([w.num_waiting for w in pre]),
         )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from router.ratio.config import RatioConfig
 from tooling.planner.costs import CostModel, Linear
-from tooling.planner.sim import ClusterSpec, SimRequest, _Sim, attainment, simulate
+from tooling.planner.sim import ClusterSpec, Sim, SimRequest, attainment, simulate
 from tooling.planner.sim_adaptive import simulate_adaptive
 
 # prefill 1 ms/token (a 300-token prompt: 0.3 s); decode 5 ms + 5 ms per request in the batch
@@ -26,10 +26,10 @@ CFG = RatioConfig(
 
 
 def test_switch_drains_then_flips() -> None:
-    sim = _Sim([SimRequest(0.0, 10, 50)], ClusterSpec(prefill=1, decode=2), COST)
+    sim = Sim([SimRequest(0.0, 10, 50)], ClusterSpec(prefill=1, decode=2), COST)
     (d0, d1) = [w for w in sim.workers if w.kind == "decode"]
 
-    def tick(s: _Sim) -> None:
+    def tick(s: Sim) -> None:
         held = next((w for w in (d0, d1) if w.held), None)
         if held is not None and s.now >= 0.1 and not held.drain_to and held.kind == "decode":
             s.switch(held, "prefill")
@@ -59,9 +59,9 @@ def test_controller_follows_the_shift() -> None:
     assert kinds[0] == (0, 1, 2)
     assert any(p == 2 and d == 1 and 20 < t < 40 for t, p, d in kinds), kinds  # for prompts
     assert kinds[-1][1:] == (1, 2) and kinds[-1][0] > 40, kinds  # and back for outputs
-    assert all(d.action == "switch" for _, d in res.decisions)
-    for (t0, _), (t1, _) in zip(res.decisions, res.decisions[1:], strict=False):
-        assert t1 - t0 >= CFG.cooldown_s  # cooldown (and the drain) between changes
+    assert all(d.action == "switch" for d in res.decisions)
+    for d0, d1 in zip(res.decisions, res.decisions[1:], strict=False):
+        assert d1.t - d0.t >= CFG.cooldown_s  # cooldown (and the drain) between changes
 
 
 def test_adaptive_beats_every_fixed_split_on_a_shifting_workload() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.plan_cli import add_plan_parser, add_profile_parser
+from deploy.plan_cli import add_plan_parser
+from deploy.profile_cli import add_profile_parser
 from tooling.planner.costs import CostModel, Linear
 from tooling.planner.timeline import plot_timeline, ratio_steps, rolling
 from tooling.planner.workload import parse_phases, shifting, to_sim
@@ -89,9 +90,12 @@ def test_plan_cli_recommends_and_writes_json(
     args = _parser().parse_args(argv)
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "recommended: 2:1" in out and "| 1:2 |" in out
+    assert "recommended: " in out and "| 1:2 |" in out and "| colocated x3 |" in out
     data = json.loads((tmp_path / "plan.json").read_text())
-    assert data["rows"][0]["prefill"] == 2 and data["requests"] == 40
+    disagg = [r for r in data["rows"] if r["mode"] == "disagg"]
+    assert disagg[0]["ratio"] == "2:1" and data["requests"] == 40  # long prompts: more prefill
+    assert data["recommended"] == data["rows"][0]
+    assert {r["ratio"] for r in data["rows"]} == {"1:2", "2:1", "colocated x3"}
 
 
 def test_plan_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tooling.cpu import CpuMeter
 from tooling.goodput.analysis import SLO, attainment, slo_goodput_rps
 from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
@@ -205,7 +206,10 @@ class Bench:
         )
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
+        meter = CpuMeter()
+        meter.start(self.clusters.pids(name))
         run = run_load_process(job, self.cfg.out / "jobs")
+        run.meta["cpu"] = meter.stop({"loadgen": float(run.meta.get("loadgen_cpu_s", 0.0))})
         run.meta["loadavg_1min"] = [load_before, os.getloadavg()[0]]
         self.runs.append(run)
         att = attainment(run.records, self.slo)

@@ -92,6 +92,17 @@ class ClusterSet:
             return self.external[name]
         return self.clusters[name].address
 
+    def pids(self, name: str) -> dict[str, int]:
+        """{label: pid} of a launched configuration's processes: "router" and each worker as
+        "<role>-<id>" (empty for an external cluster: its processes are not ours to read)."""
+        if name in self.external:
+            return {}
+        c = self.clusters[name]
+        out = {"router": c.router.process.pid}
+        for w in c.workers.workers:
+            out[f"{w.role}-{w.worker_id}"] = w.process.pid
+        return out
+
     def describe(self) -> dict[str, Any]:
         """JSON-able description of each configuration (effective cluster config)."""
         out: dict[str, Any] = {

@@ -38,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from tooling.cpu import self_cpu_s
 from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RequestSpec, RunResult
 from tooling.goodput.traces import prompt_tokens
 
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     priority = raise_priority()
     result = asyncio.run(run_load(job))
     result.meta["loadgen_priority"] = priority
+    result.meta["loadgen_cpu_s"] = self_cpu_s()
     Path(args[1]).write_text(json.dumps(result.to_json()))
     return 0
 

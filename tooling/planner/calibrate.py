@@ -13,8 +13,8 @@ Runs in the CLI / benchmark process. Two kinds of overhead, each measured, never
    burns outside the model steps: prefill per request, decode per token, router + client per
    request and per token. On a shared CPU this work competes with the model for cores.
 
-`calibrate_local` does both on a 1 prefill + 1 decode cluster of local processes that it
-starts and stops itself (`harness.start_cluster`).
+`calibrate_local` does both on a 1 prefill + 1 decode cluster (or one colocated worker) of
+local processes that it starts and stops itself (`harness.start_cluster`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tooling.cpu import CpuMeter
 from tooling.goodput.calibrate import sequential
 from tooling.planner.costs import CostModel, CpuSample, calibrate_overheads, fit_cpu_overheads
-from tooling.planner.harness import CpuMeter, cluster_pids, send_all, start_cluster
+from tooling.planner.harness import cluster_pids, send_all, start_cluster
 from tooling.planner.sim import ClusterSpec, charged
 from tooling.planner.workload import requests, to_sim
 
@@ -70,8 +71,12 @@ async def measure_cpu(
     vocab_size: int,
     context: int,
     seconds: float = 20.0,
+    spec: ClusterSpec | None = None,
 ) -> list[CpuSample]:
-    """One `CpuSample` per workload in `CPU_WORKLOADS` (module docstring, step 2)."""
+    """One `CpuSample` per workload in `CPU_WORKLOADS` (module docstring, step 2). `spec`:
+    the cluster as the simulator sees it (default 1 prefill + 1 decode); a colocated
+    worker's CPU counts as decode (its per-token side work)."""
+    spec = spec or ClusterSpec(1, 1)
     out = []
     for k, name in enumerate(CPU_WORKLOADS):
         rate = moderate_rate(cost, name, context)
@@ -82,7 +87,7 @@ async def measure_cpu(
         records, _ = await send_all(cluster.address, specs, vocab_size, 900 + k, f"cpu-{name}")
         cpu = meter.stop()["cpu_s"]
         sent = [s for s, r in zip(specs, records, strict=True) if r.ok]
-        model = charged(to_sim(sent), ClusterSpec(1, 1), cost)
+        model = charged(to_sim(sent), spec, cost)
         workers = {w.worker_id: w.role for w in cluster.workers.workers}
         out.append(
             CpuSample(
@@ -91,7 +96,9 @@ async def measure_cpu(
                 prefill_steps_s=model["prefill_steps_s"],
                 decode_steps_s=model["decode_steps_s"],
                 prefill_cpu_s=sum(v for k2, v in cpu.items() if workers.get(k2) == "prefill"),
-                decode_cpu_s=sum(v for k2, v in cpu.items() if workers.get(k2) == "decode"),
+                decode_cpu_s=sum(
+                    v for k2, v in cpu.items() if workers.get(k2) in ("decode", "colocated")
+                ),
                 host_cpu_s=cpu["router"] + cpu["client"],
             )
         )
@@ -108,22 +115,36 @@ def calibrate_local(
     prompt_lens: Sequence[int] = PROMPT_LENGTHS,
     output_len: int = 16,
     repeats: int = 3,
+    mode: str = "disagg",
 ) -> CostModel:
-    """Start a local 1P+1D cluster of `model` (`engine`: EngineConfig fields, `threads` torch
-    threads per worker), measure both kinds of overhead, stop it; `cost` with them fitted."""
+    """Start a local cluster of `model` (`engine`: EngineConfig fields, `threads` torch
+    threads per worker): 1 prefill + 1 decode worker (`mode` "disagg") or one colocated worker
+    ("colocated"); measure both kinds of overhead, stop it; `cost` with them fitted."""
     from model_runtime.config import ModelConfig
 
     vocab = ModelConfig.from_model_dir(model).vocab_size
-    cluster = start_cluster(model, 2, engine, threads, log_dir)
+    if mode == "colocated":
+        spec = ClusterSpec(0, 0, colocated=1, threads=threads)
+        cluster = start_cluster(model, 1, engine, threads, log_dir, mode="colocated")
+    elif mode == "disagg":
+        spec = ClusterSpec(1, 1)
+        cluster = start_cluster(model, 2, engine, threads, log_dir)
+    else:
+        raise ValueError(f"mode must be 'disagg' or 'colocated', got {mode!r}")
     try:
 
         async def go() -> tuple[list[tuple[int, float, float | None]], list[CpuSample]]:
             lat = await measure_overheads(cluster.address, prompt_lens, output_len, repeats)
-            return lat, await measure_cpu(cluster, cost, vocab, context)
+            return lat, await measure_cpu(cluster, cost, vocab, context, spec=spec)
 
         samples, cpu = asyncio.run(go())
     finally:
         cluster.stop()
     cal = fit_cpu_overheads(calibrate_overheads(cost, samples), cpu)
-    meta = {**cal.meta, "calibration": [list(s) for s in samples], "calibration_engine": engine}
+    meta = {
+        **cal.meta,
+        "calibration": [list(s) for s in samples],
+        "calibration_engine": engine,
+        "calibration_mode": mode,
+    }
     return dataclasses.replace(cal, meta=meta)

@@ -4,6 +4,7 @@ and serving overheads, as fitted coefficients (seconds). Pure (numpy/scipy), no 
 
     prefill step  = a + b * tokens + c * attn      attn = sum over chunks of chunk * (start + chunk)
     decode step   = a + b * batch  + c * context   context = sum of the batch's context lengths
+    mixed step    = max(decode step, prefill step over chunks + decode rows)   (colocated)
     transfer      = a + b * prompt_tokens          KV still in flight after the prefill compute
     ttft overhead = a + b * prompt_tokens          router, RPCs, sampling, first-token delivery
     token overhead = what a decode step takes beyond the model step (engine loop, sampling,
@@ -92,6 +93,21 @@ class CostModel:
         calibrated at batch 1, where it cannot be told apart from a per-step cost, and
         scaling it by the batch charged e.g. +80 ms to a 16-request step for a 5 ms overhead."""
         return self.decode(batch, context) + self.token_overhead_s
+
+    def mixed_s(self, chunks: list[tuple[int, int]], batch: int, context: int) -> float:
+        """One colocated step: prompt `chunks` plus `batch` decode rows holding `context`
+        tokens. No chunks: a decode step. Otherwise the larger of the decode step and one
+        prefill step whose rows include the decode rows (a decode row of context c is a
+        one-token chunk at position c - 1): a step is as slow as its weights' reads
+        (decode-bound) or its arithmetic (prefill-bound), whichever dominates."""
+        if not chunks:
+            return self.decode_s(batch, context)
+        tokens = sum(n for _, n in chunks) + batch
+        attn = sum(n * (s + n) for s, n in chunks) + context
+        step = self.prefill(tokens, attn)
+        if batch:
+            step = max(step, self.decode(batch, context)) + self.token_overhead_s
+        return step
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

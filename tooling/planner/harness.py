@@ -15,9 +15,6 @@ Runs in the benchmark process (`benchmarks/bench_ratio.py`, the ratio integratio
   on the client, and calls `on_end(record)` as each request ends; returns the records and the
   run's duration (t = 0 to the last end).
 - `phase_summary(...)`: attainment and goodput of a run, overall and per workload phase;
-- `CpuMeter`: CPU time of the given processes vs the whole machine over a run (from /proc):
-  how many cores this cluster used and how many other processes took (`external_cores`) —
-  this machine is shared, and the simulator's CPU model needs the cores that were free.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +41,33 @@ from tooling.planner.workload import Phase, phase_starts
 
 
 def start_cluster(
-    model: Path, workers: int, engine: dict[str, Any], threads: int, log_dir: Path
+    model: Path,
+    workers: int,
+    engine: dict[str, Any],
+    threads: int,
+    log_dir: Path,
+    mode: str = "disagg",
 ) -> Any:
-    """A running `LocalCluster` of `workers` workers (half prefill, rounded down, at start)."""
+    """A running `LocalCluster` of `workers` workers: disagg (half prefill, rounded down, at
+    start) or colocated; `threads` torch threads each."""
     from deploy.config import load_cluster_config
     from deploy.launcher import launch_local_cluster
 
     prefill = max(1, workers // 2)
+    roles: dict[str, Any] = {
+        "mode": "disagg",
+        "workers.prefill": prefill,
+        "workers.decode": workers - prefill,
+    }
+    if mode == "colocated":
+        roles = {"mode": "colocated", "workers.prefill": 0, "workers.decode": 0}
+        roles["workers.colocated"] = workers
     config = load_cluster_config(
         None,
         {
             "model": str(model),
-            "mode": "disagg",
+            **roles,
             "launcher": "process",
-            "workers.prefill": prefill,
-            "workers.decode": workers - prefill,
             "torch_threads": threads,
             "router.port": 0,
             "router.status_poll_interval_s": 0.25,
@@ -164,53 +173,6 @@ async def send_all(
                 await c.close()
     duration = max((r.end_s for r in records), default=0.0)
     return records, duration
-
-
-def _pid_cpu_s(pid: int) -> float:
-    """utime + stime of `pid` in seconds (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy since boot (all cores)."""
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuMeter:
-    """`start({label: pid})` ... `stop()` -> CPU seconds per label, the cores they used in
-    all, the cores everything else used (`external_cores`), and the wall time."""
-
-    def __init__(self) -> None:
-        self._pids: dict[str, int] = {}
-        self._t0 = self._all0 = 0.0
-        self._cpu0: dict[str, float] = {}
-
-    def start(self, pids: Mapping[str, int]) -> None:
-        self._pids = dict(pids)
-        self._t0 = time.monotonic()
-        self._cpu0 = {k: _pid_cpu_s(p) for k, p in self._pids.items()}
-        self._all0 = _machine_busy_s()
-
-    def stop(self) -> dict[str, Any]:
-        wall = time.monotonic() - self._t0
-        per = {k: _pid_cpu_s(p) - self._cpu0[k] for k, p in self._pids.items()}
-        ours = sum(per.values())
-        busy = _machine_busy_s() - self._all0
-        return {
-            "wall_s": wall,
-            "cpu_s": per,
-            "our_cores": ours / wall,
-            "external_cores": max(0.0, busy - ours) / wall,
-            "cpus": float(os.cpu_count() or 1),
-        }
 
 
 async def wait_quiet(max_load: float, max_wait_s: float) -> float:

@@ -1,4 +1,4 @@
-"""The offline ratio planner: simulate every prefill:decode split of N workers (and a few
+"""The offline planner: simulate colocated and every prefill:decode split of N workers (and a few
 batch/chunk settings) on a workload and rank them. Pure; runs in `pdserve plan`.
 
 In the spirit of DistServe's placement search, but for one machine's worth of workers: the
@@ -11,8 +11,11 @@ each point is simulated (`sim.simulate`) on the very requests a real run would s
   attainment is >= `target` (bisection between `lo` and `hi`, assuming attainment falls as
   the rate rises — DistServe's per-GPU goodput, here per cluster).
 
+`alternatives` lists the configurations a user can choose between for a budget of N workers of
+t threads: colocated (its workers share the same threads; each chunk budget, and whole prompts)
+and every split; `plan_alternatives` simulates them (each with the costs of its thread count).
 `rank` orders the rows best first: max rate (when searched), then attainment, then goodput,
-then fewer prefill workers (the cheaper side on ties, deterministic).
+then disaggregated before colocated, fewer prefill workers (deterministic on ties).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from tooling.planner.sim import ClusterSpec, SimOutcome, SimRequest, attainment,
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One simulated configuration."""
+    """One simulated configuration: disaggregated `prefill`:`decode`, or `colocated` workers
+    (then prefill = decode = 0); `chunked` False: whole prompts per step."""
 
     prefill: int
     decode: int
@@ -40,10 +44,21 @@ class PlanRow:
     attainment: float
     goodput_rps: float
     max_rate: float | None = None
+    colocated: int = 0
+    chunked: bool = True
+    threads: int = 1
 
     @property
     def ratio(self) -> str:
-        return f"{self.prefill}:{self.decode}"
+        return f"colocated x{self.colocated}" if self.colocated else f"{self.prefill}:{self.decode}"
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disagg"
+
+    @property
+    def chunk_label(self) -> str:
+        return str(self.chunk_tokens) if self.chunked else "whole prompts"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +134,120 @@ def plan(
     return rank(rows)
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """One configuration `plan_alternatives` compares: a cluster and the thread count whose
+    costs its workers run with."""
+
+    spec: ClusterSpec
+    threads: int
+
+
+def alternatives(
+    base: ClusterSpec,
+    workers: int,
+    threads: int,
+    colocated_workers: int,
+    chunk_options: Sequence[int],
+    context: int,
+) -> list[Alternative]:
+    """Colocated (`colocated_workers` workers sharing the disaggregated cluster's threads, each
+    chunk budget and whole prompts) and every prefill:decode split of `workers` workers of
+    `threads` threads (each chunk budget)."""
+    if workers < 2 or colocated_workers < 1:
+        raise ValueError(
+            f"need >= 2 workers and >= 1 colocated worker, got {workers}, {colocated_workers}"
+        )
+    total = workers * threads
+    if total % colocated_workers:
+        raise ValueError(
+            f"{workers} workers x {threads} threads cannot be shared by {colocated_workers} "
+            "colocated workers evenly"
+        )
+    co_threads = total // colocated_workers
+    out = []
+    for chunk in chunk_options:
+        out.append(
+            Alternative(
+                replace(
+                    base,
+                    prefill=0,
+                    decode=0,
+                    colocated=colocated_workers,
+                    chunk_tokens=chunk,
+                    threads=float(co_threads),
+                ),
+                co_threads,
+            )
+        )
+    whole = context + base.max_num_seqs  # the bench's budget for whole prompts
+    out.append(
+        Alternative(
+            replace(
+                base,
+                prefill=0,
+                decode=0,
+                colocated=colocated_workers,
+                chunk_tokens=whole,
+                chunked=False,
+                threads=float(co_threads),
+            ),
+            co_threads,
+        )
+    )
+    for p, chunk in itertools.product(range(1, workers), chunk_options):
+        spec = replace(
+            base,
+            prefill=p,
+            decode=workers - p,
+            colocated=0,
+            chunk_tokens=chunk,
+            threads=float(threads),
+        )
+        out.append(Alternative(spec, threads))
+    return out
+
+
+def plan_alternatives(
+    reqs: Sequence[SimRequest],
+    costs: Callable[[int], CostModel],
+    alts: Sequence[Alternative],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    rate_search: Callable[[float], list[SimRequest]] | None = None,
+    target: float = 0.9,
+    rate_bounds: tuple[float, float] = (0.05, 50.0),
+) -> list[PlanRow]:
+    """Simulate every alternative (at the workload's rate; with `rate_search`, also its max
+    rate = predicted max goodput) and rank them (`rank`). `costs(threads)`: the cost model."""
+    rows = []
+    for alt in alts:
+        spec, cost = alt.spec, costs(alt.threads)
+        outs = simulate(reqs, spec, cost)
+        ttft, tpot, both = attainment(outs, slo_ttft_s, slo_tpot_s)
+        rate = None
+        if rate_search is not None:
+            rate = max_rate(rate_search, spec, cost, slo_ttft_s, slo_tpot_s, target, *rate_bounds)
+        good = goodput_rps(reqs, outs, slo_ttft_s, slo_tpot_s)
+        rows.append(
+            PlanRow(
+                spec.prefill,
+                spec.decode,
+                spec.chunk_tokens,
+                spec.max_num_seqs,
+                ttft,
+                tpot,
+                both,
+                good,
+                rate,
+                colocated=spec.colocated,
+                chunked=spec.chunked,
+                threads=alt.threads,
+            )
+        )
+    return rank(rows)
+
+
 def rank(rows: Sequence[PlanRow]) -> list[PlanRow]:
     """Best first (module docstring)."""
     return sorted(
@@ -127,6 +256,7 @@ def rank(rows: Sequence[PlanRow]) -> list[PlanRow]:
             -(r.max_rate or 0.0),
             -round(r.attainment, 9),
             -r.goodput_rps,
+            r.colocated,
             r.prefill,
             r.chunk_tokens,
             r.max_num_seqs,
@@ -137,16 +267,20 @@ def rank(rows: Sequence[PlanRow]) -> list[PlanRow]:
 def table(rows: Sequence[PlanRow], slo_ttft_ms: float, slo_tpot_ms: float) -> str:
     """A Markdown table of `rows` (best first) for the CLI and reports."""
     searched = any(r.max_rate is not None for r in rows)
-    head = "| ratio P:D | chunk | max seqs | TTFT att. | TPOT att. | both | goodput req/s |"
-    line = "|---|---|---|---|---|---|---|"
+    head = (
+        "| mode | ratio P:D | threads/worker | chunk | max seqs | TTFT att. | TPOT att. | both | "
+        "goodput req/s |"
+    )
+    line = "|---|---|---|---|---|---|---|---|---|"
     if searched:
-        head += " max rate req/s |"
+        head += " max rate req/s (predicted max goodput) |"
         line += "---|"
     out = [f"SLOs: TTFT {slo_ttft_ms:g} ms, TPOT {slo_tpot_ms:g} ms", "", head, line]
     for r in rows:
         row = (
-            f"| {r.ratio} | {r.chunk_tokens} | {r.max_num_seqs} | {r.ttft_attainment:.1%} | "
-            f"{r.tpot_attainment:.1%} | {r.attainment:.1%} | {r.goodput_rps:.2f} |"
+            f"| {r.mode} | {r.ratio} | {r.threads} | {r.chunk_label} | {r.max_num_seqs} | "
+            f"{r.ttft_attainment:.1%} | {r.tpot_attainment:.1%} | {r.attainment:.1%} | "
+            f"{r.goodput_rps:.2f} |"
         )
         if searched:
             row += f" {r.max_rate or 0.0:.2f} |"

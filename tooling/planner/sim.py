@@ -1,30 +1,42 @@
-"""Discrete-event simulator of a disaggregated cluster (the offline planner's model).
+"""Discrete-event simulator of a pdserve cluster (the planner's and the controller's model).
 
-Pure Python, deterministic; runs in `pdserve plan` and the benchmarks. It mirrors what the
-real system does, at the level of engine steps:
+Pure Python, deterministic; runs in `pdserve plan`, `pdserve plan --validate`,
+`pdserve simulate` and the benchmarks. It mirrors the real system at the level of engine steps:
 
-- **router**: at most `max_inflight` requests run (FIFO queue beyond); each is routed on
-  arrival to the decode worker with the fewest requests that has free KV blocks for
-  prompt + output - 1 tokens (reserved until the request ends; none has room -> the request
-  fails, like RESOURCE_EXHAUSTED) and to the prefill worker with the fewest queued prompt
-  tokens (ties: lowest index);
+- **router**: at most `max_inflight` requests run (FIFO queue beyond, `max_queued` long; a
+  request that finds it full fails at once). Disaggregated: each is
+  routed on arrival to a (prefill, decode) pair by the `router` (default `least_load`: the decode
+  worker with the fewest requests that has free KV blocks for prompt + output - 1 tokens, held
+  until the request ends — none has room: the request fails, like RESOURCE_EXHAUSTED — and the
+  prefill worker with the fewest queued prompt tokens). Colocated: the worker holding the
+  fewest requests; it admits the request once its blocks are free;
 - **prefill worker**: FIFO; one step takes chunks from the queue up to `chunk_tokens` tokens
-  and `max_num_seqs` requests (chunked prefill: a long prompt spans steps; `chunked=False`:
-  a prompt runs whole in one step or waits). Step time `cost.prefill_s(chunks)`. A request
-  whose last chunk finished waits `cost.transfer` more (KV still in flight) and
-  `cost.ttft_overhead` (router, RPCs): then the client has its first token (TTFT);
-- **decode worker**: continuous batching; a request joins the running batch at the first
-  step that starts after its first token (at most `max_num_seqs` running, FIFO beyond); a
-  step of batch B over total context C takes `cost.decode_s(B, C)` and gives each request one
-  token; a request ends after output - 1 decode tokens, and its blocks are freed;
-- **CPU sharing**: with `cores` set, every worker is one single-threaded process on a shared
-  CPU: while k workers are inside a step, each advances at min(1, cores / k) of full speed
-  (processor sharing). CPU spent beside the steps runs on "side" queues that share the cores
-  the same way: one per worker (its gRPC / transport threads: `cost.prefill_request_s` per
-  prompt a prefill worker completes, `cost.decode_token_cpu_s` per token a decode worker
-  produces) and one for the router + client ("host": `cost.host_request_s` per request,
-  `cost.host_token_s` per streamed token). With `cores=None` each worker has its own core and
-  side work is not modelled.
+  and `max_num_seqs` requests (chunked prefill; `chunked=False`: a prompt runs whole in one step
+  or waits). Step time `cost.prefill_s(chunks)`. A request whose last chunk finished waits its
+  KV hand-off (`cost.transfer`, or the pair's link) and `cost.ttft_overhead` (router, RPCs):
+  then the client has its first token (TTFT) and the request joins its decode worker;
+- **decode worker**: continuous batching; a request joins the batch at the first step that
+  starts after its first token (at most `max_num_seqs` running); a step of batch B over total
+  context C takes `cost.decode_s(B, C)`; a request ends after output - 1 decode tokens;
+- **colocated worker** (Sarathi-style, as the engine's scheduler): each step runs one token
+  for every decoding request, then prompt chunks fill the rest of `chunk_tokens`;
+  `cost.mixed_s`. A finished prompt's first token reaches the client `cost.ttft_overhead`
+  later; the request decodes from the next step;
+- **CPU sharing**: with `cores` set, every worker's step keeps `threads` cores busy, and the
+  busy entities share the cores equally (processor sharing: each advances at
+  min(1, cores / busy threads) of full speed). CPU spent beside the steps runs on "side"
+  entities that share the cores the same way: one per worker (its gRPC / transport threads:
+  `cost.prefill_request_s` per prompt, `cost.decode_token_cpu_s` per token) and one for the
+  router + client ("host": `cost.host_request_s` per request, `cost.host_token_s` per token).
+  With `cores=None` each worker has its own device and side work is not modelled.
+- **role switches** (`switch`): a worker drains — no new work, finishes what it holds — then
+  comes back in its new role `role_switch_s` later; past `drain_timeout_s` what it still holds
+  is aborted (those requests fail), as `SetRole` does.
+
+Time: one global *virtual* clock counts the work-seconds every busy entity has done (all
+share the cores alike, so all advance together); a step that starts at virtual time v with w
+seconds of work ends at v + w, whatever the sharing does meanwhile — a heap of those ends
+gives the next event in O(log n).
 
 `simulate(requests, spec, cost)` returns one `SimOutcome` per request (same order), with the
 client's TTFT and TPOT (first token to last, over output - 1 tokens), the goodput-bench way.
@@ -36,131 +48,146 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from tooling.planner.costs import CostModel
+from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
+from tooling.planner.sim_workers import Job, Worker
 
-EPS = 1e-12
+__all__ = ["ClusterSpec", "Sim", "SimOutcome", "SimRequest", "attainment", "charged", "simulate"]
 
+EPS = 1e-9
+FIRST, TICK, FLIP, ABORT = 0, 1, 2, 3  # timer kinds
 
-@dataclass(frozen=True)
-class SimRequest:
-    """One request: arrival (s after t=0), prompt and output lengths (tokens, >= 1)."""
-
-    arrival_s: float
-    input_len: int
-    output_len: int
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """The simulated cluster. Engine settings are per worker, as in `EngineConfig`."""
-
-    prefill: int
-    decode: int
-    chunk_tokens: int = 256
-    max_num_seqs: int = 32
-    num_kv_blocks: int = 1024
-    block_size: int = 16
-    chunked: bool = True
-    max_inflight: int = 64
-    cores: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError(
-                f"need >= 1 prefill and decode worker, got {self.prefill}:{self.decode}"
-            )
-        if self.cores is not None and self.cores <= 0:
-            raise ValueError(f"cores must be > 0 or None, got {self.cores}")
+Pick = tuple[Worker, Worker, float]  # (prefill, decode, KV hand-off seconds)
+Router = Callable[["Sim", SimRequest, list[Worker], list[Worker]], Pick | None]
+"""`router(sim, request, prefill workers, decode workers with room)` -> the pair and its KV
+hand-off delay, or None (no capacity: the request fails). Default: `least_load`."""
 
 
-@dataclass
-class SimOutcome:
-    """What a client would have measured for one request (seconds; None when not reached)."""
-
-    ok: bool = False
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    end_s: float | None = None
-
-
-@dataclass
-class _Job:
-    idx: int
-    req: SimRequest
-    decode: _Worker  # its decode worker (holds its reserved blocks)
-    done: int = 0  # prompt tokens prefilled
-    first_s: float = 0.0
-    tokens: int = 0  # decode tokens produced
+def least_load(sim: Sim, r: SimRequest, prefills: list[Worker], room: list[Worker]) -> Pick | None:
+    """The router's `least_load` policy: decode with the fewest requests (then the most free
+    blocks), prefill with the fewest queued prompt tokens; hand-off `cost.transfer`."""
+    if not prefills or not room:
+        return None
+    d = min(room, key=lambda w: (w.held, -w.free_blocks, w.index))
+    p = min(prefills, key=lambda w: (w.qtokens, len(w.queue), w.index))
+    return p, d, max(0.0, sim.cost.transfer(r.input_len))
 
 
-@dataclass(eq=False)
-class _Worker:
-    kind: str
-    index: int
-    queue: deque[_Job] = field(default_factory=deque)  # prefill: FIFO; decode: waiting
-    running: list[_Job] = field(default_factory=list)  # decode: the batch
-    step: list[tuple[_Job, int]] | None = None  # the step in progress: (job, tokens)
-    left: float = 0.0  # seconds of full-speed work left in the step
-    free_blocks: int = 0
-    held: int = 0  # decode: requests routed here and not ended
-    drain_to: str = ""  # draining to switch to this role ("" = not draining)
+class Sim:
+    """The model of the module docstring. Workers keep their identity (`index`) across role
+    switches. `run()` runs to the end; `run_until(t)` stops at `t` (and right after a role
+    flip, so a controller sees it when it happens); `on_tick(sim)` runs every `tick_s`."""
 
-    def queued_tokens(self) -> int:
-        return sum(j.req.input_len - j.done for j in self.queue)
-
-    def idle(self) -> bool:
-        """Holds nothing: may switch role."""
-        return self.step is None and not self.queue and not self.running and self.held == 0
-
-
-class _Sim:
-    """The model of the module docstring. `workers` keep their identity across role switches
-    (`switch(w, role)`: drain, then flip); `on_tick(sim)` runs every `tick_s` of simulated
-    time (the adaptive controller hooks in there)."""
-
-    def __init__(self, reqs: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel) -> None:
+    def __init__(
+        self,
+        reqs: Sequence[SimRequest],
+        spec: ClusterSpec,
+        cost: CostModel,
+        router: Router | None = None,
+        drain_timeout_s: float = math.inf,
+    ) -> None:
         self.reqs, self.spec, self.cost = reqs, spec, cost
+        self.router: Router = router or least_load
+        self.drain_timeout_s = drain_timeout_s
         self.out = [SimOutcome() for _ in reqs]
-        n = spec.prefill + spec.decode
+        kinds = ["prefill"] * spec.prefill + ["decode"] * spec.decode
+        kinds += ["colocated"] * spec.colocated
+        nodes = spec.nodes or ("",) * len(kinds)
         self.workers = [
-            _Worker("prefill" if i < spec.prefill else "decode", i, free_blocks=spec.num_kv_blocks)
-            for i in range(n)
+            Worker(k, i, spec.threads, nodes[i], free_blocks=spec.num_kv_blocks)
+            for i, k in enumerate(kinds)
         ]
-        self.timers: list[tuple[float, int, int, _Job | None]] = []  # (time, seq, kind, job)
-        self.on_tick: Callable[[_Sim], None] | None = None
+        self.host = Worker("host", -1)
+        self.sides = [Worker("side", w.index) for w in self.workers]
+        self.timers: list[tuple[float, int, int, object]] = []
+        self.heap: list[tuple[float, int, int, Worker]] = []  # (virtual end, seq, version, w)
+        self.on_tick: Callable[[Sim], None] | None = None
         self.tick_s = 0.0
         self.on_end: Callable[[int, SimOutcome], None] | None = None
-        self.host = _Worker("host", -1)  # router + client CPU (only with `cores`)
-        self.sides = [_Worker("side", w.index) for w in self.workers]  # per-worker threads
-        self.step_s = {"prefill": 0.0, "decode": 0.0}  # model-step seconds charged (no overheads)
+        self.flipped: list[Worker] = []  # flips since the caller last cleared it
+        self.step_s = {"prefill": 0.0, "decode": 0.0, "colocated": 0.0}
         self.tokens = 0  # generated tokens, first tokens included
         self.seq = 0
         self.inflight = 0
         self.router_q: deque[int] = deque()
         self.now = 0.0
+        self.vnow = 0.0  # virtual time
+        self.demand = 0.0  # threads of the busy entities
+        self.ready: set[Worker] = set(self.workers)
+        self.aborted = 0  # drains that timed out
+        self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, i))
+        self.next_arrival = 0
+        self.ticking = False
 
-    def role(self, kind: str) -> list[_Worker]:
+    # ---- roles -----------------------------------------------------------------------------
+
+    def role(self, kind: str) -> list[Worker]:
         """Workers of `kind` that take new work (not draining)."""
         return [w for w in self.workers if w.kind == kind and not w.drain_to]
 
-    def switch(self, w: _Worker, role: str) -> None:
-        """Start draining `w`; it flips to `role` once it holds nothing (`_flip_drained`)."""
+    def switch(self, w: Worker, role: str, drain_timeout_s: float | None = None) -> None:
+        """Start draining `w` to `role` (module docstring, "role switches"); what it still
+        holds after `drain_timeout_s` (default: the simulator's) is aborted."""
         assert role in ("prefill", "decode") and role != w.kind and not w.drain_to, (w, role)
         w.drain_to = role
+        self.ready.add(w)
+        timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if math.isfinite(timeout):
+            w.drains += 1
+            self.timer(self.now + timeout, ABORT, (w, w.drains))
+        self._check_drained(w)
 
-    def _flip_drained(self) -> list[_Worker]:
-        done = [w for w in self.workers if w.drain_to and w.idle()]
-        for w in done:
-            w.kind, w.drain_to = w.drain_to, ""
-            w.free_blocks = self.spec.num_kv_blocks
-        return done
+    def _check_drained(self, w: Worker) -> None:
+        if not w.drain_to or w.flipping or not w.idle():
+            return
+        w.flipping = True
+        self.timer(self.now + self.spec.role_switch_s, FLIP, w)
 
-    def host_work(self, seconds: float, worker: _Worker | None = None) -> None:
+    def _flip(self, w: Worker) -> None:
+        w.kind, w.drain_to, w.flipping = w.drain_to, "", False
+        w.free_blocks = self.spec.num_kv_blocks
+        w.drains += 1  # an abort timer of this drain no longer applies
+        self.flipped.append(w)
+        self.ready.add(w)
+
+    def _abort_drain(self, w: Worker) -> None:
+        """The drain timed out: what `w` still holds fails (SetRole aborts it)."""
+        if not w.drain_to or w.flipping:
+            return
+        self.aborted += 1
+        victims = [j for j, _ in w.step or ()] + list(w.queue) + list(w.pre)
+        victims += [e[2] for e in w.dec.heap]
+        for job in victims:
+            self.fail(job)
+        if w.busy:
+            self.demand -= w.threads
+        w.step, w.busy = None, False
+        w.version += 1
+        self._check_drained(w)
+
+    # ---- the shared CPU ----------------------------------------------------------------------
+
+    def _rate(self) -> float:
+        cores = self.spec.cores
+        return 1.0 if cores is None or self.demand <= cores else cores / self.demand
+
+    def _busy(self, w: Worker, work: float, threads: float) -> None:
+        """`w` has `work` more seconds of full-speed work (a step, or side work)."""
+        if not w.busy:
+            w.busy = True
+            w.finish_v = self.vnow + work
+            self.demand += threads
+        else:
+            w.finish_v += work
+        w.version += 1
+        self.seq += 1
+        heapq.heappush(self.heap, (w.finish_v, self.seq, w.version, w))
+
+    def host_work(self, seconds: float, worker: Worker | None = None) -> None:
         """Queue CPU work beside the steps: on `worker`'s side threads, or the host's."""
-        if self.spec.cores is not None:
-            (self.host if worker is None else self.sides[worker.index]).left += seconds
+        if self.spec.cores is not None and seconds > 0:
+            self._busy(self.host if worker is None else self.sides[worker.index], seconds, 1.0)
 
     def blocks(self, r: SimRequest) -> int:
         return math.ceil((r.input_len + r.output_len - 1) / self.spec.block_size)
@@ -169,6 +196,9 @@ class _Sim:
 
     def arrive(self, i: int) -> None:
         if self.inflight >= self.spec.max_inflight:
+            if self.spec.max_queued is not None and len(self.router_q) >= self.spec.max_queued:
+                self._reject(i)  # the admission queue is full: RESOURCE_EXHAUSTED at once
+                return
             self.router_q.append(i)
             return
         self.route(i)
@@ -176,196 +206,302 @@ class _Sim:
     def route(self, i: int) -> None:
         r = self.reqs[i]
         need = self.blocks(r)
-        room = [w for w in self.role("decode") if w.free_blocks >= need]
-        prefill = self.role("prefill")
-        if not room or not prefill:
-            self.out[i] = SimOutcome(ok=False, end_s=self.now)
-            self._ended(i)
+        if self.spec.colocated:
+            ws = self.role("colocated")
+            if not ws:
+                self._reject(i)
+                return
+            w = min(ws, key=lambda x: (x.held, x.index))
+            w.held += 1
+            job = Job(i, r, w)
+            self._admit()
+            w.queue.append(job)
+            self.ready.add(w)
             return
-        d = min(room, key=lambda w: (w.held, -w.free_blocks, w.index))
-        p = min(prefill, key=lambda w: (w.queued_tokens(), len(w.queue), w.index))
+        room = [w for w in self.role("decode") if w.free_blocks >= need]
+        pick = self.router(self, r, self.role("prefill"), room)
+        if pick is None:
+            self._reject(i)
+            return
+        p, d, transfer_s = pick
         d.free_blocks -= need
         d.held += 1
+        job = Job(i, r, d, p, transfer_s=transfer_s)
+        self._admit()
+        p.queue.append(job)
+        p.qtokens += r.input_len
+        self.ready.add(p)
+
+    def _admit(self) -> None:
         self.inflight += 1
         self.host_work(self.cost.host_request_s)
-        p.queue.append(_Job(i, r, d))
 
-    def _ended(self, i: int) -> None:
+    def _reject(self, i: int) -> None:
+        self.out[i] = SimOutcome(ok=False, end_s=self.now)
         if self.on_end is not None:
             self.on_end(i, self.out[i])
 
-    def end(self, job: _Job) -> None:
+    def end(self, job: Job, ok: bool) -> None:
+        """`job` ended (all tokens, or failed): free its blocks, admit from the router queue."""
+        if job.ended:
+            return
+        job.ended = True
         d = job.decode
-        d.free_blocks += self.blocks(job.req)
+        if self.spec.colocated:
+            if job.done >= job.req.input_len or job in d.pre:
+                d.free_blocks += self.blocks(job.req)
+        else:
+            d.free_blocks += self.blocks(job.req)
         d.held -= 1
+        self.ready.add(d)
+        self._check_drained(d)
         self.inflight -= 1
-        self.out[job.idx].end_s = self.now
-        self._ended(job.idx)
+        o = self.out[job.idx]
+        o.ok = ok
+        o.end_s = self.now
+        if self.on_end is not None:
+            self.on_end(job.idx, o)
         while self.router_q and self.inflight < self.spec.max_inflight:
             self.route(self.router_q.popleft())
 
-    # ---- workers ---------------------------------------------------------------------------
+    def fail(self, job: Job) -> None:
+        """Abort `job` wherever it is (a drain that timed out)."""
+        for w in (job.prefill, job.decode):
+            if w is None:
+                continue
+            if job in w.queue:
+                w.queue.remove(job)
+                if w.kind == "prefill":
+                    w.qtokens -= job.req.input_len - job.done
+            if job in w.pre:
+                w.pre.remove(job)
+            if any(e[2] is job for e in w.dec.heap):
+                w.dec.drop(job)
+        self.end(job, ok=False)
 
-    def start_prefill(self, w: _Worker) -> None:
-        budget = self.spec.chunk_tokens
-        chunks: list[tuple[int, int]] = []
-        step: list[tuple[_Job, int]] = []
-        for job in w.queue:
-            if len(step) >= self.spec.max_num_seqs or budget <= 0:
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _chunks(
+        self, w: Worker, jobs: Sequence[Job], budget: int, seqs: int
+    ) -> list[tuple[Job, int]]:
+        """Prompt chunks of `jobs` (in order) within `budget` tokens and `seqs` requests."""
+        step: list[tuple[Job, int]] = []
+        for job in jobs:
+            if len(step) >= seqs or budget <= 0:
                 break
             rest = job.req.input_len - job.done
             if not self.spec.chunked and rest > budget:
                 break
             n = min(rest, budget)
-            chunks.append((job.done, n))
             step.append((job, n))
             budget -= n
-        if not step and w.queue and not self.spec.chunked:  # a prompt above the budget runs alone
-            job = w.queue[0]
-            step, chunks = [(job, job.req.input_len)], [(0, job.req.input_len)]
-        compute = self.cost.prefill_s(chunks)
-        self.step_s["prefill"] += compute
-        w.step, w.left = step, compute
+        return step
 
-    def finish_prefill(self, w: _Worker) -> None:
-        assert w.step is not None
-        for job, n in w.step:
+    def start_step(self, w: Worker) -> None:
+        spec, cost = self.spec, self.cost
+        if w.kind == "prefill":
+            step = self._chunks(w, w.queue, spec.chunk_tokens, spec.max_num_seqs)
+            if not step and w.queue and not spec.chunked:  # above the budget: runs alone
+                step = [(w.queue[0], w.queue[0].req.input_len)]
+            work = cost.prefill_s([(j.done, n) for j, n in step])
+        elif w.kind == "decode":
+            while w.queue and w.dec.batch < spec.max_num_seqs:
+                w.dec.join(w.queue.popleft())
+            if not w.dec.batch:
+                return
+            step = []
+            work = cost.decode_s(w.dec.batch, w.dec.context)
+        else:  # colocated: decode rows first, then admit and chunk prompts
+            while w.queue and w.dec.batch < spec.max_num_seqs and w.queue[0].done:
+                w.dec.join(w.queue.popleft())  # prefilled: decodes from this step on
+            while (
+                w.queue
+                and w.running < spec.max_num_seqs
+                and w.free_blocks >= self.blocks(w.queue[0].req)
+            ):
+                job = w.queue.popleft()
+                w.free_blocks -= self.blocks(job.req)
+                w.pre.append(job)
+            budget = spec.chunk_tokens - w.dec.batch
+            step = self._chunks(w, w.pre, budget, spec.max_num_seqs - w.dec.batch)
+            if not step and not w.dec.batch:
+                return
+            chunks = [(j.done, n) for j, n in step]
+            work = cost.mixed_s(chunks, w.dec.batch, w.dec.context)
+        self.step_s[w.kind] += work
+        w.step = step
+        self._busy(w, work, w.threads)
+
+    def finish_step(self, w: Worker) -> None:
+        step, w.step = w.step or [], None
+        if w.kind in ("decode", "colocated") and (w.kind == "decode" or w.dec.batch):
+            made = w.dec.batch
+            self.tokens += made
+            self.host_work(self.cost.host_token_s * made)
+            self.host_work(self.cost.decode_token_cpu_s * made, w)
+            for job in w.dec.step_done():
+                o = self.out[job.idx]
+                o.tpot_s = (self.now - job.first_s) / (job.req.output_len - 1)
+                self.end(job, ok=True)
+        for job, n in step:
             job.done += n
-            if job.done == job.req.input_len:
+            if w.kind == "prefill":
+                w.qtokens -= n
+            if job.done < job.req.input_len:
+                continue
+            n_in = job.req.input_len
+            over = max(0.0, self.cost.ttft_overhead(n_in))
+            if w.kind == "prefill":
                 w.queue.remove(job)
                 self.host_work(self.cost.prefill_request_s, w)  # response + KV send
-                n_in = job.req.input_len
-                delay = max(0.0, self.cost.transfer(n_in)) + max(0.0, self.cost.ttft_overhead(n_in))
-                self.timer(self.now + delay, 0, job)
-        w.step = None
+                self.timer(self.now + max(0.0, job.transfer_s) + over, FIRST, job)
+            else:
+                w.pre.remove(job)
+                if job.req.output_len == 1:
+                    self.timer(self.now + over, FIRST, job)
+                else:
+                    self._first(job, self.now + over)
+                    w.queue.appendleft(job)  # joins the batch at the next step
+        self._check_drained(w)
+        self.ready.add(w)
 
-    def start_decode(self, w: _Worker) -> None:
-        while w.queue and len(w.running) < self.spec.max_num_seqs:
-            w.running.append(w.queue.popleft())
-        ctx = sum(j.req.input_len + 1 + j.tokens for j in w.running)
-        w.step = [(j, 1) for j in w.running]
-        w.left = self.cost.decode_s(len(w.running), ctx)
-        self.step_s["decode"] += w.left
-
-    def finish_decode(self, w: _Worker) -> None:
-        assert w.step is not None
-        self.tokens += len(w.step)
-        self.host_work(self.cost.host_token_s * len(w.step))
-        self.host_work(self.cost.decode_token_cpu_s * len(w.step), w)  # streaming the tokens
-        for job, _ in w.step:
-            job.tokens += 1
-            if job.tokens >= job.req.output_len - 1:
-                w.running.remove(job)
-                o = self.out[job.idx]
-                o.ok = True
-                o.tpot_s = (self.now - job.first_s) / job.tokens
-                self.end(job)
-        w.step = None
-
-    def timer(self, t: float, kind: int, job: _Job | None) -> None:
-        self.seq += 1
-        heapq.heappush(self.timers, (t, self.seq, kind, job))
-
-    def first_token(self, job: _Job) -> None:
-        job.first_s = self.now
+    def _first(self, job: Job, t: float) -> None:
+        """The client has `job`'s first token at `t` (set now; counted in `tokens`)."""
+        job.first_s = t
         self.tokens += 1
         self.host_work(self.cost.host_token_s)
-        o = self.out[job.idx]
-        o.ttft_s = self.now - job.req.arrival_s
+        self.out[job.idx].ttft_s = t - job.req.arrival_s
         if job.req.output_len == 1:
-            o.ok = True
-            self.end(job)
-        else:
+            self.end(job, ok=True)
+
+    def first_token(self, job: Job) -> None:
+        """Disaggregated: KV landed and the first token reached the client; decode it."""
+        if job.ended:
+            return
+        self._first(job, self.now)
+        if job.req.output_len > 1 and not self.spec.colocated:
             job.decode.queue.append(job)
+            self.ready.add(job.decode)
+
+    def timer(self, t: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.timers, (t, self.seq, kind, payload))
 
     # ---- the event loop --------------------------------------------------------------------
 
-    def run(self) -> list[SimOutcome]:
-        order = sorted(range(len(self.reqs)), key=lambda i: (self.reqs[i].arrival_s, i))
-        nxt = 0
-        workers = self.workers
-        if self.on_tick is not None and self.tick_s > 0:
-            self.timer(self.tick_s, 1, None)
-        while True:
-            self._flip_drained()
-            for w in workers:
-                if w.step is None:
-                    if w.kind == "prefill" and w.queue:
-                        self.start_prefill(w)
-                    elif w.kind == "decode" and (w.queue or w.running):
-                        self.start_decode(w)
-            busy = [w for w in workers if w.step is not None]
-            busy += [x for x in (self.host, *self.sides) if x.left > EPS]
-            cores = self.spec.cores
-            speed = 1.0 if cores is None or len(busy) <= cores else cores / len(busy)
-            t_step = min((self.now + w.left / speed for w in busy), default=math.inf)
-            t_timer = self.timers[0][0] if self.timers else math.inf
-            t_arr = self.reqs[order[nxt]].arrival_s if nxt < len(order) else math.inf
-            t = min(t_step, t_timer, t_arr)
-            if t == math.inf or (t_step == t_arr == math.inf and self._only_ticks()):
-                break
-            dt = max(0.0, t - self.now)
-            for w in busy:
-                w.left -= dt * speed
-            self.now = max(self.now, t)
-            for w in busy:
-                if w.left <= EPS * max(1.0, self.now):
-                    w.left = 0.0
-                    if w.kind == "prefill":
-                        self.finish_prefill(w)
-                    elif w.kind == "decode":
-                        self.finish_decode(w)
-            while self.timers and self.timers[0][0] <= self.now:
-                _, _, kind, job = heapq.heappop(self.timers)
-                if kind == 0:
-                    assert job is not None
-                    self.first_token(job)
-                else:
-                    assert self.on_tick is not None
-                    self.on_tick(self)
-                    self.timer(self.now + self.tick_s, 1, None)
-            while nxt < len(order) and self.reqs[order[nxt]].arrival_s <= self.now:
-                self.arrive(order[nxt])
-                nxt += 1
-        return self.out
+    def _next_step_time(self) -> float:
+        while self.heap:
+            v, _, version, w = self.heap[0]
+            if version == w.version and w.busy:
+                return self.now + max(0.0, v - self.vnow) / self._rate()
+            heapq.heappop(self.heap)
+        return math.inf
 
-    def _only_ticks(self) -> bool:
-        """Nothing but controller ticks left (and every request has ended)."""
+    def _start_ready(self) -> None:
+        for w in sorted(self.ready, key=lambda x: x.index):
+            if w.step is None and not w.flipping and w.has_work():
+                self.start_step(w)
+        self.ready.clear()
+
+    def done(self) -> bool:
+        """Every request has arrived and ended, and nothing is in progress."""
         return (
-            all(k == 1 for _, _, k, _ in self.timers)
+            self.next_arrival >= len(self.order)
             and self.inflight == 0
-            and not any(w.queue or w.running for w in self.workers)
+            and not self.router_q
+            and not any(k != TICK for _, _, k, _ in self.timers)
         )
+
+    def run_until(self, t_stop: float) -> bool:
+        """Process every event up to `t_stop` (stopping early right after a role flip);
+        True once `done()`."""
+        if self.on_tick is not None and self.tick_s > 0 and not self.ticking:
+            self.ticking = True
+            self.timer(self.tick_s, TICK, None)
+        while True:
+            self._start_ready()
+            t_step = self._next_step_time()
+            t_timer = self.timers[0][0] if self.timers else math.inf
+            nxt = self.next_arrival
+            t_arr = self.reqs[self.order[nxt]].arrival_s if nxt < len(self.order) else math.inf
+            t = min(t_step, t_timer, t_arr)
+            if t == math.inf or (t_step == t_arr == math.inf and self.done()):
+                return True
+            if t > t_stop:
+                self._advance(t_stop)
+                return False
+            self._advance(t)
+            self._events()
+            if self.flipped:
+                return self.done()
+
+    def _advance(self, t: float) -> None:
+        t = max(self.now, t)
+        self.vnow += (t - self.now) * self._rate()
+        self.now = t
+
+    def _events(self) -> None:
+        while self.heap:
+            v, _, version, w = self.heap[0]
+            if version != w.version or not w.busy:
+                heapq.heappop(self.heap)
+                continue
+            if v > self.vnow + EPS * max(1.0, self.vnow):
+                break
+            heapq.heappop(self.heap)
+            w.busy = False
+            self.demand -= w.threads if w.kind in ("prefill", "decode", "colocated") else 1.0
+            if w.kind in ("prefill", "decode", "colocated"):
+                self.finish_step(w)
+        while self.timers and self.timers[0][0] <= self.now:
+            _, _, kind, payload = heapq.heappop(self.timers)
+            if kind == FIRST:
+                assert isinstance(payload, Job)
+                self.first_token(payload)
+            elif kind == FLIP:
+                assert isinstance(payload, Worker)
+                self._flip(payload)
+            elif kind == ABORT:
+                assert isinstance(payload, tuple)
+                w, drain = payload
+                if w.drains == drain:
+                    self._abort_drain(w)
+            else:
+                assert self.on_tick is not None
+                self.on_tick(self)
+                if not self.done():
+                    self.timer(self.now + self.tick_s, TICK, None)
+        while (
+            self.next_arrival < len(self.order)
+            and self.reqs[self.order[self.next_arrival]].arrival_s <= self.now
+        ):
+            self.arrive(self.order[self.next_arrival])
+            self.next_arrival += 1
+
+    def run(self) -> list[SimOutcome]:
+        while not self.run_until(math.inf):
+            self.flipped.clear()
+        return self.out
 
 
 def simulate(
-    requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel
+    requests: Sequence[SimRequest],
+    spec: ClusterSpec,
+    cost: CostModel,
+    router: Router | None = None,
 ) -> list[SimOutcome]:
     """Run `requests` through the model of `spec` (module docstring); one outcome each."""
-    return _Sim(requests, spec, cost).run()
+    return Sim(requests, spec, cost, router).run()
 
 
 def charged(requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel) -> dict[str, float]:
-    """Step seconds the simulator charges each role for `requests` (side work not included)
-    and the tokens generated: what `costs.fit_cpu_overheads` compares measured CPU time with."""
-    sim = _Sim(requests, spec, cost)
+    """Step seconds the simulator charges each role for `requests` (side work not included;
+    a colocated worker's steps count as decode) and the tokens generated: what
+    `costs.fit_cpu_overheads` compares measured CPU time with."""
+    sim = Sim(requests, spec, cost)
     sim.run()
     return {
         "prefill_steps_s": sim.step_s["prefill"],
-        "decode_steps_s": sim.step_s["decode"],
+        "decode_steps_s": sim.step_s["decode"] + sim.step_s["colocated"],
         "tokens": float(sim.tokens),
     }
-
-
-def attainment(
-    outcomes: Sequence[SimOutcome], slo_ttft_s: float, slo_tpot_s: float
-) -> tuple[float, float, float]:
-    """(TTFT, TPOT, both) attainment, the goodput bench's definition (failed requests miss
-    both; a one-token request has no TPOT and meets it). 1.0 each for no requests."""
-    if not outcomes:
-        return 1.0, 1.0, 1.0
-    ttft = [o.ok and o.ttft_s is not None and o.ttft_s <= slo_ttft_s for o in outcomes]
-    tpot = [o.ok and (o.tpot_s is None or o.tpot_s <= slo_tpot_s) for o in outcomes]
-    n = len(outcomes)
-    both = sum(a and b for a, b in zip(ttft, tpot, strict=True))
-    return sum(ttft) / n, sum(tpot) / n, both / n

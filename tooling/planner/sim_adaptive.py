@@ -1,105 +1,199 @@
-"""The simulator with the real ratio controller in the loop: predicts what `mode = "adaptive"`
-does on a workload (e.g. a shifting one), with the same core (`router.ratio.controller.decide`)
-and the same window arithmetic (`MetricsAggregator`) the router runs. Pure; runs in
+"""The simulator with the real ratio controller in the loop: what `mode = "adaptive"` does on a
+workload, with the router's own controller code (`router.ratio.driver.RatioController`: its
+sampling, windows, decisions, hysteresis, cooldown, reverts and decision log) running on the
+simulator's clock. Pure (asyncio, no I/O, no sleeping); runs in `pdserve simulate`,
 `pdserve plan --adaptive` and the ratio benchmark.
 
-Every `sample_interval_s` of simulated time the workers are sampled as `WorkerView`s (the
-pool's view: role, draining, queued prompt tokens, running requests, free KV blocks); every
-`interval_s` a window is built from the requests that ended (client TTFT/TPOT, as the
-benchmark's sidecar observes them) and `decide` runs. A `switch` drains the worker in the
-simulator — it takes no new work, finishes what it holds (decode: every request that reserved
-blocks on it) — and flips its role when it holds nothing; the change then counts as complete
-(`ControllerState.end`), which starts the cooldown. Scaling decisions are recorded but not
-simulated (the simulated cluster has a fixed size).
+How the two are joined:
+
+- the controller's clock is the simulator's (`clock=lambda: sim.now`), and the simulator calls
+  `controller.tick()` every `sample_interval_s` of simulated time — what the driver's own
+  `run` loop does every `sample_interval_s` of wall time;
+- `SimPool.views()` shows the simulated workers as the router's pool would (`WorkerView`:
+  role, draining, queued prompt tokens, running and waiting requests, free KV blocks);
+- the router reports every request's end (`observe(ttft, tpot, ok, e2e)`), here from the
+  simulator's per-request outcome, at the simulated time it ends;
+- `SimActuator.switch_role` is the `Actuator` contract on the simulator: the worker drains
+  (takes no new work, finishes what it holds; past `drain_timeout_s` what is left is aborted),
+  comes back in its new role `ClusterSpec.role_switch_s` later, and only then does the call
+  return — so the change completes, and the cooldown starts, at the simulated time it would.
+  The simulator stops at each flip so the controller's change task finishes at that instant.
+  Scale-out / scale-in are refused (a simulated cluster has a fixed size).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from router.policy import WorkerView
+from router.policy import Role, WorkerView
+from router.ratio.actuator import ActuationError
 from router.ratio.config import RatioConfig
-from router.ratio.controller import ControllerState, Decision, decide
-from router.ratio.metrics import MetricsAggregator, samples_from_views
+from router.ratio.driver import DecisionRecord, RatioController
 from tooling.planner.costs import CostModel
-from tooling.planner.sim import ClusterSpec, SimOutcome, SimRequest, _Sim, _Worker
+from tooling.planner.sim import Router, Sim
+from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
+from tooling.planner.sim_workers import Worker
 
 
 @dataclass
 class AdaptiveResult:
-    """Outcomes per request, and the ratio over time [(t, prefill, decode, what)]."""
+    """Outcomes per request; the ratio over time [(t, prefill, decode, what)]; every record
+    of the controller's decision log (changes and their `done` / `failed` records)."""
 
     outcomes: list[SimOutcome]
     changes: list[tuple[float, int, int, str]] = field(default_factory=list)
-    decisions: list[tuple[float, Decision]] = field(default_factory=list)
+    records: list[DecisionRecord] = field(default_factory=list)
+
+    @property
+    def decisions(self) -> list[DecisionRecord]:
+        """The change decisions (not their completions)."""
+        return [r for r in self.records if r.event == "decision" and r.action != "hold"]
 
 
-def _view(w: _Worker, spec: ClusterSpec) -> WorkerView:
-    running = len(w.running) if w.kind == "decode" else len(w.step or ())
+def address(w: Worker) -> str:
+    return f"w{w.index}"
+
+
+def view(w: Worker, spec: ClusterSpec) -> WorkerView:
+    """A simulated worker as the router's pool shows it."""
+    role: Role = "prefill" if w.kind == "prefill" else "decode"
     return WorkerView(
-        worker_id=f"w{w.index}",
-        address=f"w{w.index}",
-        role="prefill" if w.kind == "prefill" else "decode",
+        worker_id=address(w),
+        address=address(w),
+        role=role,
         healthy=True,
         draining=bool(w.drain_to),
         num_waiting=len(w.queue),
-        num_running=running,
-        waiting_tokens=w.queued_tokens() if w.kind == "prefill" else 0,
+        num_running=w.dec.batch if w.kind == "decode" else len(w.step or ()),
+        waiting_tokens=w.qtokens if w.kind == "prefill" else 0,
         free_blocks=w.free_blocks if w.kind == "decode" else spec.num_kv_blocks,
         total_blocks=spec.num_kv_blocks,
         block_size=spec.block_size,
     )
 
 
+class SimPool:
+    """The controller's `ViewSource` over the simulator."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+
+    def views(self) -> list[WorkerView]:
+        return [view(w, self.sim.spec) for w in self.sim.workers]
+
+
+class SimActuator:
+    """The `Actuator` contract on the simulator (module docstring)."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self._waiting: dict[int, asyncio.Future[None]] = {}
+
+    async def switch_role(self, addr: str, role: Role, drain_timeout_s: float) -> None:
+        w = next((x for x in self.sim.workers if address(x) == addr), None)
+        if w is None or role not in ("prefill", "decode") or w.kind == role or w.drain_to:
+            raise ActuationError(f"switch {addr} -> {role}: not a worker that can switch now")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[w.index] = fut
+        self.sim.switch(w, role, drain_timeout_s)
+        await fut
+
+    def flipped(self, w: Worker) -> None:
+        """The simulator flipped `w`: its `switch_role` call returns."""
+        fut = self._waiting.pop(w.index, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def add_worker(self, role: Role) -> str:
+        raise ActuationError(f"add {role} worker: a simulated cluster has a fixed size")
+
+    async def remove_worker(self, addr: str, drain_timeout_s: float) -> None:
+        raise ActuationError(f"remove {addr}: a simulated cluster has a fixed size")
+
+    def spare_workers(self) -> int:
+        return 0
+
+
+async def _settle() -> None:
+    """Let the controller's tasks run up to their next wait (no time passes)."""
+    for _ in range(8):
+        await asyncio.sleep(0)
+
+
+async def run_adaptive(
+    requests: Sequence[SimRequest],
+    spec: ClusterSpec,
+    cost: CostModel,
+    config: RatioConfig,
+    router: Router | None = None,
+) -> AdaptiveResult:
+    """`simulate_adaptive` on the running event loop."""
+    if config.mode != "adaptive":
+        raise ValueError(
+            f"simulating the controller needs ratio mode 'adaptive', got {config.mode!r}"
+        )
+    if spec.colocated:
+        raise ValueError("the ratio controller runs on disaggregated clusters only")
+    sim = Sim(requests, spec, cost, router)
+    actuator = SimActuator(sim)
+    ctrl = RatioController(
+        config, SimPool(sim), actuator, clock=lambda: sim.now, wall_clock=lambda: sim.now
+    )
+
+    def on_end(i: int, o: SimOutcome) -> None:
+        ctrl.observe(o.ttft_s, o.tpot_s, o.ok, sim.now - requests[i].arrival_s)
+
+    sim.on_end = on_end
+    records: list[DecisionRecord] = []
+
+    def harvest() -> None:  # the controller keeps its last 1000 records; keep them all
+        last = records[-1].seq if records else 0
+        records.extend(r for r in ctrl.records if r.seq > last)
+
+    step = config.sample_interval_s
+    t_next = step
+    while True:
+        done = sim.run_until(t_next)
+        if sim.flipped:
+            for w in sim.flipped:
+                actuator.flipped(w)
+            sim.flipped.clear()
+            await _settle()
+            harvest()
+            if not done:
+                continue
+        if done:
+            break
+        await ctrl.tick()
+        await _settle()
+        harvest()
+        t_next += step
+    await ctrl.stop()
+    harvest()
+    changes = [(0.0, spec.prefill, spec.decode, "start")]
+    for r in records:
+        if r.event == "done":
+            changes.append(
+                (r.t, r.prefill_workers, r.decode_workers, f"{r.address} -> {r.to_role}")
+            )
+    return AdaptiveResult(sim.out, changes, records)
+
+
 def simulate_adaptive(
-    requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel, config: RatioConfig
+    requests: Sequence[SimRequest],
+    spec: ClusterSpec,
+    cost: CostModel,
+    config: RatioConfig,
+    router: Router | None = None,
 ) -> AdaptiveResult:
     """Run `requests` on `spec` (its prefill:decode split is the starting ratio) with the
     controller of `config` (mode 'adaptive') switching roles (module docstring)."""
-    if config.mode != "adaptive":
-        raise ValueError(f"simulate_adaptive needs ratio mode 'adaptive', got {config.mode!r}")
-    sim = _Sim(requests, spec, cost)
-    agg = MetricsAggregator(config.window_s, config.slo_ttft_s, config.slo_tpot_s)
-    state = ControllerState()
-    res = AdaptiveResult(sim.out, [(0.0, spec.prefill, spec.decode, "start")])
-    next_eval = config.interval_s
-    moving: list[_Worker] = []
+    return asyncio.run(run_adaptive(requests, spec, cost, config, router))
 
-    def counts() -> tuple[int, int]:
-        kinds = [w.kind for w in sim.workers]
-        return kinds.count("prefill"), kinds.count("decode")
 
-    def on_end(i: int, o: SimOutcome) -> None:
-        agg.observe(sim.now, o.ttft_s, o.tpot_s, o.ok, sim.now - requests[i].arrival_s)
-
-    def on_tick(s: _Sim) -> None:
-        nonlocal next_eval
-        now = s.now
-        if moving and not moving[0].drain_to:  # the drained worker flipped: change complete
-            w = moving.pop()
-            state.end(now)
-            res.changes.append((now, *counts(), f"w{w.index} -> {w.kind}"))
-        agg.add_samples(now, samples_from_views([_view(w, spec) for w in s.workers], now))
-        if now + 1e-9 < next_eval:
-            return
-        next_eval += config.interval_s
-        window = agg.window(now, state.last_change_end)
-        d = decide(window, state, now, config)
-        if d.action == "hold":
-            return
-        res.decisions.append((now, d))
-        state.begin(d, now, window)
-        if d.action == "switch":
-            assert d.address is not None and d.to_role is not None
-            w = next(x for x in s.workers if f"w{x.index}" == d.address)
-            s.switch(w, d.to_role)
-            moving.append(w)
-        else:  # scaling is not simulated: the change ends at once
-            state.end(now, ok=False)
-
-    sim.on_end = on_end
-    sim.on_tick = on_tick
-    sim.tick_s = config.sample_interval_s
-    sim.run()
-    return res
+def records_json(res: AdaptiveResult) -> list[dict[str, Any]]:
+    """The decision log of a simulated run (changes and completions; holds if recorded)."""
+    return [r.to_json() for r in res.records]

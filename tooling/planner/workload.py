@@ -8,7 +8,8 @@ benchmarks. The planner simulates exactly the requests a real run would send:
 - `shifting(phases, context, seed)`: phases run back to back, e.g.
   ``[("chat", 4.0, 60.0), ("summarize", 1.0, 60.0)]`` = chat at 4 req/s for 60 s, then
   summarize at 1 req/s for 60 s; each phase is its own seeded draw, cut at its duration and
-  shifted to start where the previous one ended; indexes are renumbered;
+  shifted to start where the previous one ended; indexes are renumbered. A phase's workload
+  may carry its own length budget: ``"chat@8192"`` draws chat lengths for L = 8192;
 - `to_sim(specs)`: the simulator's view of a request list; `phase_starts(phases)`: when each
   phase begins;
 - `parse_phases("chat:4:60,summarize:1:60")`: the CLI's spelling of phases.
@@ -44,15 +45,16 @@ def shifting(
     """Phases back to back (module docstring). ValueError names a bad phase."""
     out: list[RequestSpec] = []
     t0 = 0.0
-    for k, (name, rate, duration) in enumerate(phases):
+    for k, (label, rate, duration) in enumerate(phases):
+        name, ctx = phase_workload(label, context)
         if name not in WORKLOADS or rate <= 0 or duration <= 0:
             raise ValueError(
                 f"phase {k}: need a workload in {sorted(WORKLOADS)}, rate > 0 and duration > 0, "
-                f"got ({name!r}, {rate}, {duration})"
+                f"got ({label!r}, {rate}, {duration})"
             )
         n = max(1, math.ceil(rate * duration * 1.5) + 10)
         specs = make_requests(
-            name, n, rate, context=context, seed=seed + 1000 * k, output_len=output_len
+            name, n, rate, context=ctx, seed=seed + 1000 * k, output_len=output_len
         )
         for s in specs:
             if s.arrival_s >= duration:
@@ -60,6 +62,21 @@ def shifting(
             out.append(dataclasses.replace(s, index=len(out), arrival_s=t0 + s.arrival_s))
         t0 += duration
     return out
+
+
+def phase_workload(label: str, context: int) -> tuple[str, int]:
+    """'chat@8192' -> ('chat', 8192); 'chat' -> ('chat', `context`). ValueError on a bad
+    context."""
+    name, _, ctx = label.partition("@")
+    if not ctx:
+        return name, context
+    try:
+        value = int(ctx)
+    except ValueError:
+        raise ValueError(f"phase {label!r}: the context after '@' must be an integer") from None
+    if value < 16:
+        raise ValueError(f"phase {label!r}: context must be >= 16, got {value}")
+    return name, value
 
 
 def phase_starts(phases: list[Phase]) -> list[tuple[float, str]]:
@@ -77,7 +94,7 @@ def to_sim(specs: list[RequestSpec]) -> list[SimRequest]:
 
 
 def parse_phases(text: str) -> list[Phase]:
-    """'chat:4:60,summarize:1:60' -> [("chat", 4.0, 60.0), ("summarize", 1.0, 60.0)]."""
+    """'chat:4:60,summarize@2048:1:60' -> [("chat", 4.0, 60.0), ("summarize@2048", 1.0, 60.0)]."""
     phases: list[Phase] = []
     for part in text.split(","):
         bits = part.strip().split(":")
