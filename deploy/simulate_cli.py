@@ -46,6 +46,18 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT SLO in ms")
     p.add_argument("--target", type=float, default=0.9, help="attainment target")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="spread the workers over this many nodes: pair-aware routing, KV across nodes "
+        "over --cross-node-gbps links, and a node-blind vs pair-aware comparison",
+    )
+    p.add_argument(
+        "--cross-node-gbps",
+        type=float,
+        help="link between nodes in GB/s (default: the profile's links.cross_node_gbps)",
+    )
     p.add_argument("--out", required=True, help="folder for simulation.json, report.md, plots")
     p.set_defaults(func=simulate_main)
 
@@ -65,6 +77,8 @@ def simulate_main(args: argparse.Namespace) -> int:
             target=args.target,
             seed=args.seed,
             policy=args.policy,
+            nodes=args.nodes,
+            cross_node_gbps=args.cross_node_gbps,
         )
         res = run_scale(setup)
     except (ValueError, KeyError, OSError) as exc:
@@ -75,5 +89,12 @@ def simulate_main(args: argparse.Namespace) -> int:
         f"adaptive {res.adaptive_goodput:.1f} req/s vs best fixed {res.best_fixed_split} "
         f"{res.best_fixed_goodput:.1f} req/s: {res.adaptive_vs_best_fixed:.2f}x"
     )
+    if res.pairing:
+        pr = res.pairing
+        print(
+            f"pairs at {pr['split']} over {args.nodes} nodes: pair-aware "
+            f"{pr['pair_aware']['goodput_rps']:.1f} req/s vs node-blind "
+            f"{pr['node_blind']['goodput_rps']:.1f} req/s"
+        )
     print(f"report: {report}")
     return 0

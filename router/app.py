@@ -53,7 +53,6 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-
 def pair_scoring(config: RouterConfig, model: ModelConfig) -> PairScoringConfig:
     """The configured pair scoring, with the KV bytes per token and the layer count taken from
     the model where the config leaves them 0 (K and V of every layer in the model's dtype)."""
@@ -66,6 +65,7 @@ def pair_scoring(config: RouterConfig, model: ModelConfig) -> PairScoringConfig:
     if ps.num_layers == 0:
         update["num_layers"] = model.num_hidden_layers
     return ps.model_copy(update=update)
+
 
 def has_usable_route(mode: str, views: list[WorkerView]) -> bool:
     """True when a request could be routed now (ignoring capacity)."""

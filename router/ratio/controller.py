@@ -42,11 +42,11 @@ The rules, in order (the first that applies wins):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from router.ratio.config import RatioConfig
+from router.ratio.evidence import bottleneck, dropped, phase_attainment, queued, wilson_upper
 from router.ratio.metrics import MetricsWindow, WorkerLoad
 
 Action = Literal["hold", "switch", "add", "remove"]
@@ -127,79 +127,9 @@ def _other(role: Phase) -> Phase:
     return "decode" if role == "prefill" else "prefill"
 
 
-def wilson_upper(p: float, n: int, z: float) -> float:
-    """Upper end of the Wilson score interval of a share `p` of `n` (1.0 for n = 0): unlike
-    p + z * sqrt(p(1-p)/n) it stays honest at p = 0 ("0 of 4" is evidence, not certainty)."""
-    if n <= 0:
-        return 1.0
-    d = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / d
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return min(1.0, centre + half)
-
-
-def dropped(before: float, n_before: int, after: float, n_after: int, band: float) -> bool:
-    """True when a share fell from `before` (of `n_before`) to `after` (of `n_after`) by more
-    than `band` *and* by more than sampling noise explains (two-proportion z-test, z = 1.96):
-    with a handful of requests per window one request more or less is not evidence."""
-    diff = before - after
-    if diff <= band or n_before < 1 or n_after < 1:
-        return False
-    pooled = (before * n_before + after * n_after) / (n_before + n_after)
-    se = math.sqrt(pooled * (1 - pooled) * (1 / n_before + 1 / n_after))
-    return diff > 1.96 * se
-
-
-def _phase_att(window: MetricsWindow, role: Phase) -> float:
-    """The attainment of the SLO a role is responsible for: TTFT (prefill), TPOT (decode)."""
-    return window.ttft_attainment if role == "prefill" else window.decode_attainment
-
-
 def _bound(config: RatioConfig, kind: str, role: Phase) -> int | None:
     value: int | None = getattr(config, f"{kind}_{role}")
     return value
-
-
-def queued(window: MetricsWindow, role: Phase, config: RatioConfig) -> bool:
-    """Whether requests wait for `role`: its workers hold a queue of `backlog` requests each
-    on average (decode also when its KV is saturated: reservations start to fail)."""
-    if role == "prefill":
-        return window.prefill_workers > 0 and window.prefill_waiting >= config.backlog
-    return window.decode_workers > 0 and (
-        window.decode_waiting >= config.backlog or window.decode_kv_utilisation >= config.kv_high
-    )
-
-
-def bottleneck(window: MetricsWindow, config: RatioConfig) -> tuple[Phase | None, str]:
-    """The phase that limits attainment (or None) and why (rule 3 of the module docstring).
-
-    TTFT misses are the prefill's doing only when requests queue for prefill: with no prefill
-    queue and a decode queue (or saturated decode KV), requests wait for decode capacity —
-    at the router's admission, or for a reservation — and miss TTFT there. TPOT misses (of
-    the requests that reached decode) are decode's. Saturated KV with both missing alike
-    and no prefill queue means decode."""
-    ttft_miss = 1.0 - window.ttft_attainment
-    tpot_miss = 1.0 - window.decode_attainment
-    misses = f"TTFT miss {ttft_miss:.0%}, TPOT miss {tpot_miss:.0%}"
-    pre_q, dec_q = queued(window, "prefill", config), queued(window, "decode", config)
-    queues = (
-        f"prefill queue {window.prefill_waiting:.1f} requests "
-        f"({window.prefill_waiting_tokens:.0f} tokens)/worker, decode queue "
-        f"{window.decode_waiting:.1f} requests/worker, decode KV utilisation "
-        f"{window.decode_kv_utilisation:.0%}"
-    )
-    if ttft_miss - tpot_miss > config.hysteresis:
-        if dec_q and not pre_q:
-            return "decode", f"{misses}, but requests wait for decode: {queues}"
-        return "prefill", f"{misses}; {queues}"
-    if tpot_miss - ttft_miss > config.hysteresis:
-        return "decode", f"{misses}; decode batch {window.decode_batch:.1f}/worker; {queues}"
-    if window.decode_workers and window.decode_kv_utilisation >= config.kv_high and not pre_q:
-        return "decode", (
-            f"decode KV utilisation {window.decode_kv_utilisation:.0%} >= kv_high "
-            f"{config.kv_high:.0%} ({misses})"
-        )
-    return None, f"{misses}: within hysteresis {config.hysteresis:.0%} of each other"
 
 
 def _by_load(workers: list[WorkerLoad]) -> list[WorkerLoad]:
@@ -307,7 +237,10 @@ def _judge(
         return None
     assert last.address is not None and last.from_role is not None and last.to_role is not None
     low = config.attainment_target - config.hysteresis
-    donor_now, donor_before = _phase_att(window, last.from_role), _phase_att(before, last.from_role)
+    donor_now, donor_before = (
+        phase_attainment(window, last.from_role),
+        phase_attainment(before, last.from_role),
+    )
     n0, n1, band = before.requests, window.requests, config.hysteresis
     tpot0, tpot1 = before.tpot_attainment, window.tpot_attainment
     if donor_now < low <= donor_before and dropped(donor_before, n0, donor_now, n1, band):
@@ -345,7 +278,7 @@ def _grow(
     cap = _bound(config, "max", need)
     if cap is not None and window.count(need) >= cap:
         return _hold(f"{att}; need {need} ({why}) but max_{need}={cap} reached")
-    donor_att = _phase_att(window, donor)
+    donor_att = phase_attainment(window, donor)
     low = config.attainment_target - config.hysteresis
     # TTFT misses with no prefill queue are not the prefill's doing (the requests waited for
     # decode capacity); TPOT misses always are decode's

@@ -74,3 +74,18 @@ def test_header_source_blocks_are_validated():
     assert peer.source_blocks([0, 8], 2) is None  # past the sender's cache
     assert peer.source_blocks([0], 2) is None  # wrong count
     assert peer.source_blocks("0,1", 2) is None
+
+
+def test_workers_labelled_on_different_nodes_never_share_memory():
+    """Equal labels map (also the unlabelled default); different labels refuse, even on one
+    host — a multi-node Ray cluster on one machine then moves KV as gloo bytes."""
+    sender = _cache(8, seed=2)
+    info = SharedCacheSegment(sender, node="node-a").info
+    assert info.to_dict()["node"] == "node-a"
+    receiver = _cache(8)
+    assert PeerCache.for_receiver(info.to_dict(), receiver, node="node-a").num_blocks == 8
+    with pytest.raises(ShmUnavailable, match="labels differ"):
+        PeerCache.for_receiver(info.to_dict(), receiver, node="node-b")
+    unlabelled = {k: v for k, v in dataclasses.replace(info, node="").to_dict().items()}
+    unlabelled.pop("node")  # a record from before labels: read as ""
+    assert PeerCache.for_receiver(unlabelled, receiver).num_blocks == 8

@@ -24,10 +24,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from router.pair_scoring import PairScoringConfig
 from router.ratio.config import RatioConfig
+from tooling.planner.pairing import Links, pair_policy, policy_router, spread_nodes
 from tooling.planner.planner import goodput_rps
 from tooling.planner.profiles import Profile
-from tooling.planner.sim import simulate
+from tooling.planner.sim import Router, Sim
 from tooling.planner.sim_adaptive import AdaptiveResult, simulate_adaptive
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
 from tooling.planner.workload import Phase, parse_phases, shifting, to_sim
@@ -61,6 +63,14 @@ class ScaleSetup:
     target: float = 0.9
     seed: int = 0
     policy: str = "adaptive"  # or "fixed:P:D": the run the timeline shows beside the best fixed
+    nodes: int = 1  # workers spread over this many nodes (pair-aware routing when > 1)
+    cross_node_gbps: float | None = None  # link between nodes, GB/s (None: the profile's)
+
+    def link_gbps(self) -> float:
+        gbps = self.cross_node_gbps or self.profile.cross_node_gbps
+        if gbps is None:
+            raise ValueError("--nodes > 1 needs --cross-node-gbps (the profile names no link)")
+        return gbps
 
     def phases(self) -> list[Phase]:
         if self.workload in BUILTINS:
@@ -96,6 +106,7 @@ class ScaleResult:
     changes: list[tuple[float, int, int, str]]
     decisions: list[dict[str, Any]]
     subject: str
+    pairing: dict[str, Any] = field(default_factory=dict)
     outcomes: dict[str, list[SimOutcome]] = field(default_factory=dict, repr=False)
     requests: list[SimRequest] = field(default_factory=list, repr=False)
 
@@ -146,6 +157,47 @@ def controller_config(setup: ScaleSetup) -> RatioConfig:
     )
 
 
+@dataclass
+class Topology:
+    """How a run routes and moves KV: one node (least load, the profile's transfer cost) or
+    several (the router's pair scoring, links between nodes: `pairing`)."""
+
+    setup: ScaleSetup
+
+    def pair_config(self) -> PairScoringConfig:
+        prof, cost = self.setup.profile, self.setup.profile.cost(1)
+        return PairScoringConfig(
+            kv_bytes_per_token=prof.kv_bytes_per_token,
+            num_layers=int(cost.meta.get("layers", 32)),
+            cross_node_gbps=self.setup.link_gbps(),
+            same_node_gbps=None,
+            prefill_tokens_per_s=1.0 / max(cost.prefill.coef[1], 1e-12),
+        )
+
+    def spec(self, base: ClusterSpec, p: int, d: int) -> ClusterSpec:
+        nodes = spread_nodes(p, d, self.setup.nodes) if self.setup.nodes > 1 else ()
+        return replace(base, prefill=p, decode=d, nodes=nodes)
+
+    def wiring(self, blind: bool = False) -> tuple[Router | None, Links | None]:
+        if self.setup.nodes <= 1:
+            return None, None
+        cfg = None if blind else self.pair_config()
+        links = Links(
+            self.setup.profile.kv_bytes_per_token,
+            self.setup.link_gbps(),
+            int(self.setup.profile.cost(1).meta.get("layers", 32)),
+        )
+        return policy_router(pair_policy(cfg)), links
+
+    def run(
+        self, reqs: Sequence[SimRequest], spec: ClusterSpec, blind: bool = False
+    ) -> tuple[list[SimOutcome], Links | None]:
+        router, links = self.wiring(blind)
+        sim = Sim(reqs, spec, self.setup.profile.cost(1), router)
+        sim.handoff = links
+        return sim.run(), links
+
+
 def _split_result(
     label: str,
     p: int,
@@ -187,19 +239,24 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
     for _, _, duration in phases:
         bounds.append((t, t + duration))
         t += duration
+    topo = Topology(setup)
     fixed, outcomes = [], {}
     for p in range(1, n):
-        outs = simulate(reqs, replace(base, prefill=p, decode=n - p), cost)
+        outs, _ = topo.run(reqs, topo.spec(base, p, n - p))
         fixed.append(_split_result(f"{p}:{n - p}", p, n - p, reqs, outs, setup, bounds))
         outcomes[f"{p}:{n - p}"] = outs
     best = max(fixed, key=lambda r: (r.goodput_rps, -r.prefill))
-    start = replace(base, prefill=best.prefill, decode=best.decode)
-    res: AdaptiveResult = simulate_adaptive(reqs, start, cost, controller_config(setup))
+    start = topo.spec(base, best.prefill, best.decode)
+    router, links = topo.wiring()
+    res: AdaptiveResult = simulate_adaptive(
+        reqs, start, cost, controller_config(setup), router, links
+    )
     outcomes["adaptive"] = res.outcomes
     adaptive = _split_result(
         "adaptive", best.prefill, best.decode, reqs, res.outcomes, setup, bounds
     )
     subject = "adaptive" if subject_split is None else f"{subject_split[0]}:{subject_split[1]}"
+    pairing = _pairing(topo, reqs, start, setup, bounds) if setup.nodes > 1 else {}
     return ScaleResult(
         setup={
             "profile": setup.profile.name,
@@ -215,6 +272,8 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
             "policy": policy,
             "controller": controller_config(setup).model_dump(mode="json"),
             "cluster": asdict(start),
+            "nodes": setup.nodes,
+            "cross_node_gbps": setup.link_gbps() if setup.nodes > 1 else None,
         },
         adaptive_goodput=adaptive.goodput_rps,
         best_fixed_goodput=best.goodput_rps,
@@ -227,6 +286,33 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
         changes=res.changes,
         decisions=[r.to_json() | {"inputs": {}} for r in res.records],
         subject=subject,
+        pairing=pairing,
         outcomes=outcomes,
         requests=list(reqs),
     )
+
+
+def _pairing(
+    topo: Topology,
+    reqs: Sequence[SimRequest],
+    spec: ClusterSpec,
+    setup: ScaleSetup,
+    bounds: Sequence[tuple[float, float]],
+) -> dict[str, Any]:
+    """At the best fixed split: node-blind least load vs pair scoring (goodput, TTFT p90,
+    the share of pairs that crossed nodes)."""
+    out: dict[str, Any] = {"split": f"{spec.prefill}:{spec.decode}", "nodes": list(spec.nodes)}
+    for name, blind in (("node_blind", True), ("pair_aware", False)):
+        outs, links = topo.run(reqs, spec, blind)
+        assert links is not None
+        r = _split_result(name, spec.prefill, spec.decode, reqs, outs, setup, bounds)
+        ttfts = sorted(o.ttft_s for o in outs if o.ok and o.ttft_s is not None)
+        out[name] = {
+            "goodput_rps": r.goodput_rps,
+            "attainment": r.attainment,
+            "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+            "cross_node_share": links.cross_share,
+        }
+    blind_g = out["node_blind"]["goodput_rps"]
+    out["pair_vs_blind"] = out["pair_aware"]["goodput_rps"] / blind_g if blind_g > 0 else None
+    return out

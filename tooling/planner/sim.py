@@ -33,10 +33,8 @@ Pure Python, deterministic; runs in `pdserve plan`, `pdserve plan --validate`,
   comes back in its new role `role_switch_s` later; past `drain_timeout_s` what it still holds
   is aborted (those requests fail), as `SetRole` does.
 
-Time: one global *virtual* clock counts the work-seconds every busy entity has done (all
-share the cores alike, so all advance together); a step that starts at virtual time v with w
-seconds of work ends at v + w, whatever the sharing does meanwhile — a heap of those ends
-gives the next event in O(log n).
+Time: the shared cores are `sim_cpu.SharedCpu` (virtual time); what a step holds and costs is
+`sim_steps.compose`.
 
 `simulate(requests, spec, cost)` returns one `SimOutcome` per request (same order), with the
 client's TTFT and TPOT (first token to last, over output - 1 tokens), the goodput-bench way.
@@ -50,28 +48,25 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from tooling.planner.costs import CostModel
+from tooling.planner.sim_cpu import SharedCpu
+from tooling.planner.sim_routing import Pick, Router, least_load
+from tooling.planner.sim_steps import blocks, compose
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
 from tooling.planner.sim_workers import Job, Worker
 
-__all__ = ["ClusterSpec", "Sim", "SimOutcome", "SimRequest", "attainment", "charged", "simulate"]
+__all__ = [
+    "ClusterSpec",
+    "Pick",
+    "Router",
+    "Sim",
+    "SimOutcome",
+    "SimRequest",
+    "attainment",
+    "charged",
+    "simulate",
+]
 
-EPS = 1e-9
 FIRST, TICK, FLIP, ABORT = 0, 1, 2, 3  # timer kinds
-
-Pick = tuple[Worker, Worker, float]  # (prefill, decode, KV hand-off seconds)
-Router = Callable[["Sim", SimRequest, list[Worker], list[Worker]], Pick | None]
-"""`router(sim, request, prefill workers, decode workers with room)` -> the pair and its KV
-hand-off delay, or None (no capacity: the request fails). Default: `least_load`."""
-
-
-def least_load(sim: Sim, r: SimRequest, prefills: list[Worker], room: list[Worker]) -> Pick | None:
-    """The router's `least_load` policy: decode with the fewest requests (then the most free
-    blocks), prefill with the fewest queued prompt tokens; hand-off `cost.transfer`."""
-    if not prefills or not room:
-        return None
-    d = min(room, key=lambda w: (w.held, -w.free_blocks, w.index))
-    p = min(prefills, key=lambda w: (w.qtokens, len(w.queue), w.index))
-    return p, d, max(0.0, sim.cost.transfer(r.input_len))
 
 
 class Sim:
@@ -101,10 +96,12 @@ class Sim:
         self.host = Worker("host", -1)
         self.sides = [Worker("side", w.index) for w in self.workers]
         self.timers: list[tuple[float, int, int, object]] = []
-        self.heap: list[tuple[float, int, int, Worker]] = []  # (virtual end, seq, version, w)
         self.on_tick: Callable[[Sim], None] | None = None
         self.tick_s = 0.0
         self.on_end: Callable[[int, SimOutcome], None] | None = None
+        # KV hand-off delay, decided when the prompt's last chunk is done (default: the
+        # router's `transfer_s`); `pairing.Links` models links that requests share
+        self.handoff: Callable[[Sim, Job], float] | None = None
         self.flipped: list[Worker] = []  # flips since the caller last cleared it
         self.step_s = {"prefill": 0.0, "decode": 0.0, "colocated": 0.0}
         self.tokens = 0  # generated tokens, first tokens included
@@ -112,8 +109,7 @@ class Sim:
         self.inflight = 0
         self.router_q: deque[int] = deque()
         self.now = 0.0
-        self.vnow = 0.0  # virtual time
-        self.demand = 0.0  # threads of the busy entities
+        self.cpu = SharedCpu(spec.cores)
         self.ready: set[Worker] = set(self.workers)
         self.aborted = 0  # drains that timed out
         self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, i))
@@ -160,37 +156,19 @@ class Sim:
         victims += [e[2] for e in w.dec.heap]
         for job in victims:
             self.fail(job)
-        if w.busy:
-            self.demand -= w.threads
-        w.step, w.busy = None, False
-        w.version += 1
+        self.cpu.cancel(w)
+        w.step = None
         self._check_drained(w)
 
     # ---- the shared CPU ----------------------------------------------------------------------
 
-    def _rate(self) -> float:
-        cores = self.spec.cores
-        return 1.0 if cores is None or self.demand <= cores else cores / self.demand
-
-    def _busy(self, w: Worker, work: float, threads: float) -> None:
-        """`w` has `work` more seconds of full-speed work (a step, or side work)."""
-        if not w.busy:
-            w.busy = True
-            w.finish_v = self.vnow + work
-            self.demand += threads
-        else:
-            w.finish_v += work
-        w.version += 1
-        self.seq += 1
-        heapq.heappush(self.heap, (w.finish_v, self.seq, w.version, w))
-
     def host_work(self, seconds: float, worker: Worker | None = None) -> None:
         """Queue CPU work beside the steps: on `worker`'s side threads, or the host's."""
         if self.spec.cores is not None and seconds > 0:
-            self._busy(self.host if worker is None else self.sides[worker.index], seconds, 1.0)
+            self.cpu.busy(self.host if worker is None else self.sides[worker.index], seconds, 1.0)
 
     def blocks(self, r: SimRequest) -> int:
-        return math.ceil((r.input_len + r.output_len - 1) / self.spec.block_size)
+        return blocks(self.spec, r)
 
     # ---- router ----------------------------------------------------------------------------
 
@@ -281,56 +259,13 @@ class Sim:
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _chunks(
-        self, w: Worker, jobs: Sequence[Job], budget: int, seqs: int
-    ) -> list[tuple[Job, int]]:
-        """Prompt chunks of `jobs` (in order) within `budget` tokens and `seqs` requests."""
-        step: list[tuple[Job, int]] = []
-        for job in jobs:
-            if len(step) >= seqs or budget <= 0:
-                break
-            rest = job.req.input_len - job.done
-            if not self.spec.chunked and rest > budget:
-                break
-            n = min(rest, budget)
-            step.append((job, n))
-            budget -= n
-        return step
-
     def start_step(self, w: Worker) -> None:
-        spec, cost = self.spec, self.cost
-        if w.kind == "prefill":
-            step = self._chunks(w, w.queue, spec.chunk_tokens, spec.max_num_seqs)
-            if not step and w.queue and not spec.chunked:  # above the budget: runs alone
-                step = [(w.queue[0], w.queue[0].req.input_len)]
-            work = cost.prefill_s([(j.done, n) for j, n in step])
-        elif w.kind == "decode":
-            while w.queue and w.dec.batch < spec.max_num_seqs:
-                w.dec.join(w.queue.popleft())
-            if not w.dec.batch:
-                return
-            step = []
-            work = cost.decode_s(w.dec.batch, w.dec.context)
-        else:  # colocated: decode rows first, then admit and chunk prompts
-            while w.queue and w.dec.batch < spec.max_num_seqs and w.queue[0].done:
-                w.dec.join(w.queue.popleft())  # prefilled: decodes from this step on
-            while (
-                w.queue
-                and w.running < spec.max_num_seqs
-                and w.free_blocks >= self.blocks(w.queue[0].req)
-            ):
-                job = w.queue.popleft()
-                w.free_blocks -= self.blocks(job.req)
-                w.pre.append(job)
-            budget = spec.chunk_tokens - w.dec.batch
-            step = self._chunks(w, w.pre, budget, spec.max_num_seqs - w.dec.batch)
-            if not step and not w.dec.batch:
-                return
-            chunks = [(j.done, n) for j, n in step]
-            work = cost.mixed_s(chunks, w.dec.batch, w.dec.context)
+        planned = compose(self.spec, self.cost, w)
+        if planned is None:
+            return
+        w.step, work = planned
         self.step_s[w.kind] += work
-        w.step = step
-        self._busy(w, work, w.threads)
+        self.cpu.busy(w, work, w.threads)
 
     def finish_step(self, w: Worker) -> None:
         step, w.step = w.step or [], None
@@ -354,7 +289,8 @@ class Sim:
             if w.kind == "prefill":
                 w.queue.remove(job)
                 self.host_work(self.cost.prefill_request_s, w)  # response + KV send
-                self.timer(self.now + max(0.0, job.transfer_s) + over, FIRST, job)
+                moved = job.transfer_s if self.handoff is None else self.handoff(self, job)
+                self.timer(self.now + max(0.0, moved) + over, FIRST, job)
             else:
                 w.pre.remove(job)
                 if job.req.output_len == 1:
@@ -389,14 +325,6 @@ class Sim:
 
     # ---- the event loop --------------------------------------------------------------------
 
-    def _next_step_time(self) -> float:
-        while self.heap:
-            v, _, version, w = self.heap[0]
-            if version == w.version and w.busy:
-                return self.now + max(0.0, v - self.vnow) / self._rate()
-            heapq.heappop(self.heap)
-        return math.inf
-
     def _start_ready(self) -> None:
         for w in sorted(self.ready, key=lambda x: x.index):
             if w.step is None and not w.flipping and w.has_work():
@@ -420,7 +348,7 @@ class Sim:
             self.timer(self.tick_s, TICK, None)
         while True:
             self._start_ready()
-            t_step = self._next_step_time()
+            t_step = self.cpu.next_time(self.now)
             t_timer = self.timers[0][0] if self.timers else math.inf
             nxt = self.next_arrival
             t_arr = self.reqs[self.order[nxt]].arrival_s if nxt < len(self.order) else math.inf
@@ -437,20 +365,11 @@ class Sim:
 
     def _advance(self, t: float) -> None:
         t = max(self.now, t)
-        self.vnow += (t - self.now) * self._rate()
+        self.cpu.advance(t - self.now)
         self.now = t
 
     def _events(self) -> None:
-        while self.heap:
-            v, _, version, w = self.heap[0]
-            if version != w.version or not w.busy:
-                heapq.heappop(self.heap)
-                continue
-            if v > self.vnow + EPS * max(1.0, self.vnow):
-                break
-            heapq.heappop(self.heap)
-            w.busy = False
-            self.demand -= w.threads if w.kind in ("prefill", "decode", "colocated") else 1.0
+        for w in self.cpu.finished():
             if w.kind in ("prefill", "decode", "colocated"):
                 self.finish_step(w)
         while self.timers and self.timers[0][0] <= self.now:

@@ -24,7 +24,7 @@ How the two are joined:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from router.ratio.driver import DecisionRecord, RatioController
 from tooling.planner.costs import CostModel
 from tooling.planner.sim import Router, Sim
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
-from tooling.planner.sim_workers import Worker
+from tooling.planner.sim_workers import Job, Worker
 
 
 @dataclass
@@ -129,6 +129,7 @@ async def run_adaptive(
     cost: CostModel,
     config: RatioConfig,
     router: Router | None = None,
+    handoff: Callable[[Sim, Job], float] | None = None,
 ) -> AdaptiveResult:
     """`simulate_adaptive` on the running event loop."""
     if config.mode != "adaptive":
@@ -138,6 +139,7 @@ async def run_adaptive(
     if spec.colocated:
         raise ValueError("the ratio controller runs on disaggregated clusters only")
     sim = Sim(requests, spec, cost, router)
+    sim.handoff = handoff
     actuator = SimActuator(sim)
     ctrl = RatioController(
         config, SimPool(sim), actuator, clock=lambda: sim.now, wall_clock=lambda: sim.now
@@ -188,10 +190,12 @@ def simulate_adaptive(
     cost: CostModel,
     config: RatioConfig,
     router: Router | None = None,
+    handoff: Callable[[Sim, Job], float] | None = None,
 ) -> AdaptiveResult:
     """Run `requests` on `spec` (its prefill:decode split is the starting ratio) with the
-    controller of `config` (mode 'adaptive') switching roles (module docstring)."""
-    return asyncio.run(run_adaptive(requests, spec, cost, config, router))
+    controller of `config` (mode 'adaptive') switching roles (module docstring); `router` /
+    `handoff`: the simulator's routing and KV hand-off (defaults: least load, `cost`)."""
+    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff))
 
 
 def records_json(res: AdaptiveResult) -> list[dict[str, Any]]:

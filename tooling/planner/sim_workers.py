@@ -103,6 +103,7 @@ class Worker:
     version: int = 0  # heap entries of older versions are stale
     drains: int = 0  # role switches begun (an abort timer names the one it is for)
     busy: bool = False
+    threads_busy: float = 0.0  # threads the work in progress keeps busy
 
     @property
     def running(self) -> int:
