@@ -238,7 +238,8 @@ def plan_main(args: argparse.Namespace) -> int:
     what = "max rate" if best.max_rate is not None else "goodput at this rate"
     value = best.max_rate if best.max_rate is not None else best.goodput_rps
     print(
-        f"\nrecommended: {best.mode} {best.ratio}, chunk {best.chunk_label}, "
+        f"\nrecommended: {best.ratio if best.colocated else 'disagg ' + best.ratio}, "
+        f"chunk {best.chunk_label}, "
         f"{best.threads} thread(s)/worker, max_num_seqs={best.max_num_seqs}: predicted "
         f"attainment {best.attainment:.1%}, {what} {value:.2f} req/s"
     )
