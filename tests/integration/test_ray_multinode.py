@@ -92,7 +92,8 @@ def _stop(pids: set[int], grace_s: float = 10.0) -> None:
 def two_ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
     """(head address, env) of a 2-node Ray cluster on this machine, 2 CPUs per node."""
     tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths are long
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    # the nodes' workers import this checkout (child_env: PYTHONPATH), one thread each
+    env = child_env(1) | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     port = _free_port()
     common = ["--num-cpus", "2", "--object-store-memory", "100000000", "--disable-usage-stats"]
@@ -170,7 +171,7 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
     argv += ["--mode", "disagg", "--prefill", "2", "--decode", "2", "--port", "0"]
     argv += ["--torch-threads", "1", "--ray-address", address]
-    up = spawn("pdserve-up-2nodes", argv, tmp_path, child_env(1) | env_token(env))
+    up = spawn("pdserve-up-2nodes", argv, tmp_path, env)
     try:
         pattern = re.compile(r"^pdserve ready: (\S+:\d+) \(disagg, 2 prefill: (\S+) (\S+), "
                              r"2 decode: (\S+) (\S+)\)", re.M)  # fmt: skip
