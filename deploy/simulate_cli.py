@@ -47,6 +47,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     p.add_argument("--target", type=float, default=0.9, help="attainment target")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
     p.add_argument(
+        "--start",
+        default="",
+        help="P:D the adaptive run starts from (default: the best fixed split)",
+    )
+    p.add_argument(
         "--nodes",
         type=int,
         default=1,
@@ -77,6 +82,7 @@ def simulate_main(args: argparse.Namespace) -> int:
             target=args.target,
             seed=args.seed,
             policy=args.policy,
+            start=args.start,
             nodes=args.nodes,
             cross_node_gbps=args.cross_node_gbps,
         )

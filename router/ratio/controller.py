@@ -46,7 +46,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from router.ratio.config import RatioConfig
-from router.ratio.evidence import bottleneck, dropped, phase_attainment, queued, wilson_upper
+from router.ratio.evidence import (
+    bottleneck,
+    dropped,
+    phase_attainment,
+    queued,
+    waits_for,
+    wilson_upper,
+)
 from router.ratio.metrics import MetricsWindow, WorkerLoad
 
 Action = Literal["hold", "switch", "add", "remove"]
@@ -232,6 +239,9 @@ def _judge(
         return None
     if state.last_change_end is not None and now - state.last_change_end < config.window_s:
         return None  # judge on a full window after the change
+    assert last.to_role is not None
+    if queued(window, last.to_role, config):
+        return None  # the backlog the switch was to relieve is still there: judge it later
     state.last = None
     if not config.revert_worse:
         return None
@@ -243,7 +253,13 @@ def _judge(
     )
     n0, n1, band = before.requests, window.requests, config.hysteresis
     tpot0, tpot1 = before.tpot_attainment, window.tpot_attainment
-    if donor_now < low <= donor_before and dropped(donor_before, n0, donor_now, n1, band):
+    # TTFT misses while requests wait for decode are not the prefill's (rule 3)
+    donor_own = last.from_role == "decode" or waits_for(window, config) != "decode"
+    if (
+        donor_own
+        and donor_now < low <= donor_before
+        and dropped(donor_before, n0, donor_now, n1, band)
+    ):
         why = f"{last.from_role} now misses its SLO ({donor_before:.0%} -> {donor_now:.0%})"
     elif last.to_role == "decode" and dropped(tpot0, n0, tpot1, n1, band):
         why = f"TPOT attainment fell ({tpot0:.0%} of {n0} -> {tpot1:.0%} of {n1})"
@@ -280,9 +296,9 @@ def _grow(
         return _hold(f"{att}; need {need} ({why}) but max_{need}={cap} reached")
     donor_att = phase_attainment(window, donor)
     low = config.attainment_target - config.hysteresis
-    # TTFT misses with no prefill queue are not the prefill's doing (the requests waited for
-    # decode capacity); TPOT misses always are decode's
-    own_miss = donor_att < low and (donor == "decode" or queued(window, "prefill", config))
+    # TTFT misses while requests wait for decode are not the prefill's doing; TPOT misses
+    # always are decode's
+    own_miss = donor_att < low and (donor == "decode" or waits_for(window, config) != "decode")
     donor_min = _bound(config, "min", donor)
     assert donor_min is not None
     candidates = [w for w in window.workers if w.role == donor and w.usable]

@@ -3,7 +3,7 @@ Router process; pure functions of a `MetricsWindow` and the config (no I/O, no c
 
 - `wilson_upper` / `dropped`: how much a share of few requests can be trusted;
 - `phase_attainment`: the attainment of the SLO a role answers for;
-- `queued` / `bottleneck`: which role requests wait for, and why (rule 3 of
+- `queued` / `waits_for` / `bottleneck`: which role requests wait for, and why (rule 3 of
   `router.ratio.controller`).
 """
 
@@ -56,18 +56,32 @@ def queued(window: MetricsWindow, role: Phase, config: RatioConfig) -> bool:
     )
 
 
+def waits_for(window: MetricsWindow, config: RatioConfig) -> Phase | None:
+    """The role requests wait for, by the queues: decode when decode workers hold the longer
+    queue (at least `backlog` requests each) or their KV is saturated with no prefill queue;
+    else prefill when it has a queue; else None. A queue is counted in requests per worker of
+    its role, so the comparison does not depend on how fast either role is."""
+    pre_q, dec_q = queued(window, "prefill", config), queued(window, "decode", config)
+    longer = window.decode_waiting >= config.backlog and (
+        window.decode_waiting > window.prefill_waiting
+    )
+    kv_full = window.decode_workers > 0 and window.decode_kv_utilisation >= config.kv_high
+    if dec_q and (longer or (kv_full and not pre_q)):
+        return "decode"
+    return "prefill" if pre_q else None
+
+
 def bottleneck(window: MetricsWindow, config: RatioConfig) -> tuple[Phase | None, str]:
     """The phase that limits attainment (or None) and why (rule 3 of the module docstring).
 
-    TTFT misses are the prefill's doing only when requests queue for prefill: with no prefill
-    queue and a decode queue (or saturated decode KV), requests wait for decode capacity —
-    at the router's admission, or for a reservation — and miss TTFT there. TPOT misses (of
-    the requests that reached decode) are decode's. Saturated KV with both missing alike
-    and no prefill queue means decode."""
+    TTFT misses are the prefill's doing unless the queues say requests wait for decode
+    (`waits_for`): then they wait for decode capacity — at the router's admission, or for a
+    reservation — and miss TTFT there. TPOT misses (of the requests that reached decode) are
+    decode's. Saturated KV with both missing alike and no prefill queue means decode."""
     ttft_miss = 1.0 - window.ttft_attainment
     tpot_miss = 1.0 - window.decode_attainment
     misses = f"TTFT miss {ttft_miss:.0%}, TPOT miss {tpot_miss:.0%}"
-    pre_q, dec_q = queued(window, "prefill", config), queued(window, "decode", config)
+    pre_q = queued(window, "prefill", config)
     queues = (
         f"prefill queue {window.prefill_waiting:.1f} requests "
         f"({window.prefill_waiting_tokens:.0f} tokens)/worker, decode queue "
@@ -75,7 +89,7 @@ def bottleneck(window: MetricsWindow, config: RatioConfig) -> tuple[Phase | None
         f"{window.decode_kv_utilisation:.0%}"
     )
     if ttft_miss - tpot_miss > config.hysteresis:
-        if dec_q and not pre_q:
+        if waits_for(window, config) == "decode":
             return "decode", f"{misses}, but requests wait for decode: {queues}"
         return "prefill", f"{misses}; {queues}"
     if tpot_miss - ttft_miss > config.hysteresis:

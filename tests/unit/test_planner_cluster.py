@@ -136,6 +136,8 @@ def test_simulate_writes_its_json_report_and_plots(tmp_path: Path) -> None:
     assert "Adaptive / best fixed split" in report.read_text()
     with pytest.raises(ValueError, match="add up to 4"):
         run_scale(replace(setup, policy="fixed:1:1"))
+    with pytest.raises(ValueError, match="add up to 4"):
+        run_scale(replace(setup, start="1:1"))
 
 
 def test_pairs_stay_on_their_node_over_a_slow_link() -> None:

@@ -60,10 +60,14 @@ def test_ttft_misses_with_a_decode_queue_and_no_prefill_queue_mean_decode() -> N
     d = decide(w, ControllerState(), 100.0, CFG)
     assert (d.action, d.to_role) == ("switch", "decode"), d.reason
     assert "requests wait for decode" in d.reason
-    # the same misses with a prefill queue: prefill
-    w = window(8, 8, ttft=0.2, tpot=1.0, prefill_waiting=30.0, decode_batch=256.0,
+    # the same misses with the longer queue (requests per worker) at prefill: prefill
+    w = window(8, 8, ttft=0.2, tpot=1.0, prefill_waiting=300.0, decode_batch=256.0,
                decode_requests=400.0)  # fmt: skip
     assert decide(w, ControllerState(), 100.0, CFG).to_role == "prefill"
+    # a short prefill queue beside a long decode one: still decode
+    w = window(8, 8, ttft=0.2, tpot=1.0, prefill_waiting=3.0, decode_batch=256.0,
+               decode_requests=400.0)  # fmt: skip
+    assert decide(w, ControllerState(), 100.0, CFG).to_role == "decode"
 
 
 def test_decode_kv_held_by_a_prefill_backlog_is_not_a_decode_shortage() -> None:
@@ -99,6 +103,19 @@ def test_steps_double_while_the_shortfall_lasts_within_the_caps() -> None:
     # a pause longer than the cooldown allows resets the step
     dec = decide(window(p, d, ttft=1.0, tpot=0.3), st, t + 60.0, CFG)
     assert len(dec.addresses) == 1
+
+
+def test_a_switch_is_judged_only_once_the_backlog_it_was_for_is_gone() -> None:
+    move = Decision("switch", "x", address="d7", from_role="prefill", to_role="decode")
+    st = ControllerState()
+    st.begin(move, 100.0, window(9, 7, tpot=0.95))
+    st.end(101.0)
+    # requests still wait for decode (the queue built before): TTFT misses are not a reason
+    # to give the worker back, and the switch is not judged yet
+    backlog = window(8, 8, ttft=0.0, tpot=0.6, decode_batch=256.0, decode_requests=341.0)
+    d = decide(backlog, st, 101.0 + CFG.window_s, CFG)
+    assert not d.revert and st.last is move
+    assert d.to_role == "decode" or d.action == "hold", d.reason
 
 
 def test_a_multi_worker_switch_that_hurt_is_reverted_whole() -> None:

@@ -9,7 +9,8 @@ real ratio controller on one workload (`pdserve simulate`). Pure; runs in the CL
    ranks them by goodput (requests meeting both SLOs per second of the run);
 3. simulates the adaptive policy: the router's `RatioController` (`sim_adaptive`) starting
    from the best fixed split — where a planner would put a static cluster — so whatever it
-   gains or loses against that split is the controller's own doing;
+   gains or loses against that split is the controller's own doing (`start`: another first
+   split, e.g. to watch it converge);
 4. returns a `ScaleResult` (`simulation.json`'s content); `scale_report` writes the Markdown
    report and its plots.
 
@@ -63,6 +64,7 @@ class ScaleSetup:
     target: float = 0.9
     seed: int = 0
     policy: str = "adaptive"  # or "fixed:P:D": the run the timeline shows beside the best fixed
+    start: str = ""  # "P:D": the adaptive run's first split ("": the best fixed split)
     nodes: int = 1  # workers spread over this many nodes (pair-aware routing when > 1)
     cross_node_gbps: float | None = None  # link between nodes, GB/s (None: the profile's)
 
@@ -246,15 +248,21 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
         fixed.append(_split_result(f"{p}:{n - p}", p, n - p, reqs, outs, setup, bounds))
         outcomes[f"{p}:{n - p}"] = outs
     best = max(fixed, key=lambda r: (r.goodput_rps, -r.prefill))
-    start = topo.spec(base, best.prefill, best.decode)
+    first = (best.prefill, best.decode)
+    if setup.start:
+        p0, _, d0 = setup.start.partition(":")
+        if not (p0.isdigit() and d0.isdigit()) or int(p0) < 1 or int(d0) < 1:
+            raise ValueError(f"--start must be P:D with P, D >= 1, got {setup.start!r}")
+        if int(p0) + int(d0) != n:
+            raise ValueError(f"--start {setup.start}: P and D must add up to {n} workers")
+        first = (int(p0), int(d0))
+    start = topo.spec(base, *first)
     router, links = topo.wiring()
     res: AdaptiveResult = simulate_adaptive(
         reqs, start, cost, controller_config(setup), router, links
     )
     outcomes["adaptive"] = res.outcomes
-    adaptive = _split_result(
-        "adaptive", best.prefill, best.decode, reqs, res.outcomes, setup, bounds
-    )
+    adaptive = _split_result("adaptive", *first, reqs, res.outcomes, setup, bounds)
     subject = "adaptive" if subject_split is None else f"{subject_split[0]}:{subject_split[1]}"
     pairing = _pairing(topo, reqs, start, setup, bounds) if setup.nodes > 1 else {}
     return ScaleResult(

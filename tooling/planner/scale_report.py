@@ -77,6 +77,14 @@ def write_scale_report(res: ScaleResult, out: Path) -> Path:
     return out / "report.md"
 
 
+def start_text(res: ScaleResult) -> str:
+    c = res.setup["cluster"]
+    first = f"{c['prefill']}:{c['decode']}"
+    if first == res.best_fixed_split:
+        return f"the best fixed split ({first})"
+    return f"{first} (not the best fixed split, {res.best_fixed_split}: `--start`)"
+
+
 def markdown(res: ScaleResult) -> str:
     s = res.setup
     lines = [
@@ -92,8 +100,8 @@ def markdown(res: ScaleResult) -> str:
         f" ({s['requests']} requests, seed {s['seed']})",
         "- every fixed split is simulated on the same requests; the adaptive run is the router's "
         "own `RatioController` (decisions, hysteresis, cooldown, reverts) on the simulator's "
-        f"clock, starting from the best fixed split ({res.best_fixed_split}); a switch drains "
-        "the worker request by request first",
+        f"clock, starting from {start_text(res)}; a switch drains the worker request by "
+        "request first",
         f"- controller: window {s['controller']['window_s']:g} s, decision every "
         f"{s['controller']['interval_s']:g} s, cooldown {s['controller']['cooldown_s']:g} s, "
         f"hysteresis {s['controller']['hysteresis']:g}, max step {s['controller']['max_step']}, "
