@@ -233,6 +233,14 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
         subject_split = (int(bits[1]), int(bits[2]))
         if min(subject_split) < 1 or sum(subject_split) != n:
             raise ValueError(f"policy {policy}: P and D must be >= 1 and add up to {n} workers")
+    chosen_start: tuple[int, int] | None = None
+    if setup.start:
+        p0, _, d0 = setup.start.partition(":")
+        if not (p0.isdigit() and d0.isdigit()) or int(p0) < 1 or int(d0) < 1:
+            raise ValueError(f"--start must be P:D with P, D >= 1, got {setup.start!r}")
+        if int(p0) + int(d0) != n:
+            raise ValueError(f"--start {setup.start}: P and D must add up to {n} workers")
+        chosen_start = (int(p0), int(d0))
     phases = setup.phases()
     reqs = to_sim(shifting(phases, CONTEXT, setup.seed))
     cost = setup.profile.cost(1)
@@ -248,14 +256,7 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
         fixed.append(_split_result(f"{p}:{n - p}", p, n - p, reqs, outs, setup, bounds))
         outcomes[f"{p}:{n - p}"] = outs
     best = max(fixed, key=lambda r: (r.goodput_rps, -r.prefill))
-    first = (best.prefill, best.decode)
-    if setup.start:
-        p0, _, d0 = setup.start.partition(":")
-        if not (p0.isdigit() and d0.isdigit()) or int(p0) < 1 or int(d0) < 1:
-            raise ValueError(f"--start must be P:D with P, D >= 1, got {setup.start!r}")
-        if int(p0) + int(d0) != n:
-            raise ValueError(f"--start {setup.start}: P and D must add up to {n} workers")
-        first = (int(p0), int(d0))
+    first = chosen_start or (best.prefill, best.decode)
     start = topo.spec(base, *first)
     router, links = topo.wiring()
     res: AdaptiveResult = simulate_adaptive(
