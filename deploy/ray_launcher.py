@@ -234,6 +234,21 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
     return wc.model_dump_json()
 
 
+def interleave_roles(roles: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
+    """Workers in bundle order: one of each role in turn (prefill, decode, prefill, ...), so a
+    SPREAD placement, whichever way it deals bundles to nodes, gives each node both roles when
+    there are enough workers — prefill/decode pairs can then stay on one node."""
+    by_role: dict[str, list[tuple[str, Role]]] = {}
+    for wid, role in roles:
+        by_role.setdefault(role, []).append((wid, role))
+    out: list[tuple[str, Role]] = []
+    while any(by_role.values()):
+        for queue in by_role.values():
+            if queue:
+                out.append(queue.pop(0))
+    return out
+
+
 def _join_ray(config: ClusterConfig) -> bool:
     """Initialise Ray unless it already is; True when this call did it. A local cluster gets
     enough CPUs for every worker's bundle (`preflight.local_cluster_cpus`), said in one line."""
@@ -299,7 +314,7 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
     bundle: dict[str, float] = {"CPU": r.cpus_per_worker}
     if r.gpus_per_worker:
         bundle["GPU"] = r.gpus_per_worker
-    roles = config.worker_roles()
+    roles = interleave_roles(config.worker_roles())
     try:
         _preflight(config, bundle)
     except ValueError:

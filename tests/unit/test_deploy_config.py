@@ -286,3 +286,13 @@ def test_worker_sched_idle_reaches_both_launchers() -> None:
     assert "--sched-idle" not in worker_argv(off, "w0", "prefill")
     assert parse_worker_args(worker_argv(on, "w0", "prefill")[3:])[0].sched_idle is True
     assert json.loads(worker_config_json(on, "w0", "decode", "127.0.0.1"))["sched_idle"] is True
+
+
+def test_ray_bundles_deal_the_roles_in_turn() -> None:
+    """SPREAD then gives each node a prefill and a decode worker, however it deals bundles."""
+    from deploy.ray_launcher import interleave_roles
+
+    roles = [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
+    roles.append(("decode-1", "decode"))
+    got = [wid for wid, _ in interleave_roles(roles)]  # type: ignore[arg-type]
+    assert got == ["prefill-0", "decode-0", "prefill-1", "decode-1"]
