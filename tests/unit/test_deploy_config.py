@@ -294,5 +294,5 @@ def test_ray_bundles_deal_the_roles_in_turn() -> None:
 
     roles = [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
     roles.append(("decode-1", "decode"))
-    got = [wid for wid, _ in interleave_roles(roles)]  # type: ignore[arg-type]
+    got = [wid for wid, _ in interleave_roles(roles)]
     assert got == ["prefill-0", "decode-0", "prefill-1", "decode-1"]
