@@ -290,9 +290,11 @@ def test_worker_sched_idle_reaches_both_launchers() -> None:
 
 def test_ray_bundles_deal_the_roles_in_turn() -> None:
     """SPREAD then gives each node a prefill and a decode worker, however it deals bundles."""
+    from deploy.config import Role
     from deploy.ray_launcher import interleave_roles
 
-    roles = [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
-    roles.append(("decode-1", "decode"))
+    p: Role = "prefill"
+    d: Role = "decode"
+    roles = [("prefill-0", p), ("prefill-1", p), ("decode-0", d), ("decode-1", d)]
     got = [wid for wid, _ in interleave_roles(roles)]
     assert got == ["prefill-0", "decode-0", "prefill-1", "decode-1"]
