@@ -63,11 +63,11 @@ def predict(
 ) -> dict[str, Any]:
     """The simulator's attainment for split p:d on `cores` shared cores, overall and per
     phase; with `adaptive`, p:d is the start and that controller moves workers."""
-    from tooling.planner.costs import CostModel
+    from tooling.planner.profiles import load_profile
     from tooling.planner.sim import ClusterSpec, simulate
     from tooling.planner.sim import attainment as sim_att
 
-    cost = CostModel.load(cost_path)
+    cost = load_profile(cost_path).cost(args.threads)
     spec = ClusterSpec(
         prefill=p,
         decode=d,
