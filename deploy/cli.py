@@ -3,7 +3,7 @@
 Runs in the CLI process (`pdserve ...` or `python -m deploy.cli ...`). Subcommands import their
 heavy dependencies (torch, the engine) only when they run, so `pdserve --help` is fast.
 
-    pdserve make-model --preset tiny|small --out DIR [--seed N]
+    pdserve make-model --preset tiny|small --out DIR [--seed N] [--dtype float32|bfloat16]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
     pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: the goodput demo)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
@@ -52,6 +52,12 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="checkpoint dtype (config.json torch_dtype; 'auto' engines run in it)",
+    )
+    p.add_argument(
         "--if-missing", action="store_true", help="do nothing if OUT already holds a config.json"
     )
     p.set_defaults(func=make_model_main)
@@ -64,12 +70,15 @@ def make_model_main(args: argparse.Namespace) -> int:
         print(f"model already present in {args.out}")
         return 0
     try:
-        out = make_random_model(args.out, args.preset, args.seed)
+        out = make_random_model(args.out, args.preset, args.seed, args.dtype)
     except ValueError as exc:
         print(f"pdserve make-model: {exc}", file=sys.stderr)
         return 2
     n = PRESETS[args.preset].num_parameters()
-    print(f"wrote {args.preset} model ({n / 1e6:.2f}M parameters, seed {args.seed}) to {out}")
+    print(
+        f"wrote {args.preset} model ({n / 1e6:.2f}M parameters, {args.dtype}, seed {args.seed}) "
+        f"to {out}"
+    )
     return 0
 
 
