@@ -304,9 +304,11 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument(
-        "--linear-kernel", choices=["auto", "torch", "onednn"], help="GEMM for weight matmuls"
+        "--linear-kernel",
+        choices=["auto", "torch", "onednn", "bf16_avx2"],
+        help="GEMM for weight matmuls",
     )
     p.set_defaults(func=batch_main)
 

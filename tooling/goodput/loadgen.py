@@ -206,6 +206,7 @@ async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
         send_lag_p50_ms=float(np.percentile(lags, 50)),
         send_lag_p99_ms=float(np.percentile(lags, 99)),
         meta=job.meta,
+        t0_monotonic=t0,
     )
 
 

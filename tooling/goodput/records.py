@@ -136,6 +136,9 @@ class RunResult:
     send_lag_p50_ms: float
     send_lag_p99_ms: float
     meta: dict[str, Any] = field(default_factory=dict)
+    t0_monotonic: float = 0.0
+    """The run's t = 0 on the load generator's clock (`time.monotonic`, system-wide on Linux),
+    so samples taken by another process on the same host can be aligned with its records."""
 
     @property
     def valid(self) -> bool:
