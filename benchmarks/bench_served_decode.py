@@ -83,15 +83,24 @@ def engine_reference(
 
 
 async def poll_status(address: str, interval_s: float, stop: asyncio.Event) -> list[list[float]]:
-    """[monotonic time, num_running] of the worker at `address` every `interval_s` until
-    `stop` is set (each sample timed at the midpoint of its call)."""
+    """[monotonic time, num_running, engine_steps, engine_step_wall_s, engine_step_cpu_s] of
+    the worker at `address` every `interval_s` until `stop` is set (each sample timed at the
+    midpoint of its call)."""
     samples: list[list[float]] = []
     async with grpc.aio.insecure_channel(address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
         while not stop.is_set():
             t0 = time.monotonic()
             status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=2.0)
-            samples.append([(t0 + time.monotonic()) / 2, status.num_running])
+            samples.append(
+                [
+                    (t0 + time.monotonic()) / 2,
+                    status.num_running,
+                    status.engine_steps,
+                    status.engine_step_wall_s,
+                    status.engine_step_cpu_s,
+                ]
+            )
             with contextlib.suppress(TimeoutError):  # the poll interval passed
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
     return samples
@@ -119,7 +128,7 @@ def specs(n: int, rate: float, prompt_len: int, output_len: int, seed: int) -> l
 def summarize_run(run: dict[str, Any], samples: list[list[float]]) -> dict[str, Any]:
     ok = [r for r in run["records"] if r["status"] == "OK" and r["tpot_ms"] is not None]
     t0 = run["t0_monotonic"]
-    busy = [b for t, b in samples if t0 <= t <= t0 + run["duration_s"] and b > 0]
+    busy = [s[1] for s in samples if t0 <= s[0] <= t0 + run["duration_s"] and s[1] > 0]
     return {
         "requests": len(run["records"]),
         "ok": len(ok),
@@ -228,14 +237,18 @@ def assemble(
     for d in DTYPES:
         gaps: dict[int, list[float]] = {}
         requests: list[dict[str, float]] = []
+        samples: list[list[float]] = []
         for r in (r for r in runs if r["dtype"] == d):
-            a = report.attribute(r["run"], [(t, int(b)) for t, b in r["samples"]])
+            a = report.attribute(r["run"], [(s[0], int(s[1])) for s in r["samples"]])
             for b, g in a["gaps"].items():
                 gaps.setdefault(b, []).extend(g)
             requests += a["requests"]
+            samples += r["samples"]
+        worker = report.worker_steps(samples)
         by_dtype[d] = {
             "engine_ms": engine_ms[d],
-            "itl_by_batch": report.by_batch_rows(gaps, engine_ms[d], args.min_gaps),
+            "worker_steps": worker,
+            "itl_by_batch": report.by_batch_rows(gaps, engine_ms[d], args.min_gaps, worker),
             "tpot_by_batch": report.tpot_rows(requests, engine_ms[d]),
         }
     bw = machine.memory_bandwidth_gbs * 1e9

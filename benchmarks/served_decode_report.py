@@ -9,12 +9,16 @@ records are on the same clock (`RunResult.t0_monotonic`). Each inter-token gap o
 attributed the batch sampled nearest its end; a request's TPOT is attributed the mean batch
 over its decode span, rounded. Gaps are grouped by batch: their p50 is the served step at that
 batch, compared with the engine's step at the same batch (interpolated between measured batch
-sizes).
+sizes) and with the decode worker's own step (wall and engine-thread CPU, from the cumulative
+counters in its status): ITL - worker wall is delivery (engine loop outside the step, token
+streaming, router hop); worker wall - worker CPU is waiting (for a core or the GIL); worker CPU
+- engine step is extra work or slower work (caches) inside the served step.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +65,26 @@ def attribute(run: dict[str, Any], samples: Sequence[tuple[float, int]]) -> dict
     return {"gaps": gaps, "requests": requests}
 
 
+def worker_steps(samples: Sequence[Sequence[float]]) -> dict[int, dict[str, float]]:
+    """The decode worker's own step time by batch, from its cumulative counters: for each pair
+    of consecutive samples [t, batch, steps, wall_s, cpu_s] with the same batch at both ends
+    and steps run between them, the steps' wall and CPU seconds go to that batch.
+    Returns {batch: {"steps", "wall_ms", "cpu_ms"}} (mean per step)."""
+    acc: dict[int, list[float]] = {}
+    for a, b in itertools.pairwise(samples):
+        steps = b[2] - a[2]
+        if a[1] != b[1] or steps <= 0 or b[1] < 1:
+            continue
+        tot = acc.setdefault(int(b[1]), [0.0, 0.0, 0.0])
+        tot[0] += steps
+        tot[1] += b[3] - a[3]
+        tot[2] += b[4] - a[4]
+    return {
+        k: {"steps": v[0], "wall_ms": v[1] / v[0] * 1e3, "cpu_ms": v[2] / v[0] * 1e3}
+        for k, v in acc.items()
+    }
+
+
 def engine_step_at(engine_ms: dict[int, float], batch: float) -> float:
     """The engine's step at `batch`, linearly interpolated between measured batch sizes
     (clamped to the measured range)."""
@@ -76,9 +100,13 @@ def engine_step_at(engine_ms: dict[int, float], batch: float) -> float:
 
 
 def by_batch_rows(
-    gaps: dict[int, list[float]], engine_ms: dict[int, float], min_gaps: int
+    gaps: dict[int, list[float]],
+    engine_ms: dict[int, float],
+    min_gaps: int,
+    worker: dict[int, dict[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per decode batch with at least `min_gaps` gaps: ITL p50/p99, engine step, ratio."""
+    """One row per decode batch with at least `min_gaps` gaps: ITL p50/p99, the engine step,
+    their ratio, and (from `worker_steps`) the worker's own step wall/CPU ms at that batch."""
     rows = []
     for b in sorted(gaps):
         g = gaps[b]
@@ -86,6 +114,7 @@ def by_batch_rows(
             continue
         p50 = float(np.percentile(g, 50))
         step = engine_step_at(engine_ms, b)
+        w = (worker or {}).get(b, {})
         rows.append(
             {
                 "batch": b,
@@ -94,6 +123,8 @@ def by_batch_rows(
                 "itl_p99_ms": float(np.percentile(g, 99)),
                 "engine_step_ms": step,
                 "served_over_engine": p50 / step,
+                "worker_step_wall_ms": w.get("wall_ms", float("nan")),
+                "worker_step_cpu_ms": w.get("cpu_ms", float("nan")),
             }
         )
     return rows
@@ -149,13 +180,15 @@ def render(result: dict[str, Any]) -> str:
             + ", ".join(f"{b}: {v:.1f}" for b, v in sorted(d["engine_ms"].items()))
             + " ms.",
             "",
-            "| decode batch | gaps | ITL p50 ms | ITL p99 ms | engine step ms | p50 / engine |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| decode batch | gaps | ITL p50 ms | ITL p99 ms | engine step ms | p50 / engine "
+            "| worker step wall ms | worker step CPU ms |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in d["itl_by_batch"]:
             lines.append(
                 f"| {r['batch']} | {r['gaps']} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} "
-                f"| {r['engine_step_ms']:.1f} | {r['served_over_engine']:.2f} |"
+                f"| {r['engine_step_ms']:.1f} | {r['served_over_engine']:.2f} "
+                f"| {r['worker_step_wall_ms']:.1f} | {r['worker_step_cpu_ms']:.1f} |"
             )
         lines += [
             "",

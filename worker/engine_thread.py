@@ -43,7 +43,7 @@ import grpc
 from model_runtime.engine import LayerCallback
 from model_runtime.scheduler_types import SchedulerOutput
 from worker.roles import Role, RoleContext
-from worker.sinks import Sink, UnarySink, WorkerError
+from worker.sinks import Sink, UnarySink, WorkerError, delivered_together
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class Snapshot:
     free_blocks: int
     total_blocks: int
     block_size: int
+    engine_steps: int = 0  # steps run since start, and their summed wall / thread CPU seconds
+    engine_step_wall_s: float = 0.0
+    engine_step_cpu_s: float = 0.0
 
 
 @dataclass
@@ -111,6 +114,9 @@ class EngineThread:
             queue.SimpleQueue()
         )
         self._drain: _Drain | None = None
+        self._steps = 0  # engine-thread counters, published in each Snapshot
+        self._step_wall_s = 0.0
+        self._step_cpu_s = 0.0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.snapshot = self._make_snapshot()
@@ -256,9 +262,14 @@ class EngineThread:
             sink.fail(err)
 
     def _step(self) -> None:
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         outputs = self.engine.step(self._before_forward)
-        self.role.on_outputs(outputs, started, time.monotonic())
+        ended = time.monotonic()
+        with delivered_together():  # one loop wake-up for the whole step's tokens
+            self.role.on_outputs(outputs, started, ended)
+        self._steps += 1  # wall and CPU both include handing the outputs to their sinks
+        self._step_wall_s += time.monotonic() - started
+        self._step_cpu_s += time.thread_time() - cpu
 
     def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         """The role's layer callback, then any between-layers RPCs that have arrived (roles
@@ -362,4 +373,7 @@ class EngineThread:
             free_blocks=pool.num_free,
             total_blocks=pool.num_blocks,
             block_size=self.engine.config.block_size,
+            engine_steps=self._steps,
+            engine_step_wall_s=self._step_wall_s,
+            engine_step_cpu_s=self._step_cpu_s,
         )

@@ -74,6 +74,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             block_size=s.block_size,
             kv_endpoint=self._kv_endpoint,
             epoch=self._epoch,
+            engine_steps=s.engine_steps,
+            engine_step_wall_s=s.engine_step_wall_s,
+            engine_step_cpu_s=s.engine_step_cpu_s,
         )
 
     # ---- RPCs ------------------------------------------------------------------------------

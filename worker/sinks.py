@@ -5,14 +5,22 @@ once: it only schedules a callback on the event loop with ``call_soon_threadsafe
 handler on the loop awaits `UnarySink.wait()` or iterates a `StreamSink`. A sink is closed by
 its first final answer (a value, a finished chunk or an error); later calls are ignored, so a
 request that is aborted twice (Abort RPC racing its deadline) still answers once.
+
+`delivered_together()`: inside it, answers given on the calling thread are collected and handed
+to each event loop with one ``call_soon_threadsafe`` when it ends. The engine thread wraps a
+step's token delivery in it: one loop wake-up (one self-pipe write) per step instead of one per
+running request, and the loop starts sending only once the engine thread is done with the GIL
+for this step's Python work, instead of contending for it chunk by chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -31,12 +39,50 @@ class WorkerError(Exception):
         self.message = message
 
 
+_Callback = tuple[Callable[..., None], tuple[Any, ...]]
+_collecting = threading.local()  # .pending: {loop: [callbacks]} inside `delivered_together`
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    pending: dict[asyncio.AbstractEventLoop, list[_Callback]] | None = getattr(
+        _collecting, "pending", None
+    )
+    if pending is not None:
+        pending.setdefault(loop, []).append((fn, args))
+        return
+    _hand_over(loop, _run_each, [(fn, args)])
+
+
+def _hand_over(
+    loop: asyncio.AbstractEventLoop, fn: Callable[..., None], callbacks: list[_Callback]
+) -> None:
     try:
-        loop.call_soon_threadsafe(fn, *args)
+        loop.call_soon_threadsafe(fn, callbacks)
     except RuntimeError:
-        # The loop is closed: the server stopped and nobody is waiting for this answer.
-        log.debug("event loop closed; dropped an answer for a finished RPC")
+        # The loop is closed: the server stopped and nobody is waiting for these answers.
+        log.debug("event loop closed; dropped %d answers for finished RPCs", len(callbacks))
+
+
+def _run_each(callbacks: list[_Callback]) -> None:
+    """On the loop: run the collected callbacks in the order they were given."""
+    for fn, args in callbacks:
+        fn(*args)
+
+
+@contextlib.contextmanager
+def delivered_together() -> Iterator[None]:
+    """Collect the answers given on this thread inside the block; hand them to their loops,
+    in order, with one ``call_soon_threadsafe`` per loop when the block ends (see the module
+    doc). Not reentrant."""
+    pending: dict[asyncio.AbstractEventLoop, list[_Callback]] = {}
+    assert getattr(_collecting, "pending", None) is None, "delivered_together is not reentrant"
+    _collecting.pending = pending
+    try:
+        yield
+    finally:
+        _collecting.pending = None
+        for loop, callbacks in pending.items():
+            _hand_over(loop, _run_each, callbacks)
 
 
 class UnarySink:

@@ -60,3 +60,17 @@ def test_rows_skip_thin_batches_and_give_ratios() -> None:
     )
     assert [(r["batch"], r["requests"]) for r in tp] == [(2, 2)]
     assert tp[0]["tpot_p50_over_engine"] == pytest.approx(1.15)
+
+
+def test_worker_steps_use_intervals_with_one_batch() -> None:
+    # [t, batch, steps, wall_s, cpu_s]: 10 steps at batch 2 (0.5 s wall, 0.3 s CPU), then an
+    # interval where the batch changed (skipped), then 5 steps at batch 3.
+    samples = [
+        [0.0, 2, 0, 0.0, 0.0],
+        [1.0, 2, 10, 0.5, 0.3],
+        [2.0, 3, 20, 1.1, 0.7],
+        [3.0, 3, 25, 1.5, 0.9],
+    ]
+    got = report.worker_steps(samples)
+    assert got[2] == pytest.approx({"steps": 10, "wall_ms": 50.0, "cpu_ms": 30.0})
+    assert got[3] == pytest.approx({"steps": 5, "wall_ms": 80.0, "cpu_ms": 40.0})

@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_waiting", "num_running", "waiting_tokens", "free_blocks", "total_blocks", "block_size", "kv_endpoint", "epoch")
+    __slots__ = ("worker_id", "role", "draining", "num_waiting", "num_running", "waiting_tokens", "free_blocks", "total_blocks", "block_size", "kv_endpoint", "epoch", "engine_steps", "engine_step_wall_s", "engine_step_cpu_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,9 @@ class WorkerStatus(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_CPU_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     draining: bool
@@ -34,7 +37,10 @@ class WorkerStatus(_message.Message):
     block_size: int
     kv_endpoint: str
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    engine_steps: int
+    engine_step_wall_s: float
+    engine_step_cpu_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_wall_s: _Optional[float] = ..., engine_step_cpu_s: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_name", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
