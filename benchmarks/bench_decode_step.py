@@ -59,15 +59,37 @@ def ensure_model(path: str, dtype: str) -> None:
         )
 
 
-def make_engine(model: str, max_batch: int, tokens_per_seq: int) -> LLMEngine:
-    """An engine sized for `max_batch` sequences of `tokens_per_seq` tokens, default kernels."""
+def make_engine(
+    model: str,
+    max_batch: int,
+    tokens_per_seq: int,
+    linear_kernel: str = "auto",
+    attention_backend: str = "auto",
+) -> LLMEngine:
+    """An engine sized for `max_batch` sequences of `tokens_per_seq` tokens."""
     per_seq = -(-tokens_per_seq // 16) + 1
-    config = EngineConfig(
-        num_kv_blocks=max_batch * per_seq + 8,
-        max_num_batched_tokens=max(4096, max_batch),
-        max_num_seqs=max_batch,
+    config = EngineConfig.model_validate(
+        {
+            "num_kv_blocks": max_batch * per_seq + 8,
+            "max_num_batched_tokens": max(4096, max_batch),
+            "max_num_seqs": max_batch,
+            "linear_kernel": linear_kernel,
+            "attention_backend": attention_backend,
+        }
     )
     return LLMEngine.from_model_dir(model, config)
+
+
+# name -> (dtype, linear kernel, attention backend). The first two are the defaults ('auto');
+# `--baselines` adds the code paths before issue 21 on this host, side by side.
+VARIANTS = {
+    "float32": ("float32", "auto", "auto"),
+    "bfloat16": ("bfloat16", "auto", "auto"),
+}
+BASELINES = {
+    "float32-torch-attn": ("float32", "auto", "torch"),  # float32 before: reference attention
+    "bfloat16-before": ("bfloat16", "torch", "torch"),  # bf16 F.linear + reference attention
+}
 
 
 def decode_steps(
@@ -127,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile-batches", default="", help="e.g. 1,4,16,32 (empty: no profile)")
+    ap.add_argument(
+        "--baselines", action="store_true", help=f"also time {sorted(BASELINES)} side by side"
+    )
     ap.add_argument("--out", default="runs/decode_step/decode_step.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -137,10 +162,18 @@ def main(argv: list[str] | None = None) -> int:
         ensure_model(path, dtype)
     max_b = max(batches + profile_batches)
     tokens = args.context + args.steps + 2
-    engines = {d: make_engine(p, max_b, tokens) for d, p in models.items()}
-    for d, e in engines.items():
-        assert str(e.runner.kv_cache.dtype).endswith(d), (d, e.runner.kv_cache.dtype)
-    _say(f"kernels: { {d: e.runner.linear_kernel for d, e in engines.items()} }")
+    variants = VARIANTS | (BASELINES if args.baselines else {})
+    engines = {
+        name: make_engine(models[dtype], max_b, tokens, kernel, attn)
+        for name, (dtype, kernel, attn) in variants.items()
+    }
+    for name, e in engines.items():
+        dtype = variants[name][0]
+        assert str(e.runner.kv_cache.dtype).endswith(dtype), (name, e.runner.kv_cache.dtype)
+    _say(
+        "kernels: "
+        + str({n: (e.runner.linear_kernel, e.runner.backend.name) for n, e in engines.items()})
+    )
     _say("measuring the machine ...")
     machine = measure_machine()
     vocab = engines["float32"].model_config.vocab_size
@@ -171,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"profiled {d} batch {b}: {statistics.mean(times) * 1e3:.1f} ms/step")
     machine = measure_machine().best_of(machine)
     result = summarize(args, engines, machine, rows, profiles)
+    result["variants"] = {n: list(v) for n, v in variants.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -188,7 +222,7 @@ def summarize(
     profiles: dict[str, dict[str, dict[str, float]]],
 ) -> dict[str, Any]:
     bw = machine.memory_bandwidth_gbs * 1e9
-    floors = {d: weight_bytes(e) / bw * 1e3 for d, e in engines.items()}
+    floors = {d: weight_bytes(engines[d]) / bw * 1e3 for d in DTYPES}
     for row in rows:
         row["bf16_over_fp32"] = row["step_ms_bfloat16"] / row["step_ms_float32"]
     by_batch = {r["batch"]: r for r in rows}
@@ -205,13 +239,13 @@ def summarize(
     return {
         "benchmark": "decode_step",
         "models": {"float32": args.fp32, "bfloat16": args.bf16},
-        "kernels": {d: e.runner.linear_kernel for d, e in engines.items()},
+        "kernels": {n: [e.runner.linear_kernel, e.runner.backend.name] for n, e in engines.items()},
         "threads": args.threads,
         "context": args.context,
         "steps": args.steps,
         "rounds": args.rounds,
         "machine": machine.to_json(),
-        "weight_bytes": {d: weight_bytes(e) for d, e in engines.items()},
+        "weight_bytes": {d: weight_bytes(engines[d]) for d in DTYPES},
         "floor_ms": floors,
         "rows": rows,
         "targets": targets,
@@ -221,21 +255,27 @@ def summarize(
 
 def render(result: dict[str, Any]) -> str:
     m, fl = result["machine"], result["floor_ms"]
+    names = list(result["kernels"])
     lines = [
         f"# Decode step by batch — {result['threads']} torch thread(s), context "
-        f"{result['context']}, kernels {result['kernels']}",
+        f"{result['context']}",
+        "",
+        "Variants (linear kernel, attention backend): "
+        + ", ".join(f"{n} ({k[0]}, {k[1]})" for n, k in result["kernels"].items())
+        + ".",
         "",
         f"Memory bandwidth {m['memory_bandwidth_gbs']:.1f} GB/s (measured in this run); "
         f"weight-streaming floor {fl['float32']:.2f} ms (float32), {fl['bfloat16']:.2f} ms "
         "(bfloat16).",
         "",
-        "| batch | fp32 step ms | bf16 step ms | bf16 / fp32 |",
-        "|---:|---:|---:|---:|",
+        "| batch | " + " | ".join(f"{n} step ms" for n in names) + " | bf16 / fp32 |",
+        "|---:|" + "---:|" * (len(names) + 1),
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['batch']} | {r['step_ms_float32']:.2f} | {r['step_ms_bfloat16']:.2f} "
-            f"| {r['bf16_over_fp32']:.2f} |"
+            f"| {r['batch']} | "
+            + " | ".join(f"{r[f'step_ms_{n}']:.2f}" for n in names)
+            + f" | {r['bf16_over_fp32']:.2f} |"
         )
     lines += [
         "",
@@ -247,7 +287,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def render_profile(profiles: dict[str, dict[str, dict[str, float]]]) -> list[str]:
-    """One table: ops as rows, (dtype, batch) as columns, self ms per step."""
+    """One table per variant: ops as rows (the same ops, in the same order, in every table),
+    batches as columns, self ms per step."""
     cols = [(d, b) for d in profiles for b in profiles[d]]
     wall = "(step wall time, profiled)"
     names: set[str] = set()
@@ -255,26 +296,33 @@ def render_profile(profiles: dict[str, dict[str, dict[str, float]]]) -> list[str
         ops = {k: v for k, v in profiles[d][b].items() if k != wall}
         names |= set(sorted(ops, key=ops.__getitem__, reverse=True)[:TOP_OPS])
     order = sorted(names, key=lambda n: -max(profiles[d][b].get(n, 0.0) for d, b in cols))
-    head = "| op (self ms / step) | " + " | ".join(f"{d[:4]} b{b}" for d, b in cols) + " |"
-    lines = [head, "|---|" + "---:|" * len(cols)]
-    for n in order:
+    lines: list[str] = []
+    for d, by_batch in profiles.items():
+        batches = list(by_batch)
+        lines += [
+            f"### {d}: self ms per decode step",
+            "",
+            "| op | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|" + "---:|" * len(batches),
+        ]
+        for n in order:
+            cells = " | ".join(f"{by_batch[b].get(n, 0.0):.2f}" for b in batches)
+            lines.append(f"| `{n}` | {cells} |")
+        ops_sum = {b: sum(v for k, v in by_batch[b].items() if k != wall) for b in batches}
+        other = {b: ops_sum[b] - sum(by_batch[b].get(n, 0.0) for n in order) for b in batches}
+        outside = {b: by_batch[b][wall] - ops_sum[b] for b in batches}
+        lines.append("| other ops | " + " | ".join(f"{other[b]:.2f}" for b in batches) + " |")
         lines.append(
-            f"| `{n}` | " + " | ".join(f"{profiles[d][b].get(n, 0.0):.2f}" for d, b in cols) + " |"
+            "| outside ops (Python, bookkeeping) | "
+            + " | ".join(f"{outside[b]:.2f}" for b in batches)
+            + " |"
         )
-    other = [
-        sum(v for k, v in profiles[d][b].items() if k not in names and k != wall) for d, b in cols
-    ]
-    ops_sum = [sum(v for k, v in profiles[d][b].items() if k != wall) for d, b in cols]
-    outside = [profiles[d][b][wall] - s for (d, b), s in zip(cols, ops_sum, strict=True)]
-    lines.append("| other ops | " + " | ".join(f"{v:.2f}" for v in other) + " |")
-    lines.append(
-        "| outside ops (Python, bookkeeping) | " + " | ".join(f"{v:.2f}" for v in outside) + " |"
-    )
-    lines.append(
-        "| **step (profiled)** | "
-        + " | ".join(f"**{profiles[d][b][wall]:.2f}**" for d, b in cols)
-        + " |"
-    )
+        lines.append(
+            "| **step (profiled)** | "
+            + " | ".join(f"**{by_batch[b][wall]:.2f}**" for b in batches)
+            + " |"
+        )
+        lines.append("")
     return lines
 
 
