@@ -1,7 +1,7 @@
 """Engine decode step per dtype and batch, next to the weight-streaming floor. Standalone.
 
     python -m benchmarks.bench_decode_step --threads 1 --batches 1,2,4,8,16,32 \\
-        [--profile-batches 1,4,16,32] --out runs/decode_step/decode_step.json
+        [--profile-batches 1,4,16,32] --out runs/bench/decode_step.json
 
 Two engines in one process, float32 (`--fp32`, default models/small) and bfloat16 (`--bf16`,
 default models/small-bf16: the same random draws stored in bf16; both made if missing), each on
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--baselines", action="store_true", help=f"also time {sorted(BASELINES)} side by side"
     )
-    ap.add_argument("--out", default="runs/decode_step/decode_step.json")
+    ap.add_argument("--out", default="runs/bench/decode_step.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]

@@ -2,7 +2,7 @@
 side by side, next to the engine's step at that batch and the weight-streaming floor. Standalone.
 
     flock /work/heavy.lock python -m benchmarks.bench_served_decode --rates 0.5,1,2 \\
-        --duration 40 --out runs/served_decode/served_decode.json
+        --duration 40 --out runs/bench/served_decode.json
 
 One run, in order:
 
@@ -22,7 +22,8 @@ One run, in order:
 Inter-token gaps are attributed to the decode batch running when they ended
 (`served_decode_report`); the report gives ITL p50/p99 per batch next to the engine step at that
 batch (issue 21's target: served <= 1.15x engine) and each request's TPOT by its mean batch.
-JSON (every record and sample) to `--out`, a Markdown summary next to it.
+JSON (every record and sample) to `--out`, a Markdown summary next to it, process logs and
+load-generator files in `<out stem>_logs/`.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-batches", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--engine-steps", type=int, default=12)
     ap.add_argument("--min-gaps", type=int, default=30, help="fewest gaps for a batch's row")
-    ap.add_argument("--out", default="runs/served_decode/served_decode.json")
+    ap.add_argument("--out", default="runs/bench/served_decode.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {"bfloat16": args.bf16, "float32": args.fp32}
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     context = args.prompt_len + args.output_len // 2
     machine: MachineInfo = measure_machine()
     ref1, nbytes = engine_reference(models, batches, context, args.engine_steps, 2)
-    runs = asyncio.run(load_phase(args, models, out.parent))
+    runs = asyncio.run(load_phase(args, models, out.parent / f"{out.stem}_logs"))
     ref2, _ = engine_reference(models, batches, context, args.engine_steps, 1)
     machine = measure_machine().best_of(machine)
     engine_ms = {d: {b: min(ref1[d][b], ref2[d][b]) for b in batches} for d in models}
