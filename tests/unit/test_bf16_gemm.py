@@ -56,6 +56,7 @@ def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor, what: str
         (6, 96, 192, True),
         (7, 96, 200, False),  # a full row block + a tail of 1
         (16, 256, 320, True),
+        (24, 600, 130, True),  # the many-rows path: K in three slices, N two groups + 2
         (32, 300, 64, False),
         (97, 64, 130, True),  # crosses the 96-row chunk
         (3, 1, 16, False),  # K = 1
