@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -121,6 +122,42 @@ async def run_point(
     return result.to_json(), samples
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    """CPU clock ticks (user + system) of every thread of `pid` so far."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[int(tid)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def busiest_thread(pid: int, before: dict[int, int]) -> int:
+    """The thread of `pid` that used the most CPU since `before` (`thread_ticks`): in a decode
+    worker with one torch thread, measured over a warm-up that decodes, its engine thread."""
+    now = thread_ticks(pid)
+    return max(now, key=lambda tid: now[tid] - before.get(tid, 0))
+
+
+def schedstat_s(pid: int, tid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of thread `tid` so far."""
+    run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def cluster_pids(cluster: Any) -> dict[str, int]:
+    """{"router": pid, "prefill": pid, "decode": pid} of a 1P1D `LocalCluster`."""
+    pids = {"router": cluster.router.process.pid}
+    for w in cluster.workers.workers:
+        pids[w.role] = w.process.pid
+    return pids
+
+
 def specs(n: int, rate: float, prompt_len: int, output_len: int, seed: int) -> list[RequestSpec]:
     times = arrival_times(n, rate, "poisson", seed=seed)
     return [RequestSpec(i, t, prompt_len, output_len) for i, t in enumerate(times)]
@@ -139,6 +176,36 @@ def summarize_run(run: dict[str, Any], samples: list[list[float]]) -> dict[str, 
         "tpot_p99_ms": float(np.percentile([r["tpot_ms"] for r in ok], 99)) if ok else 0.0,
         "send_lag_p99_ms": run["send_lag_p99_ms"],
     }
+
+
+def cpu_per_token(
+    run: dict[str, Any], samples: list[list[float]], pids: dict[str, int], cpu0: dict[str, float]
+) -> dict[str, float]:
+    """CPU milliseconds per decoded token of each process over the run, and of the decode
+    worker's engine steps (its status counters) and the rest of that process (loop, gRPC,
+    KV receives)."""
+    tokens = sum(max(r["num_tokens"] - 1, 0) for r in run["records"])
+    if tokens == 0 or len(samples) < 2:
+        return {}
+    out = {k: (process_cpu_s(p) - cpu0[k]) * 1e3 / tokens for k, p in pids.items()}
+    out["decode_engine_steps"] = (samples[-1][4] - samples[0][4]) * 1e3 / tokens
+    out["decode_rest"] = out["decode"] - out["decode_engine_steps"]
+    return out
+
+
+def per_step(
+    samples: list[list[float]], sched0: tuple[float, float], sched1: tuple[float, float]
+) -> dict[str, float]:
+    """The decode worker's engine thread per step over a run, in ms: step wall and CPU (status
+    counters), and the thread's runqueue wait (runnable, no core free) from the kernel's
+    schedstat; wall - CPU - runqueue wait is time blocked inside steps (the GIL, mostly)."""
+    steps = samples[-1][2] - samples[0][2] if len(samples) > 1 else 0
+    if steps <= 0:
+        return {}
+    wall = (samples[-1][3] - samples[0][3]) * 1e3 / steps
+    cpu = (samples[-1][4] - samples[0][4]) * 1e3 / steps
+    runq = (sched1[1] - sched0[1]) * 1e3 / steps
+    return {"wall": wall, "cpu": cpu, "runqueue_wait": runq, "blocked": wall - cpu - runq}
 
 
 async def load_phase(args: argparse.Namespace, models: dict[str, str], out_dir: Path) -> list[Any]:
@@ -163,8 +230,11 @@ async def load_phase(args: argparse.Namespace, models: dict[str, str], out_dir: 
                 c = clusters[d]
                 decode_addr = c.workers.addresses()["decode"][0]
                 n = max(args.min_requests, round(rate * args.duration))
-                warm = LoadJob(c.address, specs(4, 4.0, args.prompt_len, 4, seed=99), label="warm")
+                pids = cluster_pids(c)
+                ticks = thread_ticks(pids["decode"])
+                warm = LoadJob(c.address, specs(4, 4.0, args.prompt_len, 16, seed=99), label="warm")
                 await run_load_process_async(warm, out_dir / "jobs")
+                engine_tid = busiest_thread(pids["decode"], ticks)
                 job = LoadJob(
                     c.address,
                     specs(n, rate, args.prompt_len, args.output_len, seed=k),
@@ -174,12 +244,20 @@ async def load_phase(args: argparse.Namespace, models: dict[str, str], out_dir: 
                     label=f"{d}-r{rate:g}",
                     timeout_s=300.0,
                 )
+                cpu0 = {k: process_cpu_s(p) for k, p in pids.items()}
+                sched0 = schedstat_s(pids["decode"], engine_tid)
                 run, samples = await run_point(
                     job, decode_addr, args.poll_ms / 1e3, out_dir / "jobs"
                 )
+                sched1 = schedstat_s(pids["decode"], engine_tid)
                 summary = summarize_run(run, samples)
+                summary["cpu_ms_per_token"] = cpu_per_token(run, samples, pids, cpu0)
+                summary["engine_thread_per_step"] = per_step(samples, sched0, sched1)
                 say(
-                    f"{d} rate {rate:g}: {json.dumps({k: round(v, 2) for k, v in summary.items()})}"
+                    f"{d} rate {rate:g}: "
+                    + json.dumps(
+                        {k: v if isinstance(v, dict) else round(v, 2) for k, v in summary.items()}
+                    )
                 )
                 runs.append({"dtype": d, "rate": rate, **summary, "run": run, "samples": samples})
         return runs
@@ -199,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--poll-ms", type=float, default=20.0)
+    ap.add_argument("--poll-ms", type=float, default=50.0, help="decode status sampling period")
     ap.add_argument("--engine-batches", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--engine-steps", type=int, default=12)
     ap.add_argument("--min-gaps", type=int, default=30, help="fewest gaps for a batch's row")

@@ -170,6 +170,36 @@ def render(result: dict[str, Any]) -> str:
             f"| {run['mean_batch']:.1f} | {run['ttft_p50_ms']:.0f} | {run['tpot_p50_ms']:.1f} "
             f"| {run['tpot_p99_ms']:.1f} |"
         )
+    lines += [
+        "",
+        "CPU ms per decoded token, by process (decode worker split into its engine steps and the "
+        "rest: event loop, gRPC, KV receives):",
+        "",
+        "| dtype | rate | router | prefill | decode | decode: engine steps | decode: rest |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in result["runs"]:
+        c = run.get("cpu_ms_per_token") or {}
+        cells = [c.get(k, float("nan")) for k in ("router", "prefill", "decode")]
+        cells += [c.get("decode_engine_steps", float("nan")), c.get("decode_rest", float("nan"))]
+        lines.append(
+            f"| {run['dtype']} | {run['rate']:g} | " + " | ".join(f"{v:.2f}" for v in cells) + " |"
+        )
+    lines += [
+        "",
+        "The decode worker's engine thread per step, ms (all batches of the run): wall and CPU "
+        "from its status counters, runqueue wait (runnable, no free core) from the kernel's "
+        "schedstat, blocked = wall - CPU - runqueue wait (waiting for the GIL, mostly):",
+        "",
+        "| dtype | rate | wall | CPU | runqueue wait | blocked |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in result["runs"]:
+        e = run.get("engine_thread_per_step") or {}
+        cells = [e.get(k, float("nan")) for k in ("wall", "cpu", "runqueue_wait", "blocked")]
+        lines.append(
+            f"| {run['dtype']} | {run['rate']:g} | " + " | ".join(f"{v:.1f}" for v in cells) + " |"
+        )
     for dtype, d in result["by_dtype"].items():
         floor = result["floor_ms"][dtype]
         lines += [
