@@ -223,8 +223,12 @@ def summarize(
 ) -> dict[str, Any]:
     bw = machine.memory_bandwidth_gbs * 1e9
     floors = {d: weight_bytes(engines[d]) / bw * 1e3 for d in DTYPES}
+    macs = weight_bytes(engines["float32"]) / 4  # multiply-adds per token (weights, fp32 bytes)
     for row in rows:
         row["bf16_over_fp32"] = row["step_ms_bfloat16"] / row["step_ms_float32"]
+        # The step can be no faster than its weight GEMMs at the machine's fp32 GEMM peak
+        # (same thread count; bf16 computes in fp32 here, so the same peak bounds it).
+        row["compute_floor_ms"] = 2 * macs * row["batch"] / (machine.matmul_gflops * 1e9) * 1e3
     by_batch = {r["batch"]: r for r in rows}
     targets: dict[str, Any] = {
         "bf16_over_fp32_max": max(r["bf16_over_fp32"] for r in rows),
@@ -264,18 +268,21 @@ def render(result: dict[str, Any]) -> str:
         + ", ".join(f"{n} ({k[0]}, {k[1]})" for n, k in result["kernels"].items())
         + ".",
         "",
-        f"Memory bandwidth {m['memory_bandwidth_gbs']:.1f} GB/s (measured in this run); "
-        f"weight-streaming floor {fl['float32']:.2f} ms (float32), {fl['bfloat16']:.2f} ms "
-        "(bfloat16).",
+        f"Memory bandwidth {m['memory_bandwidth_gbs']:.1f} GB/s, fp32 GEMM peak "
+        f"{m['matmul_gflops']:.0f} GFLOP/s ({m['torch_threads']} thread(s), measured in this "
+        f"run); weight-streaming floor {fl['float32']:.2f} ms (float32), {fl['bfloat16']:.2f} ms "
+        "(bfloat16); compute floor = the step's weight FLOPs at that peak.",
         "",
-        "| batch | " + " | ".join(f"{n} step ms" for n in names) + " | bf16 / fp32 |",
-        "|---:|" + "---:|" * (len(names) + 1),
+        "| batch | "
+        + " | ".join(f"{n} step ms" for n in names)
+        + " | bf16 / fp32 | compute floor ms |",
+        "|---:|" + "---:|" * (len(names) + 2),
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['batch']} | "
             + " | ".join(f"{r[f'step_ms_{n}']:.2f}" for n in names)
-            + f" | {r['bf16_over_fp32']:.2f} |"
+            + f" | {r['bf16_over_fp32']:.2f} | {r['compute_floor_ms']:.2f} |"
         )
     lines += [
         "",
