@@ -58,22 +58,31 @@ def unavailable_reason() -> str:
     return _load()[1]
 
 
+# Column order of one panel's k step in memory: 0, 8, 1, 9, ..., 7, 15 (see widen_panel in
+# bf16_gemm.c: each 32-bit lane holds columns i and 8 + i).
+_INTERLEAVE = [c for i in range(PANEL // 2) for c in (i, PANEL // 2 + i)]
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 weight -> panels [N_pad / 16, K, 16] (N_pad = N rounded up to 64, zero rows
-    added): panel p, step k holds W[16p : 16p + 16, k] (the layout drawn in bf16_gemm.c)."""
+    added): panel p, step k holds W[16p : 16p + 16, k] with its columns interleaved as
+    0, 8, 1, 9, ..., 7, 15 (the layout drawn in bf16_gemm.c)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError(f"weight must be 2-D bfloat16, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     n_pad = -(-n // GROUP) * GROUP
     padded = torch.zeros((n_pad, k), dtype=torch.bfloat16)
     padded[:n] = weight
-    return padded.view(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    panels = padded.view(n_pad // PANEL, PANEL, k)[:, _INTERLEAVE]
+    return panels.transpose(1, 2).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """Inverse of `pack_weight`: the [out_features, K] weight (tests; reading a packed layer)."""
     panels, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(panels * PANEL, k)[:out_features]
+    order = torch.argsort(torch.tensor(_INTERLEAVE))
+    plain = packed.transpose(1, 2)[:, order]
+    return plain.reshape(panels * PANEL, k)[:out_features]
 
 
 def linear(

@@ -87,7 +87,8 @@ def test_pack_layout_round_trips_and_pads() -> None:
     _, w, _ = _operands(1, 24, 70, False)
     packed = bf16_gemm.pack_weight(w)
     assert packed.shape == (128 // bf16_gemm.PANEL, 24, bf16_gemm.PANEL)  # 70 -> 128 columns
-    assert packed[1, 5, 3] == w[16 + 3, 5]  # panel p, step k, column c = W[16p + c, k]
+    assert packed[1, 5, 6] == w[16 + 3, 5]  # panel 1, step 5: slot 2i holds column i (3)
+    assert packed[1, 5, 7] == w[16 + 8 + 3, 5]  # slot 2i + 1 holds column 8 + i
     assert torch.equal(bf16_gemm.unpack_weight(packed, 70), w)
     assert not packed.view(-1, 24 * 16)[70 // 16 + 1 :].any()  # padding rows are zero
     with pytest.raises(ValueError, match="2-D bfloat16"):
