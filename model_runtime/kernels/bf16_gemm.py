@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime.kernels import build
+from model_runtime.kernels.hugepages import empty_huge
 
 PANEL = 16  # output columns per weight panel (bf16_gemm.c)
 GROUP = 64  # N is padded to a multiple of this (one unit of parallel work)
@@ -73,8 +74,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     n_pad = -(-n // GROUP) * GROUP
     padded = torch.zeros((n_pad, k), dtype=torch.bfloat16)
     padded[:n] = weight
-    panels = padded.view(n_pad // PANEL, PANEL, k)[:, _INTERLEAVE]
-    return panels.transpose(1, 2).contiguous()
+    panels = padded.view(n_pad // PANEL, PANEL, k)[:, _INTERLEAVE].transpose(1, 2)
+    out = empty_huge((n_pad // PANEL, k, PANEL), torch.bfloat16)  # streamed whole each step
+    out.copy_(panels)
+    return out
 
 
 def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
