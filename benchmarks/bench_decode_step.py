@@ -87,7 +87,7 @@ VARIANTS = {
     "bfloat16": ("bfloat16", "auto", "auto"),
 }
 BASELINES = {
-    "float32-torch-attn": ("float32", "auto", "torch"),  # float32 before: reference attention
+    "float32-before": ("float32", "onednn", "torch"),  # oneDNN GEMM + reference attention
     "bfloat16-before": ("bfloat16", "torch", "torch"),  # bf16 F.linear + reference attention
 }
 

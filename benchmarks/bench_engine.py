@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument(
-        "--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "bf16_avx2"],
+        "--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "avx2"],
         help="the engine's GEMM (model_runtime.linear)",
     )  # fmt: skip
     ap.add_argument(

@@ -307,7 +307,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument(
         "--linear-kernel",
-        choices=["auto", "torch", "onednn", "bf16_avx2"],
+        choices=["auto", "torch", "onednn", "avx2"],
         help="GEMM for weight matmuls",
     )
     p.set_defaults(func=batch_main)

@@ -47,11 +47,11 @@ class EngineConfig(BaseModel):
         description="'auto' = Triton on CUDA when importable; on CPU 'cpu' (compiled decode "
         "attention) where its kernel builds, else 'torch' (the reference).",
     )
-    linear_kernel: Literal["auto", "torch", "onednn", "bf16_avx2"] = Field(
+    linear_kernel: Literal["auto", "torch", "onednn", "avx2"] = Field(
         default="auto",
         description="GEMM behind the weight matmuls; 'auto' = oneDNN prepacked weights on CPU "
         "(float32, and bfloat16 where the CPU has oneDNN's bf16 instructions), else the "
-        "bf16_avx2 kernel for bfloat16 on AVX2 CPUs, else torch's F.linear.",
+        "avx2 kernel for bfloat16 on AVX2 CPUs, else torch's F.linear.",
     )
     device: str = Field(
         default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."

@@ -11,11 +11,12 @@ kernel states (`Linear.kernel`), chosen once after loading by `pack_linears`:
   on, the `small` preset's float32 decode GEMMs run 1.9x (batch 1) to 2.9x (batch 32) faster
   packed (`benchmarks/bench_engine.py` measures it end to end). bfloat16 goes this way only
   where the CPU has oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
-- "bf16_avx2": bfloat16 weights on an AVX2 CPU without those instructions (AMD Zen 1/2): the
-  weight is rearranged into column panels and multiplied by `model_runtime.kernels.bf16_gemm`,
-  which reads the bf16 weight once per call whatever the batch and computes in fp32. Torch's
-  own bf16 `F.linear` on such a CPU reads the whole weight once per row, so a decode step grew
-  linearly with the batch (see that module for numbers).
+- "avx2": bfloat16 or float32 weights in column panels, multiplied by
+  `model_runtime.kernels.panel_gemm`, which reads the weight once per call whatever the batch
+  and computes in fp32. The default on CPUs whose best vector unit is AVX2 (AMD Zen 1/2): for
+  bfloat16 there is no oneDNN path there, and torch's own bf16 `F.linear` reads the whole
+  weight once per row, so a decode step grew linearly with the batch; for float32 it streams a
+  batch-1 step's GEMVs ~1.5x faster than oneDNN (`avx2_is_best` has the numbers).
 
 oneDNN builds (JIT-compiles) a GEMM kernel for every new input shape, ~4 ms each on that
 machine, and keeps the last 1024 in a cache. A serving engine's steps have a row count that
@@ -25,7 +26,7 @@ in `bench_prefix_routing`, nearly all of it system time). So the oneDNN path pad
 to a bucket (`row_bucket`: exact up to 32, then multiples of 16, 64, 256): ~70 row counts in
 all up to 4K tokens, a handful of kernels per weight shape, compiled once. Padding rows cost
 nothing where a GEMM is bound by reading the weight (few rows) and at most ~6% above 256 rows.
-The bf16_avx2 kernel is compiled once for all shapes and needs no padding.
+The avx2 kernel is compiled once for all shapes and needs no padding.
 
 Contract: a packed `Linear` computes the same function as the unpacked one, to float rounding
 (GEMM summation order differs; in float32 the largest difference on the test models is ~1e-6
@@ -42,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels import bf16_gemm
+from model_runtime.kernels import panel_gemm
 
-KernelName = Literal["torch", "onednn", "bf16_avx2"]
-LinearKernel = Literal["auto", "torch", "onednn", "bf16_avx2"]
+KernelName = Literal["torch", "onednn", "avx2"]
+LinearKernel = Literal["auto", "torch", "onednn", "avx2"]
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks the packed layout for an expected row count. Measured on the `small` preset's
 # shapes, 128 was best or within 5% of best at 1, 8, 32 and 512 rows (decode and prefill).
@@ -77,8 +78,8 @@ class Linear(nn.Module):
         if self.kernel == "torch":
             return F.linear(x, self.weight, self.bias)
         assert self.packed is not None, f"Linear in state {self.kernel!r} has no packed weight"
-        if self.kernel == "bf16_avx2":
-            return bf16_gemm.linear(x, self.packed, self.out_features, self.bias)
+        if self.kernel == "avx2":
+            return panel_gemm.linear(x, self.packed, self.out_features, self.bias)
         rows = x.numel() // self.in_features
         padded = row_bucket(rows)
         if padded == rows:
@@ -92,7 +93,7 @@ class Linear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out[:rows].view(*x.shape[:-1], self.out_features)
 
-    def pack(self, kernel: Literal["onednn", "bf16_avx2"] = "onednn") -> None:
+    def pack(self, kernel: Literal["onednn", "avx2"] = "onednn") -> None:
         """Rearrange the weight for `kernel` and drop the plain copy (see `resolve_linear_kernel`
         for where each is available). Packing twice is an error."""
         assert self.kernel == "torch", f"Linear already packed for {self.kernel!r}"
@@ -101,7 +102,7 @@ class Linear(nn.Module):
         if kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
         else:
-            self.packed = bf16_gemm.pack_weight(w)
+            self.packed = panel_gemm.pack_weight(w)
         self.kernel = kernel
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
@@ -126,28 +127,47 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def bf16_avx2_unsupported(device: torch.device, dtype: torch.dtype) -> str:
-    """Why the bf16_avx2 kernel cannot serve this device/dtype ('' when it can): it takes CPU
-    bfloat16 weights and needs AVX2/FMA and a C compiler (`kernels.bf16_gemm.load`)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return f"it takes CPU bfloat16 weights; got device {device}, dtype {dtype}"
-    if bf16_gemm.load() is None:
-        return bf16_gemm.unavailable_reason()
+def avx2_unsupported(device: torch.device, dtype: torch.dtype) -> str:
+    """Why the avx2 kernel cannot serve this device/dtype ('' when it can): it takes CPU
+    bfloat16 or float32 weights and needs AVX2/FMA and a C compiler (`panel_gemm.load`)."""
+    if device.type != "cpu" or dtype not in panel_gemm.DTYPES:
+        return f"it takes CPU bfloat16 or float32 weights; got device {device}, dtype {dtype}"
+    if panel_gemm.load() is None:
+        return panel_gemm.unavailable_reason()
     return ""
+
+
+def avx2_is_best(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether 'auto' picks avx2: CPU bfloat16 without oneDNN's bf16 path, or CPU float32 on a
+    CPU whose best vector unit is AVX2 (there oneDNN's GEMM has no wider one to use, and the
+    panel kernel measured 0.61-0.77x its time at 1-16 rows, 0.91-1.02x at 32-512), where the
+    kernel builds. On AVX-512 CPUs float32 stays on oneDNN."""
+    if device.type != "cpu" or avx2_unsupported(device, dtype):
+        return False
+    if dtype == torch.bfloat16:
+        return not onednn_supported(device, dtype)
+    return str(torch.backends.cpu.get_cpu_capability()) == "AVX2"
 
 
 def resolve_linear_kernel(
     kernel: LinearKernel, device: torch.device, dtype: torch.dtype
 ) -> KernelName:
-    """'auto' -> oneDNN where supported, else bf16_avx2 for CPU bfloat16 where it builds, else
-    torch. Naming a kernel that cannot run here is a ValueError that says why."""
+    """'auto' -> avx2 where `avx2_is_best`, else oneDNN where supported, else torch. Naming a
+    kernel that cannot run here is a ValueError that says why."""
     if kernel not in get_args(LinearKernel):
         raise ValueError(
             f"linear kernel must be one of {list(get_args(LinearKernel))}, got {kernel!r}"
         )
     if kernel == "torch":
         return "torch"
-    if kernel in ("auto", "onednn") and onednn_supported(device, dtype):
+    if kernel == "avx2":
+        reason = avx2_unsupported(device, dtype)
+        if reason:
+            raise ValueError(f"linear kernel 'avx2' cannot run here: {reason}")
+        return "avx2"
+    if kernel == "auto" and avx2_is_best(device, dtype):
+        return "avx2"
+    if onednn_supported(device, dtype):
         return "onednn"
     if kernel == "onednn":
         raise ValueError(
@@ -155,15 +175,6 @@ def resolve_linear_kernel(
             f"oneDNN's bf16 instructions) and a torch build with oneDNN; got device {device}, "
             f"dtype {dtype}"
         )
-    if device.type != "cpu" or dtype != torch.bfloat16:  # no compile attempt for other dtypes
-        if kernel == "bf16_avx2":
-            raise ValueError(f"linear kernel 'bf16_avx2': {bf16_avx2_unsupported(device, dtype)}")
-        return "torch"
-    reason = bf16_avx2_unsupported(device, dtype)
-    if not reason:
-        return "bf16_avx2"
-    if kernel == "bf16_avx2":
-        raise ValueError(f"linear kernel 'bf16_avx2' cannot run here: {reason}")
     return "torch"
 
 

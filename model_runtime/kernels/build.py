@@ -43,8 +43,11 @@ def cache_dir() -> Path:
 
 
 def compile_cached(source: Path, compiler: str) -> Path:
-    """Compile `source` into the cache unless an identical build is there; return the .so."""
-    key_material = source.read_bytes() + " ".join((compiler, *FLAGS)).encode()
+    """Compile `source` into the cache unless an identical build is there; return the .so.
+    The key covers the source, the headers beside it, the flags and the compiler."""
+    headers = sorted(source.parent.glob("*.h"))
+    key_material = b"".join(p.read_bytes() for p in (source, *headers))
+    key_material += " ".join((compiler, *FLAGS)).encode()
     key = hashlib.sha256(key_material).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}_{key}.so"
     if target.is_file():

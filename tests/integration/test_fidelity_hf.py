@@ -157,7 +157,7 @@ def test_engine_bf16_greedy_matches_hf_bf16_up_to_near_ties(
     prompts: list[list[int]],
     hf_bf16_outputs: list[tuple[list[int], torch.Tensor]],
 ) -> None:
-    """The engine in bfloat16 on its default kernels (on CPU: oneDNN bf16 or the bf16_avx2
+    """The engine in bfloat16 on its default kernels (on CPU: oneDNN bf16 or the avx2
     GEMM, compiled decode attention) against HF in bfloat16: first-token logits agree within
     BF16_LOGIT_REL, and greedy tokens are equal up to the first near-tie (rule above)."""
     engine = LLMEngine.from_model_dir(

@@ -1,10 +1,11 @@
-"""`model_runtime.kernels.bf16_gemm`: the AVX2 bf16-weight kernel against its torch reference.
+"""`model_runtime.kernels.panel_gemm`: the AVX2 panel GEMM against its torch reference.
 
-The kernel and `reference_linear` compute the same fp32 sums in a different order and each
-rounds once to bf16, so an output may land on the neighbouring bf16 value (one step of the
-bit pattern) and nowhere else. Shapes cover one row, every row-block size (1-6 rows and the
-tails after them), the 96-row chunk boundary, N that is not a multiple of the 64-column
-group, K of 1, bias, leading dimensions, and one and two threads.
+The kernel and `reference_linear` compute the same fp32 sums in a different order. bf16: each
+rounds once to bf16, so an output may land on the neighbouring bf16 value (one step of the bit
+pattern) and nowhere else. fp32: they agree to fp32 summation error. Shapes cover one row,
+every row-block size (1-6 rows and the tails after them), the many-rows path, the 96-row chunk
+boundary, N that is not a multiple of the 64-column group, K of 1, bias, leading dimensions,
+and one and two threads.
 """
 
 from __future__ import annotations
@@ -12,22 +13,34 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime.kernels import bf16_gemm
+from model_runtime.kernels import panel_gemm
 
 pytestmark = pytest.mark.skipif(
-    bf16_gemm.load() is None,
-    reason=f"bf16 kernel unavailable here: {bf16_gemm.unavailable_reason()}",
+    panel_gemm.load() is None,
+    reason=f"panel kernel unavailable here: {panel_gemm.unavailable_reason()}",
 )
 
 
 def _operands(
-    rows: int, k: int, n: int, bias: bool, seed: int = 0
+    rows: int, k: int, n: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     return x, w, b
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """bf16: `assert_within_one_bf16_step`; fp32: equal to fp32 summation error."""
+    if want.dtype == torch.bfloat16:
+        assert_within_one_bf16_step(got, want, what)
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    diff = (got - want).abs().max().item() if got.numel() else 0.0
+    torch.testing.assert_close(
+        got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{what}: max diff {diff:.3g}; {m}"
+    )
 
 
 def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -44,6 +57,7 @@ def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor, what: str
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("rows", "k", "n", "bias"),
@@ -62,37 +76,43 @@ def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor, what: str
         (3, 1, 16, False),  # K = 1
     ],
 )
-def test_kernel_matches_reference(rows: int, k: int, n: int, bias: bool, threads: int) -> None:
-    x, w, b = _operands(rows, k, n, bias)
-    packed = bf16_gemm.pack_weight(w)
+def test_kernel_matches_reference(
+    rows: int, k: int, n: int, bias: bool, threads: int, dtype: torch.dtype
+) -> None:
+    x, w, b = _operands(rows, k, n, bias, dtype=dtype)
+    packed = panel_gemm.pack_weight(w)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = bf16_gemm.linear(x, packed, n, b)
+        got = panel_gemm.linear(x, packed, n, b)
     finally:
         torch.set_num_threads(before)
-    assert_within_one_bf16_step(got, bf16_gemm.reference_linear(x, w, b), f"{rows}x{k}x{n}")
+    assert_matches(got, panel_gemm.reference_linear(x, w, b), f"{dtype} {rows}x{k}x{n}")
 
 
-def test_leading_dims_and_empty_batch() -> None:
-    x, w, b = _operands(15, 48, 80, True)
-    packed = bf16_gemm.pack_weight(w)
-    got = bf16_gemm.linear(x.view(3, 5, 48), packed, 80, b)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_leading_dims_and_empty_batch(dtype: torch.dtype) -> None:
+    x, w, b = _operands(15, 48, 80, True, dtype=dtype)
+    packed = panel_gemm.pack_weight(w)
+    got = panel_gemm.linear(x.view(3, 5, 48), packed, 80, b)
     assert got.shape == (3, 5, 80)
-    assert_within_one_bf16_step(got.view(15, 80), bf16_gemm.reference_linear(x, w, b), "3x5 rows")
-    assert bf16_gemm.linear(x[:0], packed, 80, b).shape == (0, 80)
+    assert_matches(got.view(15, 80), panel_gemm.reference_linear(x, w, b), "3x5 rows")
+    assert panel_gemm.linear(x[:0], packed, 80, b).shape == (0, 80)
 
 
 def test_pack_layout_round_trips_and_pads() -> None:
     _, w, _ = _operands(1, 24, 70, False)
-    packed = bf16_gemm.pack_weight(w)
-    assert packed.shape == (128 // bf16_gemm.PANEL, 24, bf16_gemm.PANEL)  # 70 -> 128 columns
+    packed = panel_gemm.pack_weight(w)
+    assert packed.shape == (128 // panel_gemm.PANEL, 24, panel_gemm.PANEL)  # 70 -> 128 columns
     assert packed[1, 5, 6] == w[16 + 3, 5]  # panel 1, step 5: slot 2i holds column i (3)
     assert packed[1, 5, 7] == w[16 + 8 + 3, 5]  # slot 2i + 1 holds column 8 + i
-    assert torch.equal(bf16_gemm.unpack_weight(packed, 70), w)
+    assert torch.equal(panel_gemm.unpack_weight(packed, 70), w)
     assert not packed.view(-1, 24 * 16)[70 // 16 + 1 :].any()  # padding rows are zero
-    with pytest.raises(ValueError, match="2-D bfloat16"):
-        bf16_gemm.pack_weight(w.float())
+    fp32 = panel_gemm.pack_weight(w.float())  # fp32 panels keep the columns in order
+    assert fp32[1, 5, 3] == w[16 + 3, 5].float()
+    assert torch.equal(panel_gemm.unpack_weight(fp32, 70), w.float())
+    with pytest.raises(ValueError, match="2-D bfloat16 or float32"):
+        panel_gemm.pack_weight(w.half())
 
 
 def test_rounding_is_nearest_even_and_keeps_specials() -> None:
@@ -109,7 +129,7 @@ def test_rounding_is_nearest_even_and_keeps_specials() -> None:
         [float("nan"), 1.0],
     ]
     x = torch.tensor(terms).bfloat16()
-    got = bf16_gemm.linear(x, bf16_gemm.pack_weight(w), 1, None)[:, 0]
+    got = panel_gemm.linear(x, panel_gemm.pack_weight(w), 1, None)[:, 0]
     want = x.float().sum(-1).to(torch.bfloat16)
     assert torch.equal(got[:6], want[:6]), (got, want)
     assert got[:2].tolist() == [1.0, 1.0 + 2**-6] and torch.isnan(got[6])
