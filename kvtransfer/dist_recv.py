@@ -20,11 +20,11 @@ connection, which is what makes the other side fail too.
 Writing from a helper thread is the one exception to "the engine thread owns the cache", and it
 is safe by the ownership rules: destination blocks are reserved for this transfer and nobody
 else touches them until its result is out. `RecvTransfer.lock` makes the cut-off exact: a
-staged layer is written under the lock only while the transfer is unfinished, and the engine
-marks it finished under the same lock; a direct transfer's result waits until none of its
-receives can land (`RecvTransfer.receiving`). So once ``poll()`` has reported a result
-(success, failure, deadline or cancel) nothing writes into those blocks, and the caller may
-free or reuse them at once.
+staged layer is written under the lock only while the transfer is undecided, and the engine
+decides (or cancels) under the same lock; a direct transfer's result waits until none of its
+receives can land (state LANDING until they settle: `kvtransfer.recv_state`). So once
+``poll()`` has reported a result (success, failure, deadline or cancel) nothing writes into
+those blocks, and the caller may free or reuse them at once.
 """
 
 from __future__ import annotations
@@ -124,13 +124,12 @@ class Receiver:
         """Record the engine's verdict; no write by this worker into the blocks follows. The
         transfer thread acknowledges it to the sender, unless it already acknowledged a
         complete transfer. True when receives posted straight into the blocks may still land
-        (`RecvTransfer.receiving`): the result waits until that is False."""
+        (state LANDING): the result waits until they settle."""
         with self._lock:
             if self._live.get(tr.ticket.transfer_id) is tr:
                 del self._live[tr.ticket.transfer_id]
         with tr.lock:  # waits for a write in progress (a memcpy), never for the network
-            tr.finished = True
-            landing = tr.receiving
+            landing = tr.decide()
         tr.final_code = code
         tr.decided.set()
         return landing
@@ -341,7 +340,7 @@ class Receiver:
         if broken:
             return  # no acknowledgement gets through a broken pair
         with tr.lock:
-            complete = not tr.finished and tr.layers_written == tr.ticket.layout.num_layers
+            complete = tr.undecided and tr.layers_written == tr.ticket.layout.num_layers
         if complete:
             # Every layer is in the blocks, before the deadline: that is what OK means, so the
             # sender hears it now, not after this worker's engine finishes its current step.
@@ -377,7 +376,7 @@ class Receiver:
                     # Never complete with bytes that arrived late: past the sender's own
                     # deadline (later than ours) it may have reused the blocks it sends from.
                     raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
-                if tr.finished:
+                if not tr.undecided:  # the engine decided (or cancelled): write nothing
                     continue
                 if posted.mode == "notified":  # one copy, from the sender's cache
                     assert pair.peer_cache is not None and tr.src_ids is not None

@@ -33,8 +33,9 @@ from collections.abc import Callable, Sequence
 
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver
-from kvtransfer.dist_send import Sender, SendTransfer
-from kvtransfer.recv_state import RecvTransfer
+from kvtransfer.dist_send import Sender
+from kvtransfer.recv_state import RecvState, RecvTransfer
+from kvtransfer.send_state import SendTransfer
 from kvtransfer.shm import SegmentInfo, SharedCacheSegment, ShmUnavailable
 from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
@@ -155,7 +156,7 @@ class TorchDistTransport:
                 f"{tr.ticket.layout.num_layers - 1}, expected {tr.next_layer}"
             )
         tr.next_layer += 1
-        if tr.cancelled or tr.stop_posting:
+        if not tr.takes_layers():  # cancelled, given up, failed, or its thread is done
             return
         tr.nbytes += math.prod(self._cache.message_shape(len(tr.src))) * self._cache.kv.itemsize
         self._sender.post_layer(tr, layer)
@@ -165,9 +166,8 @@ class TorchDistTransport:
             self._sender.stop(self._sends[transfer_id], cancelled=True)
         elif transfer_id in self._recvs:
             rcv = self._recvs[transfer_id]
-            rcv.cancelled = True  # its result goes out at the next poll
             with rcv.lock:  # decided now: the receiving thread neither writes nor acks OK
-                rcv.finished = True
+                rcv.cancel()  # its result goes out at the next poll
         else:
             raise ValueError(f"cancel: unknown transfer id {transfer_id!r}")
 
@@ -220,7 +220,7 @@ class TorchDistTransport:
             # source blocks: the result (which frees them) waits until the thread is past its
             # sends (shared memory: the acknowledgement) or the deadline.
             copied = snd.run_start is None and not self.shared_memory
-            if why or (snd.cancelled and (snd.sends_done or copied)):
+            if why or (snd.cancelled and (snd.source_released() or copied)):
                 self._finish_send(snd, why or "cancelled by sender", out)
 
     def _on_event(self, ev: Event, out: list[TransferResult]) -> None:
@@ -259,7 +259,7 @@ class TorchDistTransport:
         still: list[tuple[RecvTransfer, str | None]] = []
         for tr, error in self._landing:
             with tr.lock:
-                landing = tr.receiving
+                landing = tr.state is RecvState.LANDING
             if landing and not self._closed:
                 still.append((tr, error))
                 continue
@@ -269,7 +269,6 @@ class TorchDistTransport:
 
     def _finish_send(self, tr: SendTransfer, error: str | None, out: list[TransferResult]) -> None:
         del self._sends[tr.ticket.transfer_id]
-        tr.finished = True
         if error is not None:
             self._sender.stop(tr, cancelled=False)
         peer = tr.ticket.receiver.worker_id
