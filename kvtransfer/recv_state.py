@@ -13,16 +13,16 @@ thread when it posts the receives itself); every move is made under
 
                   nothing lands in the blocks           receives into the blocks may land
 
-    undecided   +-- OPEN ---- claimed the blocks (H) ----> RECEIVING --+
-                |    |  ^                                   |     |    |
-                |    |  '---------- settled (H) ------------'     |    |
-                |    | cancel (E)                      cancel (E) |    |
-                |    v                                            v    |
-    cancelled   |   CANCELLED <------- settled (H) ----- CANCELLED_LANDING
-                |    |                                            |    |
-     finish (E) |    | finish (E)                      finish (E) |    | finish (E)
-                v    v                                            v    v
-    decided     DECIDED <------------- settled (H) --------------- LANDING
+    undecided   +-- OPEN ---- claimed the blocks (H) ----> RECEIVING ------------+
+                |    |  ^                                   |     |              |
+                |    |  '---------- settled (H) ------------'     |              |
+                |    | cancel (E)                      cancel (E) |              |
+                |    v                                            v              |
+    cancelled   |   CANCELLED <------- settled (H) ----- CANCELLED_LANDING       |
+                |    |                                            |              |
+     finish (E) |    | finish (E)                      finish (E) |   finish (E) |
+                v    v                                            v              |
+    decided     DECIDED <------------- settled (H) --------------- LANDING <-----+
 
 "Settled": every receive posted into the blocks was waited for (it completed, or a wait failed
 or timed out, which closes the pair's connection), or posting them failed. "Cancel": the engine
@@ -141,11 +141,6 @@ class RecvTransfer:
     def cancelled(self) -> bool:
         """Cancelled by the engine, whose next poll reports it (engine thread, no lock)."""
         return self.state in _CANCELLED
-
-    @property
-    def may_land(self) -> bool:
-        """Receives posted straight into the blocks may still write there."""
-        return self.state in _SETTLED
 
     def move(self, to: RecvState, by: Mover) -> None:
         """Move to `to` along an edge of `RECV_MOVES` that `by` may take, else raise

@@ -233,7 +233,6 @@ def test_recv_predicates(state: RecvState):
     tr = recv_at(state)
     assert tr.undecided is (state in (_R.OPEN, _R.RECEIVING))
     assert tr.cancelled is (state in (_R.CANCELLED, _R.CANCELLED_LANDING))
-    assert tr.may_land is (state in (_R.RECEIVING, _R.CANCELLED_LANDING, _R.LANDING))
 
 
 def test_a_recv_move_needs_the_transfer_lock():
