@@ -14,7 +14,8 @@ Each pair runs back to back in random order (interleaved), so a worker's varying
 both sides alike. TTFT = send -> the first message with a token (gRPC) / the first SSE chunk
 with text (HTTP); end to end = send -> the stream's end (the final message / ``[DONE]``).
 Reported: p50/p99 of each, the overhead (HTTP - gRPC) at each quantile, and the median and p99
-of the per-pair differences. Output: a table on stderr and JSON on stdout (or ``--out FILE``).
+of the per-pair differences. Output: a table on stderr and JSON in
+``runs/bench/http_overhead.json`` (``--out FILE``; ``--out -`` for stdout).
 """
 
 from __future__ import annotations
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="model folder (default: a fresh tiny random model)")
-    p.add_argument("--out", help="write the JSON here too (e.g. runs/http_overhead.json)")
+    p.add_argument(
+        "--out", default="runs/bench/http_overhead.json", help="write the JSON here (- for stdout)"
+    )
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         model = Path(args.model) if args.model else _make_model(Path(tmp) / "tiny")
@@ -179,10 +182,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    if args.out == "-":
+        print(text)
+    else:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
