@@ -10,9 +10,14 @@ at a time (unloaded), with a fresh random token-id prompt per pair:
 - HTTP: ``POST /v1/completions`` with ``stream: true`` (aiohttp), the same token ids,
   ``max_tokens``, greedy, ``ignore_eos``; the SSE body is read chunk by chunk.
 
+Both ask for ``logprobs: 0`` (each token's own logprob; ``--no-logprobs`` turns it off): the HTTP
+front, like OpenAI and vLLM, sends no chunk for a token whose text is still incomplete (a
+random token id is often a lone UTF-8 byte), so without logprobs its first chunk can come a
+token later than gRPC's first message for reasons that are not the transport's.
+
 Each pair runs back to back in random order (interleaved), so a worker's varying speed hits
 both sides alike. TTFT = send -> the first message with a token (gRPC) / the first SSE chunk
-with text (HTTP); end to end = send -> the stream's end (the final message / ``[DONE]``).
+with a token (HTTP); end to end = send -> the stream's end (the final message / ``[DONE]``).
 Reported: p50/p99 of each, the overhead (HTTP - gRPC) at each quantile, and the median and p99
 of the per-pair differences. Output: a table on stderr and JSON in
 ``runs/bench/http_overhead.json`` (``--out FILE``; ``--out -`` for stdout).
@@ -41,12 +46,16 @@ from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
 from tooling.goodput.openai_load import completion_body
 
 
-async def _grpc(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+async def _grpc(
+    stub: Any, prompt: list[int], max_tokens: int, logprobs: bool
+) -> tuple[float, float, int]:
     req = inference_pb2.GenerateRequest(
         sampling=inference_pb2.SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True
         )
     )
+    if logprobs:
+        req.sampling.logprobs = 0
     req.token_ids.ids.extend(prompt)
     t0 = time.perf_counter()
     ttft = None
@@ -61,9 +70,16 @@ async def _grpc(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, f
 
 
 async def _http(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    logprobs: bool,
 ) -> tuple[float, float, int]:
     body = completion_body(model, prompt, max_tokens)
+    if logprobs:
+        body["logprobs"] = 0
     t0 = time.perf_counter()
     ttft = None
     n = 0
@@ -76,7 +92,9 @@ async def _http(
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
-            if chunk["choices"] and chunk["choices"][0]["text"] and ttft is None:
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            has_token = choice.get("text") or (choice.get("logprobs") or {}).get("tokens")
+            if has_token and ttft is None:
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
@@ -86,7 +104,14 @@ async def _http(
 
 
 async def measure(
-    grpc_addr: str, http_url: str, model: str, n: int, prompt_len: int, max_tokens: int, seed: int
+    grpc_addr: str,
+    http_url: str,
+    model: str,
+    n: int,
+    prompt_len: int,
+    max_tokens: int,
+    seed: int,
+    logprobs: bool = True,
 ) -> dict[str, list[float]]:
     """`n` interleaved pairs (after 10 discarded warm-up pairs); seconds per request."""
     rng = random.Random(seed)
@@ -102,9 +127,11 @@ async def measure(
                 rng.shuffle(sides)
                 for side in sides:
                     if side == "grpc":
-                        ttft, e2e, got = await _grpc(stub, prompt, max_tokens)
+                        ttft, e2e, got = await _grpc(stub, prompt, max_tokens, logprobs)
                     else:
-                        ttft, e2e, got = await _http(session, http_url, model, prompt, max_tokens)
+                        ttft, e2e, got = await _http(
+                            session, http_url, model, prompt, max_tokens, logprobs
+                        )
                     assert got == max_tokens, (side, got)
                     if i >= 10:
                         out[f"{side}_ttft"].append(ttft)
@@ -137,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--logprobs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask both APIs for logprobs=0, so every token is one message / chunk",
+    )
     p.add_argument("--model", help="model folder (default: a fresh tiny random model)")
     p.add_argument(
         "--out", default="runs/bench/http_overhead.json", help="write the JSON here (- for stdout)"
@@ -160,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             samples = asyncio.run(
                 measure(
                     cluster.address, url, model.name, args.requests, args.prompt_len,
-                    args.max_tokens, args.seed,
+                    args.max_tokens, args.seed, args.logprobs,
                 )
             )  # fmt: skip
         finally:
@@ -171,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "logprobs": args.logprobs,
         "summary": summarize(samples),
     }
     for metric, row in result["summary"].items():
