@@ -44,7 +44,7 @@ from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import sampling_from_proto, ticket_to_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_to_proto
 from worker.roles import Role, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
@@ -227,6 +227,8 @@ class DecodeRole(Role):
                 finished=out.finished,
                 finish_reason=out.finish_reason or "",
             )
+            if res.decode.params.logprobs is not None:
+                chunk.logprobs.extend(logprobs_to_proto(out.new_logprobs()))
             if res.decode.sink.num_chunks == 0:
                 chunk.admission_ms = ms(started - res.decode.arrival)
                 chunk.first_step_ms = ms(ended - started)

@@ -8,7 +8,8 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
     pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: the goodput demo)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
     pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
-               [--decode M] [--colocated K] [--port P] [--ray-address ADDR] [--no-ray]
+               [--decode M] [--colocated K] [--port P] [--http-port Q] [--ray-address ADDR]
+               [--no-ray]
     pdserve generate --addr HOST:PORT (--prompt TEXT | --token-ids 1,2,3) [sampling] [--json]
 
 A subcommand module exposes `add_<name>_parser(subparsers)`, which registers its parser and sets
@@ -163,7 +164,8 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         help="start a serving cluster: workers + the router (until Ctrl-C / SIGTERM)",
         description="Start the workers of a cluster (Ray actors, or local processes with "
         "--no-ray), then run the public router in this process. Prints 'pdserve ready: "
-        "HOST:PORT (...)' once it serves; Ctrl-C or SIGTERM stops everything it started. "
+        "HOST:PORT (...)' once it serves (plus ' http URL' with --http-port); Ctrl-C or "
+        "SIGTERM stops everything it started. "
         "Flags override the --config file. --mode alone also zeroes the counts of roles that "
         "mode does not use; --ray-address drops the file's ray.num_cpus (local clusters only).",
     )
@@ -182,6 +184,12 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--colocated", type=int, help="colocated workers (default: the file's, else 1)")
     p.add_argument(
         "--port", type=int, help="router port, 0 picks a free one (default: the file's, else 50051)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the OpenAI-compatible HTTP API and /metrics on this port, 0 picks a free "
+        "one (default: the file's, else none)",
     )
     p.add_argument("--host", help="router interface (default: the file's, else 127.0.0.1)")
     p.add_argument(
@@ -213,6 +221,7 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "workers.decode": args.decode,
         "workers.colocated": args.colocated,
         "router.port": args.port,
+        "router.http_port": args.http_port,
         "router.host": args.host,
         "router.prefix_index.kind": "redis" if args.redis_url else None,
         "router.prefix_index.url": args.redis_url,
@@ -298,7 +307,8 @@ async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWork
         roles = ", ".join(
             f"{len(a)} {role}: {' '.join(a)}" for role, a in workers.addresses().items() if a
         )
-        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles})", flush=True)
+        http = f" http {handle.http.url}" if handle.http is not None else ""
+        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles}){http}", flush=True)
         await stop.wait()
         print("pdserve up: stopping", file=sys.stderr, flush=True)
         return 0

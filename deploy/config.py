@@ -15,7 +15,7 @@ sub-model per TOML table; every field is described and defaulted where a default
     decode = 1
 
     [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
-    [router]   host = "127.0.0.1"  port = 50051  policy = "prefix_aware"  max_queued = 256 ...
+    [router]   host = "127.0.0.1"  port = 50051  http_port = 8000  policy = "prefix_aware" ...
     [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6380/0"   (default: memory)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
     [transfer] timeout_s = 30  kv_host = "auto"
@@ -106,6 +106,13 @@ class RouterSection(_Frozen):
 
     host: str = Field(default="127.0.0.1", description="Interface the public API binds.")
     port: int = Field(default=50051, ge=0, le=65535, description="Public port; 0 picks one.")
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible HTTP API (and /metrics) on this port; 0 picks one; "
+        "unset: gRPC only.",
+    )
     policy: str = Field(
         default=RouterConfig.model_fields["policy"].default,
         description=f"Routing policy, one of {sorted(POLICIES)}.",
@@ -319,6 +326,7 @@ class ClusterConfig(_Frozen):
             "colocated_addrs": tuple(addresses.get("colocated", ())),
             "host": r.host,
             "port": r.port,
+            "http_port": r.http_port,
             "max_inflight": r.max_inflight,
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,

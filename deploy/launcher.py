@@ -41,7 +41,9 @@ from router.ratio.config import RatioConfig
 log = logging.getLogger(__name__)
 
 WORKER_READY = re.compile(r"^PDSERVE_WORKER_READY (\S+:\d+)\s*$", re.M)
-ROUTER_READY = re.compile(r"^pdserve-router ready host=(\S+) port=(\d+)\s*$", re.M)
+ROUTER_READY = re.compile(
+    r"^pdserve-router ready host=(\S+) port=(\d+)(?: http_port=(\d+))?\s*$", re.M
+)
 
 
 def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
@@ -151,6 +153,8 @@ def router_argv(rc: RouterConfig) -> list[str]:
     """The command line of `python -m router` for `rc` (the fields its flags cover)."""
     argv = [sys.executable, "-m", "router", "--model", str(Path(rc.model_dir).resolve())]
     argv += ["--mode", rc.mode, "--policy", rc.policy, "--host", rc.host, "--port", str(rc.port)]
+    if rc.http_port is not None:
+        argv += ["--http-port", str(rc.http_port)]
     for flag, addrs in (
         ("--prefill-addr", rc.prefill_addrs),
         ("--decode-addr", rc.decode_addrs),
@@ -174,11 +178,13 @@ def router_argv(rc: RouterConfig) -> list[str]:
 
 @dataclass
 class RouterProcess:
-    """A `python -m router` child; `address` is what clients dial."""
+    """A `python -m router` child; `address` is what gRPC clients dial, `http_url` the base
+    URL of its OpenAI API (None without an HTTP port)."""
 
     config: RouterConfig
     address: str
     process: ManagedProcess
+    http_url: str | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         stop_processes([self.process], grace_s)
@@ -196,11 +202,12 @@ def launch_router_process(
     try:
         (m,) = wait_for_lines([proc], ROUTER_READY, timeout_s)
         address = f"{m.group(1)}:{m.group(2)}"
+        http_url = f"http://{m.group(1)}:{m.group(3)}/v1" if m.group(3) else None
         wait_serving(address, timeout_s)
     except BaseException:
         stop_processes([proc], grace_s=2.0)
         raise
-    return RouterProcess(rc, address, proc)
+    return RouterProcess(rc, address, proc, http_url)
 
 
 # ---------------------------------------------------------------------- whole cluster

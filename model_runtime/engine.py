@@ -35,7 +35,7 @@ from model_runtime.kv_cache import KVCache
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampler import Sampler
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import SamplingParams, TopLogprobs
 from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 LayerCallback = Callable[[int], None]
@@ -44,6 +44,16 @@ BeforeForward = Callable[[SchedulerOutput], LayerCallback | None]
 `on_layer_done(layer)` callback (see `ModelRunner.execute`)."""
 
 logger = logging.getLogger(__name__)
+
+
+def _banned(request: Request) -> tuple[int, ...]:
+    """Token ids `request` may not sample now: its stop ids (and EOS unless `ignore_eos`)
+    while it has fewer than `min_tokens` output tokens."""
+    p = request.params
+    if request.num_output_tokens >= p.min_tokens:
+        return ()
+    eos = () if p.ignore_eos else request.eos_token_ids
+    return (*eos, *p.stop_token_ids)
 
 
 def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -247,16 +257,17 @@ class LLMEngine:
         )
         self.last_step_size = len(scheduled.items)
         on_layer_done = before_forward(scheduled) if before_forward and scheduled.items else None
-        token_ids, logprobs = self._run(scheduled, on_layer_done)
-        return self.scheduler.update(scheduled, token_ids, logprobs)
+        token_ids, logprobs, tops = self._run(scheduled, on_layer_done)
+        return self.scheduler.update(scheduled, token_ids, logprobs, tops)
 
     def _run(
         self, scheduled: SchedulerOutput, on_layer_done: LayerCallback | None = None
-    ) -> tuple[list[int | None], list[float]]:
-        """Forward the step, then sample the rows whose chunk reaches the last known token."""
+    ) -> tuple[list[int | None], list[float], list[TopLogprobs | None]]:
+        """Forward the step, then sample the rows whose chunk reaches the last known token
+        (a request below its `min_tokens` may not pick its EOS or stop ids)."""
         items = scheduled.items
         if not items:
-            return [], []
+            return [], [], []
         logits = self.runner.execute(
             [StepInput(it.token_ids, it.start_pos, it.block_table) for it in items],
             on_layer_done,
@@ -264,17 +275,22 @@ class LLMEngine:
         rows = [i for i, it in enumerate(items) if it.samples]
         tokens: list[int | None] = [None] * len(items)
         logprobs = [0.0] * len(items)
+        tops: list[TopLogprobs | None] = [None] * len(items)
         if rows:
             requests = [self.scheduler.requests[items[i].request_id] for i in rows]
             out = self.sampler.sample(
                 logits[rows],
                 [r.params for r in requests],
                 [r.generator for r in requests],
+                [_banned(r) for r in requests],
             )
-            for i, token, logprob in zip(rows, out.token_ids, out.logprobs, strict=True):
-                tokens[i] = token
-                logprobs[i] = logprob
-        return tokens, logprobs
+            for k, i in enumerate(rows):
+                tokens[i], logprobs[i], tops[i] = (
+                    out.token_ids[k],
+                    out.logprobs[k],
+                    out.top_logprobs[k],
+                )
+        return tokens, logprobs, tops
 
     # ------------------------------------------------------------------ offline use
 

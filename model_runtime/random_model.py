@@ -7,7 +7,8 @@ HF transformers (`AutoTokenizer`, `LlamaForCausalLM`).
 
 Folder contents: `config.json` (LlamaForCausalLM, float32), `model.safetensors` (HF parameter
 names), `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained on the fixed corpus
-in `corpus.py`, so the vocabulary is identical on every machine), `generation_config.json`.
+in `corpus.py`, so the vocabulary is identical on every machine; and `corpus.CHAT_TEMPLATE`),
+`generation_config.json`.
 
 A random model is a weak oracle unless it is made a strong one. Three choices make it strong:
 

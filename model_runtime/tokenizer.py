@@ -37,7 +37,7 @@ def _as_ids(value: object) -> list[int]:
     return [int(value)]  # type: ignore[call-overload]
 
 
-def _token_name(value: object) -> str | None:
+def special_token_text(value: object) -> str | None:
     """`tokenizer_config.json` writes special tokens as a string or as {"content": ...}."""
     if isinstance(value, str):
         return value
@@ -67,7 +67,7 @@ class Tokenizer:
         tok_cfg = _read_json(d / "tokenizer_config.json")
 
         def by_name(key: str) -> int | None:
-            name = _token_name(tok_cfg.get(key))
+            name = special_token_text(tok_cfg.get(key))
             return None if name is None else tok.token_to_id(name)
 
         bos = config.get("bos_token_id")

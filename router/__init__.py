@@ -1,4 +1,4 @@
-"""pdserve router: the cluster's front door (public `Inference` gRPC API).
+"""pdserve router: the cluster's front door (public `Inference` gRPC API and OpenAI HTTP API).
 
 Runs in the router process only. It validates and tokenizes requests, admits them into a bounded
 queue, picks workers with a routing policy, runs the prefill -> decode hand-off (or a colocated
@@ -21,9 +21,13 @@ Module map:
 - `admission`   bounded FIFO admission (max_inflight running, max_queued waiting)
 - `textstream`  text deltas with stop-string matching
 - `errors`      `RouterError` (a request's final status) and worker-error mapping
-- `flow`        one request's worker calls (disagg and colocated) and cleanup aborts
+- `flow`        one request's worker calls (disagg and colocated)
+- `lifecycle`   the one request path both edges call: validate -> admit -> flow -> status,
+                cleanup aborts, outcome hooks
 - `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
                 driver task, the `SetRole` actuator); fed by `server`'s outcome hook
-- `server`      the `Inference` servicer; `app` wires everything (`start_router`, and the
+- `server`      the `Inference` gRPC servicer (a thin edge over `lifecycle`)
+- `http`        the OpenAI-compatible HTTP edge (aiohttp on the same loop)
+- `app`         wires everything (`start_router`, and the
                 ratio controller when `config.ratio.mode` is not 'fixed')
 """

@@ -1,7 +1,8 @@
 """`python -m router`: run a router process until SIGINT/SIGTERM.
 
 Prints one line ``pdserve-router ready host=<host> port=<port>`` on stdout once it serves (the
-port is the bound one, useful with ``--port 0``). Exit status 2 on a bad argument or config.
+port is the bound one, useful with ``--port 0``), followed by `` http_port=<port>`` when the
+HTTP front runs (``--http-port``). Exit status 2 on a bad argument or config.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--colocated-addr", action="append", help="colocated worker host:port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API (and /metrics) on this port; 0 picks a free one",
+    )
     p.add_argument("--max-inflight", type=int, default=64)
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument("--default-timeout-s", type=float, default=120.0)
@@ -69,6 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             colocated_addrs=_addrs(args.colocated_addr),
             host=args.host,
             port=args.port,
+            http_port=args.http_port,
             max_inflight=args.max_inflight,
             max_queued=args.max_queued,
             default_timeout_s=args.default_timeout_s,
@@ -87,7 +95,8 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"pdserve-router ready host={config.host} port={handle.port}", flush=True)
+    http = f" http_port={handle.http.port}" if handle.http is not None else ""
+    print(f"pdserve-router ready host={config.host} port={handle.port}{http}", flush=True)
     await stop.wait()
     await handle.stop()
 

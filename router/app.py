@@ -4,12 +4,15 @@ Start-up order: read the model's config and tokenizer (torch-free) -> register t
 workers and poll each once (so health is right from the first call) -> build the prefix index
 (in-memory, or Redis with `prefix_index.kind = "redis"`; no I/O yet: Redis being down only
 means load-only routing) and start one indexer per prefill/colocated worker -> start the
-grpc.aio server with the `Inference` service and the standard `grpc.health.v1.Health` service
--> with `ratio.mode` 'adaptive' or 'advisory', start the ratio controller
-(`make_ratio_controller`).
+grpc.aio server with the `Inference` service, the standard `grpc.health.v1.Health` service and
+gRPC server reflection (so `grpcurl` and other generic clients need no .proto files) -> with
+`http_port` set, the OpenAI HTTP front (`router.http`) and `/metrics` on the same loop -> with
+`ratio.mode` 'adaptive' or 'advisory', start the ratio controller (`make_ratio_controller`).
+The router's Prometheus metrics (`router.metrics`) are fed by the request lifecycle, the
+prefix index's lookups and the ratio controller's decisions.
 
 Ratio controller: one `RatioController` task on the router's loop (`handle.ratio`), fed every
-finished request by the `Inference` service (`server.OutcomeObserver`) and the pool's views.
+finished request by the request lifecycle (`lifecycle.OutcomeObserver`) and the pool's views.
 'adaptive' acts through a `PoolActuator` (Worker.SetRole) whose role-change callback keeps the
 indexers right: a worker that becomes prefill (or colocated) gets an indexer, one that stops
 being prefill loses it. 'advisory' gets no actuator at all: it records decisions, never calls
@@ -29,12 +32,16 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from model_runtime.config import ModelConfig
 from model_runtime.tokenizer import Tokenizer
 from router.config import RouterConfig
+from router.http.server import HttpFront, start_http_front
 from router.indexer import Indexers, KVEventSource
 from router.kv_source import GrpcKVEventSource
+from router.lifecycle import RequestLifecycle
+from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Role, WorkerView
 from router.pool import WorkerPool
@@ -91,7 +98,9 @@ class RouterHandle:
     health: health.aio.HealthServicer
     prefix_index: GuardedPrefixIndex
     indexers: Indexers
+    metrics: RouterMetrics
     ratio: RatioController | None = None  # None: ratio.mode 'fixed'
+    http: HttpFront | None = None  # None: no http_port configured
 
     @property
     def address(self) -> str:
@@ -100,11 +109,13 @@ class RouterHandle:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop the ratio controller (no role change starts from here on), NOT_SERVING, stop
-        taking calls (in-flight ones get `grace_s`), send pending aborts, stop the indexers,
-        stop polling and close the worker channels."""
+        the HTTP front, stop taking gRPC calls (in-flight ones get `grace_s`), send pending
+        aborts, stop the indexers, stop polling and close the worker channels."""
         if self.ratio is not None:
             await self.ratio.stop()
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace_s)
         await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
         await self.indexers.stop()
@@ -174,10 +185,19 @@ async def start_router(
         indexers.add(addr, sources(addr))
     ratio = make_ratio_controller(config, pool, indexers, sources)
     policy = make_policy(config.policy, config.prefix_routing)
-    service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index, ratio)
+    lifecycle = RequestLifecycle(config, tokenizer, limits, pool, policy, prefix_index, ratio)
+    metrics = RouterMetrics(config.served_model_name, lifecycle.admission, pool.views)
+    lifecycle.recorder = metrics
+    prefix_index.observer = metrics.observe_prefix_lookup
+    if ratio is not None:
+        ratio.on_decision = metrics.observe_ratio_decision
+    service = InferenceService(lifecycle)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError as exc:
@@ -187,10 +207,36 @@ async def start_router(
         raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
     await server.start()
     log.info("router listening on %s:%d (mode=%s)", config.host, port, config.mode)
+    http: HttpFront | None = None
+    if config.http_port is not None:
+        try:
+            http = await start_http_front(
+                lifecycle,
+                config.host,
+                config.http_port,
+                lambda: bool(updater.serving),
+                metrics.exposition,
+            )
+        except (RuntimeError, ValueError):
+            await server.stop(None)
+            await indexers.stop()
+            await prefix_index.close()
+            await pool.stop()
+            raise
     if ratio is not None:
         ratio.start()
     return RouterHandle(
-        config, port, server, pool, service, health_servicer, prefix_index, indexers, ratio
+        config,
+        port,
+        server,
+        pool,
+        service,
+        health_servicer,
+        prefix_index,
+        indexers,
+        metrics,
+        ratio,
+        http,
     )
 
 

@@ -67,6 +67,13 @@ class RouterConfig(BaseModel):
     )
     host: str = Field(default="127.0.0.1", description="Interface the public gRPC server binds.")
     port: int = Field(default=0, ge=0, le=65535, description="Public port; 0 picks a free one.")
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the OpenAI-compatible HTTP front (and /metrics) on `host`; "
+        "0 picks a free one; None serves no HTTP.",
+    )
     max_inflight: int = Field(
         default=64, ge=1, description="Requests running worker calls at once."
     )

@@ -1,6 +1,7 @@
 """One admitted request's worker calls: disagg (Reserve -> Prefill -> Decode) or colocated.
 
-Runs in the router process, inside the `Generate` handler's task. Steps (disagg):
+Runs in the router process, in the task of the request's edge (gRPC `Generate` or an HTTP
+handler), called by `lifecycle.RequestLifecycle`. Steps (disagg):
 
 0. the prompt's block-hash chain is looked up in the prefix index (one round trip, bounded by
    the index's lookup timeout; no answer means "route by load only"), unless the policy
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +44,8 @@ Send = Callable[[inference_pb2.GenerateResponse], Awaitable[None]]
 
 @dataclass
 class RunTimings:
-    """Milliseconds, filled in as the request goes; becomes `inference_pb2.Timings`."""
+    """Milliseconds, filled in as the request goes; becomes `inference_pb2.Timings` (same
+    field names)."""
 
     router_queue_ms: float = 0.0
     prefill_queue_ms: float = 0.0
@@ -78,6 +81,7 @@ class RequestRun:
     transfer_id: str = ""
     prefill_finish: str = ""  # set when the first token already ended the request
     first_token: int = -1
+    first_logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
     _tracking: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def remaining(self) -> float:
@@ -94,17 +98,18 @@ class RequestRun:
 
     async def execute(self) -> None:
         """Run the request to its final message; raise `RouterError` on failure."""
-        text = TextStream(self.tokenizer, self.req.stop)
+        text = TextStream(self.tokenizer, self.req.stop, self.req.sampling.min_tokens)
         first = await self._first_token_with_retries()
         if isinstance(first, int):
-            if await self._send_tokens([first], text, None):
+            if await self._send_tokens([first], self.first_logprobs, text, None):
                 return
             chunks = self._decode_stream()
         else:
             chunks = first
         async with contextlib.aclosing(chunks):  # closing cancels the worker call at once
             async for chunk in chunks:
-                if await self._send_tokens(list(chunk.token_ids), text, chunk):
+                tokens, logprobs = list(chunk.token_ids), list(chunk.logprobs)
+                if await self._send_tokens(tokens, logprobs, text, chunk):
                     return
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "worker stream ended without finishing")
 
@@ -236,6 +241,8 @@ class RequestRun:
         self.transfer_id = reserved.ticket.transfer_id
         self.prefill_finish = (resp.finish_reason or "length") if resp.finished else ""
         self.first_token = int(resp.first_token)
+        if resp.HasField("first_logprob"):
+            self.first_logprobs = [resp.first_logprob]
         return self.first_token
 
     async def _start_colocated(
@@ -339,10 +346,12 @@ class RequestRun:
     async def _send_tokens(
         self,
         tokens: list[int],
+        logprobs: list[inference_pb2.TokenLogprob],
         text: TextStream,
         chunk: worker_pb2.TokenChunk | None,
     ) -> bool:
-        """Send `tokens` (and the final info when the request ends); True when it ended."""
+        """Send `tokens` with their `logprobs` (empty when not asked for) and the final info
+        when the request ends; True when it ended."""
         sent: list[int] = []
         pieces: list[str] = []
         for tok in tokens:
@@ -358,8 +367,9 @@ class RequestRun:
         elif chunk is not None and chunk.finished:
             pieces.append(text.finish())
             finish = "stop" if text.stopped else (chunk.finish_reason or "length")
+        text_out, logprobs = "".join(pieces), logprobs[: len(sent)]
         resp = inference_pb2.GenerateResponse(
-            request_id=self.request_id, token_ids=sent, text="".join(pieces)
+            request_id=self.request_id, token_ids=sent, text=text_out, logprobs=logprobs
         )
         if sent and not self.timings.ttft_ms:
             self.timings.ttft_ms = (time.perf_counter() - self.t_arrival) * 1e3
@@ -378,14 +388,7 @@ class RequestRun:
                 cached_tokens=self.cached_tokens,
             ),
             timings=inference_pb2.Timings(
-                ttft_ms=t.ttft_ms,
-                router_queue_ms=t.router_queue_ms,
-                prefill_queue_ms=t.prefill_queue_ms,
-                prefill_compute_ms=t.prefill_compute_ms,
-                kv_transfer_ms=t.kv_transfer_ms,
-                decode_admission_ms=t.decode_admission_ms,
-                first_decode_step_ms=t.first_decode_step_ms,
-                e2e_ms=(time.perf_counter() - self.t_arrival) * 1e3,
+                **dataclasses.asdict(t), e2e_ms=(time.perf_counter() - self.t_arrival) * 1e3
             ),
             prefill_worker=self.workers[0],
             decode_worker=self.workers[1],

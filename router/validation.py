@@ -19,7 +19,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from proto.pdserve.v1 import inference_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -36,6 +36,7 @@ class RequestValidationError(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class ValidatedRequest:
             seed=s.seed or 0,
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,
+            logprobs=s.logprobs,
         )
 
 
@@ -286,6 +289,16 @@ def _sampling(
     if seed is not None and seed > MAX_SEED:
         raise RequestValidationError("sampling.seed", f"must be in [0, 2^63 - 1], got {seed}")
     _check_stops(sp, limits)
+    logprobs = sp.logprobs if sp.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestValidationError(
+            "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}"
+        )
+    min_tokens = sp.min_tokens if sp.HasField("min_tokens") else 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise RequestValidationError(
+            "sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}"
+        )
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -294,6 +307,8 @@ def _sampling(
         seed=seed,
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
+        min_tokens=min_tokens,
+        logprobs=logprobs,
     )
     params.validate(limits.vocab_size)  # the runtime's own rules; must agree with the above
     return params

@@ -1,6 +1,6 @@
 """The worker process's command line: ``python -m worker`` (see `worker/__main__.py`).
 
-    python -m worker --model DIR --role prefill|decode|colocated [--port 0]
+    python -m worker --model DIR --role prefill|decode|colocated [--port 0] [--metrics-port 0]
         [--worker-id ID] [--engine-json JSON] [--torch-threads N] [--host H] [--kv-host H]
         [--kv-port P] [--transfer-timeout-s S] [--stop-grace-s S] [--log-level LEVEL]
 
@@ -34,6 +34,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
     p.add_argument("--worker-id", help="unique worker id (default: worker-<random>)")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus port (0 = pick, -1 = none)"
+    )
     p.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads")
     p.add_argument("--nice", type=int, default=0, help="niceness to run at (0-19)")
@@ -58,6 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         "role": args.role,
         "host": args.host,
         "port": args.port,
+        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
         "engine": EngineConfig.model_validate_json(args.engine_json),
         "torch_threads": args.torch_threads,
         "nice": args.nice,

@@ -35,6 +35,13 @@ class WorkerConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine sizing.")
     host: str = Field(default="127.0.0.1", description="gRPC bind address.")
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one.")
+    metrics_port: int | None = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics port on `host` (0 = pick a free one; None = no "
+        "exporter); GetStatus reports the bound one.",
+    )
     torch_threads: int | None = Field(
         default=None, gt=0, description="torch.set_num_threads; None keeps torch's default."
     )

@@ -2,8 +2,9 @@
 
 Runs in a worker process (`python -m worker`, a Ray actor, or a test fixture). `start()` loads
 the model once, starts the engine thread (`worker.engine_thread`) with the three roles plugged
-in (prefill from `prefill_worker`, decode and colocated from `decode_worker`) and a grpc.aio
-server on its own event-loop thread, and returns ``"host:port"``. This module is the only part
+in (prefill from `prefill_worker`, decode and colocated from `decode_worker`), the Prometheus
+exporter (`worker.metrics`, unless `metrics_port` is None) and a grpc.aio server on its own
+event-loop thread, and returns ``"host:port"``. This module is the only part
 of the worker host that knows the role packages; the rest of `worker` is role-agnostic.
 """
 
@@ -28,6 +29,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
+from worker.metrics import WorkerMetrics
 from worker.roles import Role, RoleContext
 from worker.service import WorkerService
 
@@ -51,6 +53,8 @@ class WorkerServer:
         self._engine_thread: EngineThread | None = None
         self._service: WorkerService | None = None
         self.kv_events = KVEventPublisher(config.worker_id, self.epoch)
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_port = 0
 
     def start(self) -> str:
         """Load the model, start serving; return "host:port" once health says SERVING.
@@ -84,7 +88,12 @@ class WorkerServer:
             transfer_timeout_s=cfg.transfer_timeout_s,
             default_timeout_s=cfg.default_timeout_s,
         )
+        model_name = cfg.model_dir.resolve().name
         engine_thread = EngineThread(ctx, ROLES, cfg.role)
+        if cfg.metrics_port is not None:
+            self.metrics = WorkerMetrics(model_name, lambda: engine_thread.snapshot)
+            engine_thread.metrics = self.metrics
+            self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
         engine_thread.start()
         self._engine_thread = engine_thread
         loop = asyncio.new_event_loop()
@@ -118,6 +127,7 @@ class WorkerServer:
             self.kv_endpoint,
             self.epoch,
             self.kv_events,
+            self.metrics_port,
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -147,6 +157,8 @@ class WorkerServer:
                 self._loop_thread.join(10)
             loop.close()
             self._loop = self._server = self._service = None
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("worker %s stopped", self.config.worker_id)
 
 

@@ -43,6 +43,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_endpoint: str,
         epoch: int,
         kv_events: KVEventPublisher | None = None,
+        metrics_port: int = 0,
     ) -> None:
         self._engine = engine
         self._kv_events = kv_events
@@ -50,6 +51,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._worker_id = worker_id
         self._kv_endpoint = kv_endpoint
         self._epoch = epoch
+        self._metrics_port = metrics_port
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -74,6 +76,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             block_size=s.block_size,
             kv_endpoint=self._kv_endpoint,
             epoch=self._epoch,
+            metrics_port=self._metrics_port,
         )
 
     # ---- RPCs ------------------------------------------------------------------------------

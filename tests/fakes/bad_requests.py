@@ -76,6 +76,14 @@ BAD_REQUESTS: list[BadRequest] = [
     BadRequest("top_p 0", _req(**TEXT, sampling=_sp(top_p=0.0)), "sampling.top_p"),
     BadRequest("top_p > 1", _req(**TEXT, sampling=_sp(top_p=1.5)), "sampling.top_p"),
     BadRequest("top_k < 0", _req(**TEXT, sampling=_sp(top_k=-1)), "sampling.top_k"),
+    BadRequest("logprobs < 0", _req(**TEXT, sampling=_sp(logprobs=-1)), "sampling.logprobs"),
+    BadRequest("logprobs > 20", _req(**TEXT, sampling=_sp(logprobs=21)), "sampling.logprobs"),
+    BadRequest(
+        "min_tokens > max_tokens",
+        _req(**TEXT, sampling=_sp(max_tokens=4, min_tokens=5)),
+        "sampling.min_tokens",
+    ),
+    BadRequest("min_tokens < 0", _req(**TEXT, sampling=_sp(min_tokens=-1)), "sampling.min_tokens"),
     BadRequest("seed >= 2^63", _req(**TEXT, sampling=_sp(seed=2**64 - 1)), "sampling.seed"),
     BadRequest(
         "empty stop string", _req(**TEXT, sampling=_sp(stop=["ok", ""])), "sampling.stop[1]"
