@@ -254,6 +254,7 @@ class DecodeRole(Role):
                     f"KV transfer {r.transfer_id} for request {rid!r} failed: {r.error}; its "
                     f"{len(res.block_ids)} reserved blocks on decode worker "
                     f"{self.ctx.worker_id} were freed",
+                    failed_peer=r.peer if r.peer != "?" else "",
                 )
                 if res.decode is not None:
                     res.decode.sink.fail(error)

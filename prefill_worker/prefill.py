@@ -192,6 +192,7 @@ class PrefillRole(Role):
                         grpc.StatusCode.UNAVAILABLE,
                         f"KV transfer {r.transfer_id} of request {rid!r} to decode worker "
                         f"{r.peer} failed: {r.error}",
+                        failed_peer=r.peer,
                     )
                 )
                 continue

@@ -6,10 +6,12 @@ Runs in the router process, inside the `Generate` handler's task. Steps (disagg)
    the index's lookup timeout; no answer means "route by load only"), unless the policy
    ignores prefixes (`RoutingPolicy.uses_prefix_matches`);
 1. the policy picks (P, D) from the pool's views, minus workers that already failed this request;
-2. `Reserve` on D -> ticket (D now holds blocks: D joins `holders`);
+2. `Reserve` on D -> ticket (D joins `holders` before the call: it may hold blocks before its
+   answer arrives);
 3. `Prefill` on P with the ticket (P joins `holders` while it runs) -> first token, sent to the
    client at once; a failure here, before anything was sent, aborts the holders and retries on
-   other workers (up to `max_route_attempts`);
+   other workers (up to `max_route_attempts`), avoiding the worker at fault: the one called,
+   or the KV peer its answer names (a Prefill whose push to a dead D failed blames D);
 4. `Decode` stream on D -> token chunks -> text deltas (stop strings end the request early);
 5. the final message carries finish reason, usage and timings.
 
@@ -30,6 +32,7 @@ import grpc
 
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2, worker_pb2
+from proto.pdserve.v1.trailers import failed_peer
 from router.errors import Retryable, RouterError, worker_error
 from router.policy import Role, RouteRequest, RoutingDecision, RoutingPolicy, WorkerView
 from router.pool import WorkerPool
@@ -38,6 +41,17 @@ from router.textstream import TextStream
 from router.validation import ValidatedRequest
 
 Send = Callable[[inference_pb2.GenerateResponse], Awaitable[None]]
+
+# Reserve answers after which the decode worker holds nothing for the request
+_NOTHING_RESERVED = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 @dataclass
@@ -67,6 +81,7 @@ class RequestRun:
     colocated: bool
     max_attempts: int
     abort_now: Callable[[str, Sequence[str]], Awaitable[None]]
+    abort_later: Callable[[str, Sequence[str]], None]
     send: Send
     prefix_index: GuardedPrefixIndex | None = None
     holders: set[str] = field(default_factory=set)
@@ -129,7 +144,9 @@ class RequestRun:
                 excluded.add(exc.address)
                 if self.holders:  # nothing reached the client: undo, then try elsewhere
                     holders, self.holders = sorted(self.holders), set()
-                    await self.abort_now(self.request_id, holders)
+                    # the failed worker is not tried again here: no need to wait for it
+                    self.abort_later(self.request_id, [a for a in holders if a in excluded])
+                    await self.abort_now(self.request_id, [a for a in holders if a not in excluded])
         assert last is not None
         raise RouterError(last.code, last.message)
 
@@ -179,15 +196,27 @@ class RequestRun:
             f"no worker has KV room for {route.total_tokens} tokens now",
         )
 
-    async def _call_failed(self, exc: grpc.aio.AioRpcError, what: str, address: str) -> None:
+    async def _call_failed(
+        self, exc: grpc.aio.AioRpcError, what: str, address: str, peer_address: str = ""
+    ) -> str:
+        """Blame the worker at fault for an UNAVAILABLE call (marked unhealthy until its next
+        good poll) and return its address: the worker called, or, when its answer names its KV
+        peer as the one that failed (`trailers.FAILED_PEER`), that peer at `peer_address`."""
+        culprit = address
+        if peer_address and failed_peer(exc.trailing_metadata()) is not None:
+            culprit = peer_address
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            await self.pool.report_failure(address, f"{what}: {exc.details()}")
+            await self.pool.report_failure(culprit, f"{what} on {address}: {exc.details()}")
+        return culprit
 
     async def _reserve_and_prefill(self, p: WorkerView, d: WorkerView, cached: int) -> int:
         self.workers = (p.worker_id, d.worker_id)
         sampling = self.req.worker_sampling()
         d_stub, p_stub = self.pool.stub(d.address), self.pool.stub(p.address)
         self._tracking.enter_context(self.pool.track(d.address))  # D is busy until the end
+        # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a
+        # cancel from here on must still send D an Abort.
+        self.holders.add(d.address)
         try:
             left = self.remaining()
             reserved = await d_stub.Reserve(
@@ -200,12 +229,13 @@ class RequestRun:
                 timeout=left,
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _NOTHING_RESERVED:
+                self.holders.discard(d.address)
             await self._call_failed(exc, "Reserve", d.address)
             err = worker_error(exc, f"Reserve on decode worker {d.address}")
             if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise Retryable(err.code, err.message, d.address) from exc
             raise err from exc
-        self.holders.add(d.address)
         self.holders.add(p.address)
         try:
             n_prompt = len(self.req.prompt_token_ids)
@@ -222,10 +252,10 @@ class RequestRun:
                     timeout=left,
                 )
         except grpc.aio.AioRpcError as exc:
-            await self._call_failed(exc, "Prefill", p.address)
+            culprit = await self._call_failed(exc, "Prefill", p.address, d.address)
             err = worker_error(exc, f"Prefill on prefill worker {p.address}")
             if err.code == grpc.StatusCode.UNAVAILABLE:
-                raise Retryable(err.code, err.message, p.address) from exc
+                raise Retryable(err.code, err.message, culprit) from exc
             raise err from exc
         self.holders.discard(p.address)  # P frees its blocks once the transfer result is known
         t = self.timings

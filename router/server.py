@@ -166,6 +166,7 @@ class InferenceService:
             colocated=self._config.mode == "colocated",
             max_attempts=self._config.max_route_attempts,
             abort_now=self.abort_now,
+            abort_later=self.abort_later,
             send=send,
             prefix_index=self._prefix_index,
         )

@@ -19,7 +19,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import GREEDY_BELOW, SamplingParams
 from proto.pdserve.v1 import inference_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -276,6 +276,8 @@ def _sampling(
         raise RequestValidationError(
             "sampling.temperature", f"must be finite and >= 0 (0 = greedy), got {temperature}"
         )
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0  # what the workers would do anyway: below it, sampling is greedy
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if not 0.0 < top_p <= 1.0:
         raise RequestValidationError("sampling.top_p", f"must be in (0, 1], got {top_p}")

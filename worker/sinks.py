@@ -18,17 +18,27 @@ from typing import Any
 import grpc
 
 from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1.trailers import FAILED_PEER
 
 log = logging.getLogger(__name__)
 
 
 class WorkerError(Exception):
-    """A request ended with a gRPC status other than OK; `message` says why, in words."""
+    """A request ended with a gRPC status other than OK; `message` says why, in words.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `failed_peer`: the id of the *other* worker whose failure this is (a KV transfer's peer);
+    it travels as trailing metadata (`proto.pdserve.v1.trailers.FAILED_PEER`) so the router
+    blames that worker, not this one."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, failed_peer: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.failed_peer = failed_peer
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What the handler sends with the status (empty unless a peer is blamed)."""
+        return ((FAILED_PEER, self.failed_peer),) if self.failed_peer else ()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -12,7 +12,10 @@ Behaviour (deterministic, no torch):
   returned when it finishes or on `Abort` — and, unless `release_on_cancel`, *not* when the
   router merely cancels the call, so tests can tell that the router's Abort freed them;
 - faults: `fail[method] = StatusCode` answers that status; `hang` holds calls of those methods
-  until they are cancelled; `token_delay_s` / `prefill_delay_s` slow the work down;
+  until they are cancelled; `kv_push_fails_to` (decode worker ids) makes a `Prefill` whose
+  ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
+  worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
+  `token_delay_s` / `prefill_delay_s` slow the work down;
 - records: `calls[method]` counts, `aborts` lists aborted request ids, `held` maps request
   ids to their blocks; `free_blocks == total_blocks` again means nothing leaked;
 - prefix cache (optional, `kv`: a `kv_events.FakeKVWorker`): `Prefill` / `Generate` run the
@@ -36,6 +39,7 @@ import grpc
 
 from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from proto.pdserve.v1.trailers import FAILED_PEER
 from router.indexer import Heartbeat
 from tests.fakes.kv_events import FakeKVWorker
 
@@ -51,6 +55,7 @@ class FakeWorkerConfig:
     token_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
     prefill_token_delay_s: float = 0.0
+    reserve_answer_delay_s: float = 0.0  # after the blocks are taken: an answer still on the way
     eos_ids: tuple[int, ...] = ()
     release_on_cancel: bool = False
     worker_id: str = ""
@@ -69,6 +74,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     config: FakeWorkerConfig = field(default_factory=FakeWorkerConfig)
     fail: dict[str, grpc.StatusCode] = field(default_factory=dict)
     hang: set[str] = field(default_factory=set)
+    kv_push_fails_to: set[str] = field(default_factory=set)
     calls: Counter[str] = field(default_factory=Counter)
     aborts: list[str] = field(default_factory=list)
     held: dict[str, _Held] = field(default_factory=dict)
@@ -207,6 +213,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} blocks, {self.free_blocks} free"
             )
         first = self.config.total_blocks - self.free_blocks - need
+        if self.config.reserve_answer_delay_s:  # a cancel now leaves the blocks held
+            await asyncio.sleep(self.config.reserve_answer_delay_s)
         return worker_pb2.ReserveResponse(
             ticket=worker_pb2.TransferTicket(
                 transfer_id=transfer_id,
@@ -222,6 +230,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         await self._enter("Prefill", context)
         rid = request.request_id
+        peer = request.ticket.decode_worker_id
+        if peer in self.kv_push_fails_to:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"KV transfer of request {rid!r} to decode worker {peer} failed: send failed",
+                ((FAILED_PEER, peer),),
+            )
         if not self._take(rid, self.blocks_for(len(request.prompt_token_ids))):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no prefill blocks")
         release = True

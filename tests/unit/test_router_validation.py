@@ -113,3 +113,13 @@ def test_decoder_never_raises_and_keeps_the_culprit() -> None:
     ok = decode_generate_request(ipb.GenerateRequest(text="hi").SerializeToString())
     assert ok.error is None and ok.message is not None and ok.message.text == "hi"
     assert ok.prompt_fields == frozenset({2})
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-9])
+def test_tiny_temperature_is_greedy(temperature: float) -> None:
+    """Below `GREEDY_BELOW` the router sends temperature 0: the workers decode greedily
+    (1e-45 used to reach the sampler and come back as token 0 at every position)."""
+    msg = ipb.GenerateRequest(text="hi", sampling=ipb.SamplingParams(temperature=temperature))
+    v = validate_request(msg, LIMITS, fake_encode)
+    assert v.sampling.temperature == 0.0 and v.sampling.greedy
+    assert v.worker_sampling().temperature == 0.0
