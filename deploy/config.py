@@ -21,6 +21,7 @@ sub-model per TOML table; every field is described and defaulted where a default
     [transfer] timeout_s = 30  kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
                (a `router.ratio` RatioConfig; default mode "fixed": the ratio never changes)
+    [supervision]  max_restarts = 5  backoff_s = 0.5 ...   (process launcher's restarts)
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
@@ -40,6 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
 from router.config import RouterConfig
 from router.policies import POLICIES
@@ -191,6 +193,11 @@ class ClusterConfig(_Frozen):
         default_factory=RatioConfig,
         description="Prefill:decode ratio controller run by the router (default mode 'fixed': "
         "off). Its bounds must contain workers.prefill / workers.decode.",
+    )
+    supervision: SupervisionConfig = Field(
+        default_factory=SupervisionConfig,
+        description="How the process launcher restarts dead workers (backoff, limits); Ray "
+        "restarts its actors itself (ray.max_restarts).",
     )
 
     @model_validator(mode="before")

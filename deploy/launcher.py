@@ -22,7 +22,7 @@ import logging
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,12 @@ from deploy.processes import (
     wait_for_lines,
     wait_serving,
 )
+from deploy.supervision import (
+    EventLog,
+    ProcessSupervisor,
+    Supervised,
+    SupervisionEvent,
+)
 from router.config import RouterConfig
 from router.ratio.config import RatioConfig
 
@@ -44,8 +50,9 @@ WORKER_READY = re.compile(r"^PDSERVE_WORKER_READY (\S+:\d+)\s*$", re.M)
 ROUTER_READY = re.compile(r"^pdserve-router ready host=(\S+) port=(\d+)\s*$", re.M)
 
 
-def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
-    """The command line of one worker process (`python -m worker ...`)."""
+def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0) -> list[str]:
+    """The command line of one worker process (`python -m worker ...`); `port` 0 picks one (a
+    restart passes the worker's old port, so the router's address list stays valid)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     argv = [
@@ -61,7 +68,7 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         "--host",
         host,
         "--port",
-        "0",
+        str(port),
         "--kv-host",
         kv_host,
         "--transfer-timeout-s",
@@ -89,10 +96,18 @@ class WorkerProcess:
 
 @dataclass
 class ProcessWorkers:
-    """The worker processes of one cluster; `stop()` ends them all (idempotent)."""
+    """The worker processes of one cluster, watched by a `ProcessSupervisor` (a dead worker is
+    reaped, logged and restarted on its address; `events` says what happened); `stop()` ends
+    them all (idempotent)."""
 
     workers: list[WorkerProcess]
     log_dir: Path
+    supervisor: ProcessSupervisor | None = None
+
+    @property
+    def events(self) -> list[SupervisionEvent]:
+        """Deaths, restarts and role changes seen so far (empty without a supervisor)."""
+        return self.supervisor.events.events if self.supervisor is not None else []
 
     def addresses(self) -> dict[str, list[str]]:
         """role -> worker addresses, as launched (roles can change later via SetRole)."""
@@ -102,12 +117,14 @@ class ProcessWorkers:
         return out
 
     def pids(self) -> list[int]:
+        """The workers' current pids (a restarted worker has a new one)."""
         return [w.process.pid for w in self.workers]
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every worker (each drains for up to its own --stop-grace-s, 5 s), SIGKILL
-        those still running after `grace_s`."""
-        stop_processes([w.process for w in self.workers], grace_s)
+        """Stop supervising, SIGTERM every worker (each drains for up to its own
+        --stop-grace-s), SIGKILL those still running after `grace_s`."""
+        starting = self.supervisor.stop() if self.supervisor is not None else []
+        stop_processes([*starting, *(w.process for w in self.workers)], grace_s)
 
 
 def _log_dir(log_dir: str | Path | None) -> Path:
@@ -117,11 +134,16 @@ def _log_dir(log_dir: str | Path | None) -> Path:
 
 
 def launch_workers(
-    config: ClusterConfig, log_dir: str | Path | None = None, timeout_s: float = 120.0
+    config: ClusterConfig,
+    log_dir: str | Path | None = None,
+    timeout_s: float = 120.0,
+    on_event: Callable[[SupervisionEvent], None] | None = None,
 ) -> ProcessWorkers:
     """Start every worker of `config` at once (they load the model in parallel) and return
-    when each one announced READY and answers SERVING. On any failure every process started
-    here is stopped and the error (RuntimeError / TimeoutError / ValueError) propagates."""
+    when each one announced READY and answers SERVING; from then on a `ProcessSupervisor`
+    (`config.supervision`) restarts workers that die, telling `on_event` what it sees. On any
+    failure every process started here is stopped and the error (RuntimeError / TimeoutError
+    / ValueError) propagates."""
     check_model_dir(config)
     logs = _log_dir(log_dir)
     env = child_env(config.torch_threads)
@@ -140,8 +162,21 @@ def launch_workers(
     except BaseException:
         stop_processes([p for _, _, p in started], grace_s=2.0)
         raise
-    log.info("workers ready: %s", {w.worker_id: w.address for w in workers})
-    return ProcessWorkers(workers, logs)
+    log.info(
+        "workers ready: %s", {w.worker_id: f"{w.address} pid {w.process.pid}" for w in workers}
+    )
+
+    by_id = {w.worker_id: w for w in workers}
+
+    def respawn(dead: Supervised, n: int) -> ManagedProcess:
+        w = by_id[dead.worker_id]
+        argv = worker_argv(config, w.worker_id, w.role, int(w.address.rpartition(":")[2]))
+        return spawn(f"worker-{w.worker_id}-restart{n}", argv, logs, env)
+
+    events = EventLog((w.role for w in workers), on_event)
+    supervisor = ProcessSupervisor(workers, config.supervision, respawn, WORKER_READY, events)
+    supervisor.start()
+    return ProcessWorkers(workers, logs, supervisor)
 
 
 # ---------------------------------------------------------------------- router

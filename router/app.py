@@ -54,27 +54,43 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def has_usable_route(mode: str, views: list[WorkerView]) -> bool:
     """True when a request could be routed now (ignoring capacity)."""
-    usable = {v.role for v in views if v.usable}
-    if mode == "colocated":
-        return "colocated" in usable
-    return "prefill" in usable and "decode" in usable
+    return not route_problem(mode, views)
 
 
-class _HealthUpdater:
-    """Pushes SERVING / NOT_SERVING into the health servicer when routability changes."""
+def route_problem(mode: str, views: list[WorkerView]) -> str:
+    """Why no request can be routed now, in words ("" when one can): each role without a
+    usable worker, with why each of its workers is unusable."""
+    roles = ("colocated",) if mode == "colocated" else ("prefill", "decode")
+    problems = []
+    for role in roles:
+        mine = [v for v in views if v.role == role]
+        if not any(v.usable for v in mine):
+            why = "; ".join(v.why_unusable() for v in mine) or "none registered"
+            problems.append(f"no usable {role} worker ({why})")
+    return ", ".join(problems)
+
+
+class RouterHealth:
+    """Pushes SERVING / NOT_SERVING into the health servicer when routability changes; the
+    reason for NOT_SERVING is logged and kept in `reason`."""
 
     def __init__(self, mode: str, servicer: health.aio.HealthServicer) -> None:
         self._mode = mode
         self._servicer = servicer
         self.serving: bool | None = None
+        self.reason = "not started"
 
     async def __call__(self, views: list[WorkerView]) -> None:
-        serving = has_usable_route(self._mode, views)
+        self.reason = route_problem(self._mode, views)
+        serving = not self.reason
         if serving == self.serving:
             return
         self.serving = serving
         status = _SERVING if serving else _NOT_SERVING
-        log.info("router health -> %s", "SERVING" if serving else "NOT_SERVING")
+        if serving:
+            log.info("router health -> SERVING")
+        else:
+            log.warning("router health -> NOT_SERVING: %s", self.reason)
         for name in ("", SERVICE_NAME):
             await self._servicer.set(name, status)
 
@@ -92,6 +108,12 @@ class RouterHandle:
     prefix_index: GuardedPrefixIndex
     indexers: Indexers
     ratio: RatioController | None = None  # None: ratio.mode 'fixed'
+    routability: RouterHealth | None = None
+
+    @property
+    def health_reason(self) -> str:
+        """Why the router says NOT_SERVING now, in words ("" while it serves)."""
+        return self.routability.reason if self.routability is not None else ""
 
     @property
     def address(self) -> str:
@@ -144,7 +166,7 @@ async def start_router(
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
     limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)
     health_servicer = health.aio.HealthServicer()
-    updater = _HealthUpdater(config.mode, health_servicer)
+    updater = RouterHealth(config.mode, health_servicer)
     await updater([])  # NOT_SERVING until the first poll says otherwise
     pool = WorkerPool(
         registry
@@ -190,7 +212,7 @@ async def start_router(
     if ratio is not None:
         ratio.start()
     return RouterHandle(
-        config, port, server, pool, service, health_servicer, prefix_index, indexers, ratio
+        config, port, server, pool, service, health_servicer, prefix_index, indexers, ratio, updater
     )
 
 

@@ -190,7 +190,8 @@ class RequestRun:
             raise RouterError(last.code, last.message)
         for role in roles:
             if not any(v.usable for v in views(role)):
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
+                why = "; ".join(v.why_unusable() for v in views(role)) or "none left to try"
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker ({why})")
         raise RouterError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"no worker has KV room for {route.total_tokens} tokens now",
