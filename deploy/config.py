@@ -129,6 +129,11 @@ class RouterSection(_Frozen):
     status_poll_interval_s: float = Field(
         default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
     )
+    max_migrations: int = Field(
+        default=RouterConfig.model_fields["max_migrations"].default,
+        ge=0,
+        description="Times a request moves off a decode worker that failed mid-stream.",
+    )
 
 
 class TransferSection(_Frozen):
@@ -330,6 +335,7 @@ class ClusterConfig(_Frozen):
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
+            "max_migrations": r.max_migrations,
             "ratio": self.ratio,
         }
         return RouterConfig(**{**fields, **overrides})

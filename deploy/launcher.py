@@ -196,6 +196,7 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
+    argv += ["--max-migrations", str(rc.max_migrations)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]
     if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default

@@ -121,7 +121,13 @@ class PrefillRole(Role):
                     f"model's context {limit}"
                 )
             first_only = dataclasses.replace(params, max_tokens=1)
-            self.engine.add_request(engine_id, prompt, first_only, hold_blocks=True)
+            self.engine.add_request(
+                engine_id,
+                prompt,
+                first_only,
+                hold_blocks=True,
+                num_sampled=req.sampling.num_sampled,
+            )
         except LayoutMismatchError as exc:
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except ValueError as exc:

@@ -48,6 +48,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
     p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=RouterConfig.model_fields["max_migrations"].default,
+        help="times a request moves off a decode worker that failed mid-stream",
+    )
+    p.add_argument(
         "--ratio-json",
         default=None,
         help="ratio controller settings as JSON (a RatioConfig, e.g. "
@@ -73,6 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
+            max_migrations=args.max_migrations,
             prefix_index=RouterConfig.prefix_index_from_url(args.redis_url),
             ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
         )

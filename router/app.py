@@ -85,10 +85,10 @@ class RouterHealth:
         serving = not self.reason
         if serving == self.serving:
             return
-        self.serving = serving
+        first, self.serving = self.serving is None, serving
         status = _SERVING if serving else _NOT_SERVING
-        if serving:
-            log.info("router health -> SERVING")
+        if serving or first:  # at start, NOT_SERVING until the first poll is no news
+            log.info("router health -> %s", "SERVING" if serving else "NOT_SERVING")
         else:
             log.warning("router health -> NOT_SERVING: %s", self.reason)
         for name in ("", SERVICE_NAME):

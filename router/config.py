@@ -92,6 +92,12 @@ class RouterConfig(BaseModel):
         ge=1,
         description="Tries (different workers) while nothing was sent to the client.",
     )
+    max_migrations: int = Field(
+        default=1,
+        ge=0,
+        description="Times a request whose decode (or colocated) worker fails mid-stream moves "
+        "to another one (prompt + tokens so far prefilled again there); 0 = never.",
+    )
 
     @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")
     @classmethod

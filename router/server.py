@@ -36,6 +36,7 @@ import grpc
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2, worker_pb2
 from router.admission import Admission, Overloaded
+from router.client_stream import ClientStream, FinalFacts
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.flow import RequestRun
@@ -155,19 +156,26 @@ class InferenceService:
         async def send(resp: inference_pb2.GenerateResponse) -> None:
             await context.write(resp)
 
+        client = ClientStream(
+            request_id,
+            send,
+            self._tokenizer,
+            req.stop,
+            t_arrival,
+            FinalFacts(prompt_tokens=len(req.prompt_token_ids)),
+        )
         run = RequestRun(
             request_id=request_id,
             req=req,
             deadline=deadline,
-            t_arrival=t_arrival,
             pool=self._pool,
             policy=self._policy,
-            tokenizer=self._tokenizer,
             colocated=self._config.mode == "colocated",
             max_attempts=self._config.max_route_attempts,
             abort_now=self.abort_now,
             abort_later=self.abort_later,
-            send=send,
+            client=client,
+            max_migrations=self._config.max_migrations,
             prefix_index=self._prefix_index,
         )
         self._in_flight_ids.add(request_id)

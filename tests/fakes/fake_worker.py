@@ -16,8 +16,9 @@ Behaviour (deterministic, no torch):
   ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
   worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
   `token_delay_s` / `prefill_delay_s` slow the work down;
-- records: `calls[method]` counts, `aborts` lists aborted request ids, `held` maps request
-  ids to their blocks; `free_blocks == total_blocks` again means nothing leaked;
+- records: `calls[method]` counts, `last[method]` is the latest request, `aborts` lists
+  aborted request ids, `held` maps request ids to their blocks; `free_blocks == total_blocks`
+  again means nothing leaked;
 - prefix cache (optional, `kv`: a `kv_events.FakeKVWorker`): `Prefill` / `Generate` run the
   prompt through it and report its hit as `cached_tokens` (`prefill_token_delay_s` per token
   *not* cached), `StreamKVEvents` / `GetKVSnapshot` serve its events, and `GetStatus` reports
@@ -34,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -76,6 +78,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     hang: set[str] = field(default_factory=set)
     kv_push_fails_to: set[str] = field(default_factory=set)
     calls: Counter[str] = field(default_factory=Counter)
+    last: dict[str, Any] = field(default_factory=dict)  # method -> its latest request
     aborts: list[str] = field(default_factory=list)
     held: dict[str, _Held] = field(default_factory=dict)
     draining: bool = False
@@ -115,8 +118,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    async def _enter(self, method: str, context: grpc.aio.ServicerContext) -> None:
+    async def _enter(
+        self, method: str, context: grpc.aio.ServicerContext, request: Any = None
+    ) -> None:
         self.calls[method] += 1
+        self.last[method] = request
         if method in self.fail:
             await context.abort(self.fail[method], f"fake {method} failure")
         if method in self.hang:
@@ -202,7 +208,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        await self._enter("Reserve", context)
+        await self._enter("Reserve", context, request)
         need = self.blocks_for(request.num_prompt_tokens + request.max_tokens)
         self._next_transfer += 1
         transfer_id = f"{self.config.worker_id}-t{self._next_transfer}"
@@ -228,7 +234,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        await self._enter("Prefill", context)
+        await self._enter("Prefill", context, request)
         rid = request.request_id
         peer = request.ticket.decode_worker_id
         if peer in self.kv_push_fails_to:
@@ -269,7 +275,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        await self._enter("Decode", context)
+        await self._enter("Decode", context, request)
         rid = request.request_id
         held = self.held.get(rid)
         if held is None or held.transfer_id != request.transfer_id:
@@ -282,7 +288,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        await self._enter("Generate", context)
+        await self._enter("Generate", context, request)
         rid, s = request.request_id, request.sampling
         if not self._take(rid, self.blocks_for(len(request.prompt_token_ids) + s.max_tokens)):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no blocks")

@@ -1,0 +1,113 @@
+"""What the client sees of one request: token batches turned into `GenerateResponse`s (text
+deltas, stop strings) and the final message's usage, timings and workers.
+
+Runs in the router process, inside the `Generate` handler's task (`flow.RequestRun` owns one).
+Whatever happens among the workers — a retry before the first token, a migration to another
+decode worker mid-stream — the client gets one stream: every token exactly once, in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from model_runtime.tokenizer import Tokenizer
+from proto.pdserve.v1 import inference_pb2
+from router.textstream import TextStream
+
+Send = Callable[[inference_pb2.GenerateResponse], Awaitable[None]]
+
+
+@dataclass
+class RunTimings:
+    """Milliseconds, filled in as the request goes; becomes `inference_pb2.Timings`."""
+
+    router_queue_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    prefill_compute_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    decode_admission_ms: float = 0.0
+    first_decode_step_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+
+@dataclass
+class FinalFacts:
+    """What the final message reports besides the stream itself (set by the worker calls)."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    migrations: int = 0
+
+
+@dataclass
+class ClientStream:
+    """The client's side of one request. `push` sends each batch of tokens at once."""
+
+    request_id: str
+    send: Send
+    tokenizer: Tokenizer
+    stop: Sequence[str]
+    t_arrival: float  # time.perf_counter() when the handler started
+    facts: FinalFacts
+    timings: RunTimings = field(default_factory=RunTimings)
+    tokens: list[int] = field(default_factory=list)  # every token sent so far
+    _text: TextStream | None = None
+
+    async def push(self, tokens: Sequence[int], finished: bool, finish_reason: str = "") -> bool:
+        """Send `tokens` (cut at a stop string) and, when the request ends here — a stop string
+        matched, or the worker says `finished` — the final info; True when it ended."""
+        if self._text is None:
+            self._text = TextStream(self.tokenizer, self.stop)
+        text = self._text
+        sent: list[int] = []
+        pieces: list[str] = []
+        for tok in tokens:
+            sent.append(tok)
+            delta = text.push([tok])
+            pieces.append(delta.text)
+            if delta.stopped:
+                break
+        self.tokens += sent
+        finish = ""
+        if text.stopped:
+            finish = "stop"  # holders (D) are aborted by the caller: the worker still runs
+        elif finished:
+            pieces.append(text.finish())
+            finish = "stop" if text.stopped else (finish_reason or "length")
+        resp = inference_pb2.GenerateResponse(
+            request_id=self.request_id, token_ids=sent, text="".join(pieces)
+        )
+        if sent and not self.timings.ttft_ms:
+            self.timings.ttft_ms = (time.perf_counter() - self.t_arrival) * 1e3
+        if finish:
+            resp.final.CopyFrom(self._final(finish))
+        await self.send(resp)
+        return bool(finish)
+
+    def _final(self, finish_reason: str) -> inference_pb2.FinalInfo:
+        t, f = self.timings, self.facts
+        return inference_pb2.FinalInfo(
+            finish_reason=finish_reason,
+            usage=inference_pb2.Usage(
+                prompt_tokens=f.prompt_tokens,
+                completion_tokens=len(self.tokens),
+                cached_tokens=f.cached_tokens,
+            ),
+            timings=inference_pb2.Timings(
+                ttft_ms=t.ttft_ms,
+                router_queue_ms=t.router_queue_ms,
+                prefill_queue_ms=t.prefill_queue_ms,
+                prefill_compute_ms=t.prefill_compute_ms,
+                kv_transfer_ms=t.kv_transfer_ms,
+                decode_admission_ms=t.decode_admission_ms,
+                first_decode_step_ms=t.first_decode_step_ms,
+                e2e_ms=(time.perf_counter() - self.t_arrival) * 1e3,
+            ),
+            prefill_worker=f.prefill_worker,
+            decode_worker=f.decode_worker,
+            migrations=f.migrations,
+        )
