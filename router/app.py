@@ -48,6 +48,9 @@ from router.validation import ModelLimits
 
 log = logging.getLogger(__name__)
 
+MIN_RECEIVE_BYTES = 64 * 2**20
+"""The router reads requests up to this size at least (then refuses those over the model's
+`ModelLimits.max_request_bytes` itself); larger ones get the transport's RESOURCE_EXHAUSTED."""
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -128,6 +131,7 @@ class RouterHandle:
             await self.ratio.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        self.service.close()
         await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
         await self.indexers.stop()
         await self.prefix_index.close()
@@ -164,7 +168,9 @@ async def start_router(
     log.debug("router config: %s", _config_for_log(config))
     model = ModelConfig.from_model_dir(config.model_dir)
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
-    limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)
+    limits = ModelLimits.for_model(
+        model.vocab_size, model.max_position_embeddings, tokenizer.max_token_chars
+    )
     health_servicer = health.aio.HealthServicer()
     updater = RouterHealth(config.mode, health_servicer)
     await updater([])  # NOT_SERVING until the first poll says otherwise
@@ -197,7 +203,12 @@ async def start_router(
     ratio = make_ratio_controller(config, pool, indexers, sources)
     policy = make_policy(config.policy, config.prefix_routing)
     service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index, ratio)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Receive requests well over the model's own limit, so the service can refuse them
+    # naming that limit (INVALID_ARGUMENT) instead of the transport's RESOURCE_EXHAUSTED.
+    receive = max(MIN_RECEIVE_BYTES, 2 * limits.max_request_bytes)
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", receive)]
+    )
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

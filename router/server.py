@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -48,7 +49,10 @@ from router.validation import (
     DecodedRequest,
     ModelLimits,
     RequestValidationError,
+    ValidatedRequest,
+    check_not_in_flight,
     decode_generate_request,
+    decode_model_info_request,
     validate_request,
 )
 
@@ -101,20 +105,24 @@ class InferenceService:
         self._admission = Admission(config.max_inflight, config.max_queued)
         self._in_flight_ids: set[str] = set()
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
+        # Text prompts are tokenized here, never on the event loop (a long one takes seconds).
+        self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     def rpc_handlers(self) -> grpc.GenericRpcHandler:
-        """Method handlers with `Generate`'s never-failing deserializer (see `validation`)."""
+        """Method handlers with never-failing deserializers (see `validation`): a request that
+        does not parse, or is over the model's size limit, gets INVALID_ARGUMENT naming why."""
+        max_bytes = self._limits.max_request_bytes
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
                 "Generate": grpc.unary_stream_rpc_method_handler(
                     self.Generate,
-                    request_deserializer=decode_generate_request,
+                    request_deserializer=lambda data: decode_generate_request(data, max_bytes),
                     response_serializer=inference_pb2.GenerateResponse.SerializeToString,
                 ),
                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                     self.GetModelInfo,
-                    request_deserializer=inference_pb2.GetModelInfoRequest.FromString,
+                    request_deserializer=decode_model_info_request,
                     response_serializer=inference_pb2.ModelInfo.SerializeToString,
                 ),
             },
@@ -125,10 +133,28 @@ class InferenceService:
         """The admission queue (read its counters in tests and metrics)."""
         return self._admission
 
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (after the server stopped taking calls)."""
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
     async def GetModelInfo(
-        self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.GetModelInfoRequest | None,
+        context: grpc.aio.ServicerContext,
     ) -> inference_pb2.ModelInfo:
         """The served model's name and limits and the router's mode."""
+        if request is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GetModelInfoRequest"
+            )
         return inference_pb2.ModelInfo(
             model=self._config.served_model_name,
             context_length=self._limits.context_length,
@@ -141,9 +167,7 @@ class InferenceService:
         """Stream one completion; see the module docstring for the statuses."""
         t_arrival = time.perf_counter()
         try:
-            req = validate_request(
-                decoded, self._limits, self._tokenizer.encode, self._in_flight_ids
-            )
+            req = await self._validate(decoded)
         except RequestValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -201,6 +225,21 @@ class InferenceService:
         self._report(run, error is None, time.perf_counter() - t_arrival)
         if error is not None:
             await context.abort(error.code, error.message)
+
+    async def _validate(self, decoded: DecodedRequest) -> ValidatedRequest:
+        """`validate_request`; a text prompt is tokenized on the tokenizer threads."""
+        msg = decoded.message
+        if msg is None or msg.WhichOneof("prompt") != "text":
+            return validate_request(
+                decoded, self._limits, self._tokenizer.encode, self._in_flight_ids
+            )
+        loop = asyncio.get_running_loop()
+        encode = self._tokenizer.encode
+        req = await loop.run_in_executor(
+            self._tokenize, validate_request, decoded, self._limits, encode
+        )
+        check_not_in_flight(req.request_id, self._in_flight_ids)  # now, on the loop
+        return req
 
     def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
         """Tell the observer how `run` ended; never raises (a failing hook is logged)."""
