@@ -3,8 +3,9 @@
 `Generate` = validate -> tokenize -> admit (bounded queue) -> route -> worker calls
 (`flow.RequestRun`) -> stream. Status codes at this edge (DESIGN.md's error table):
 
+- RESOURCE_EXHAUSTED: admission queue full — decided first, before anything else is looked at
+  (a burst beyond the queue is shed at once) — or no worker with KV room;
 - INVALID_ARGUMENT: bad input, message names the field; never reaches a worker;
-- RESOURCE_EXHAUSTED: admission queue full (answered at once) or no worker with KV room;
 - UNAVAILABLE: no healthy worker, or a worker failed (retried elsewhere while nothing was sent);
 - DEADLINE_EXCEEDED: the client's deadline (or `default_timeout_s`) passed;
 - CANCELLED: the client went away (grpc reports it; the handler only cleans up);
@@ -36,7 +37,7 @@ import grpc
 
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2, worker_pb2
-from router.admission import Admission, Overloaded
+from router.admission import Admission, Overloaded, Ticket
 from router.client_stream import ClientStream, FinalFacts
 from router.config import RouterConfig
 from router.errors import RouterError
@@ -167,6 +168,26 @@ class InferenceService:
         """Stream one completion; see the module docstring for the statuses."""
         t_arrival = time.perf_counter()
         try:
+            ticket = self._admission.enter()  # first, and O(1): a burst is shed at once
+        except Overloaded as exc:
+            self._observe(None, None, False, time.perf_counter() - t_arrival)
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)  # no exception: cheaper
+            context.set_details(str(exc))
+            return
+        try:
+            await self._admitted(decoded, context, ticket, t_arrival)
+        finally:
+            ticket.leave()
+
+    async def _admitted(
+        self,
+        decoded: DecodedRequest,
+        context: grpc.aio.ServicerContext,
+        ticket: Ticket,
+        t_arrival: float,
+    ) -> None:
+        """The rest of `Generate` for a request that holds a slot or a place in the queue."""
+        try:
             req = await self._validate(decoded)
         except RequestValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -206,7 +227,10 @@ class InferenceService:
         error: RouterError | None = None
         try:
             async with asyncio.timeout_at(deadline):
-                await self._run_admitted(run)
+                t0 = time.perf_counter()
+                await ticket.wait()
+                run.timings.router_queue_ms = (time.perf_counter() - t0) * 1e3
+                await run.execute()
         except TimeoutError:
             error = RouterError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"request deadline ({timeout:.3f} s) passed"
@@ -243,25 +267,16 @@ class InferenceService:
 
     def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
         """Tell the observer how `run` ended; never raises (a failing hook is logged)."""
+        if self._observer is not None:
+            self._observe(*request_outcome(run, e2e_s), ok, e2e_s)
+
+    def _observe(self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float) -> None:
         if self._observer is None:
             return
         try:
-            ttft_s, tpot_s = request_outcome(run, e2e_s)
             self._observer.observe(ttft_s, tpot_s, ok, e2e_s)
         except Exception:
-            log.exception("outcome observer failed for request %s", run.request_id)
-
-    async def _run_admitted(self, run: RequestRun) -> None:
-        t0 = time.perf_counter()
-        try:
-            await self._admission.acquire()
-        except Overloaded as exc:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        try:
-            run.timings.router_queue_ms = (time.perf_counter() - t0) * 1e3
-            await run.execute()
-        finally:
-            self._admission.release()
+            log.exception("outcome observer failed")
 
     async def abort_now(self, request_id: str, addresses: Sequence[str]) -> None:
         """`Abort(request_id)` on each address concurrently, each bounded by abort_timeout_s.
