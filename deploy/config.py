@@ -134,6 +134,11 @@ class RouterSection(_Frozen):
         ge=0,
         description="Times a request moves off a decode worker that failed mid-stream.",
     )
+    shutdown_grace_s: float = Field(
+        default=RouterConfig.model_fields["shutdown_grace_s"].default,
+        ge=0,
+        description="On SIGTERM: how long running streams may finish before they are aborted.",
+    )
 
 
 class TransferSection(_Frozen):
@@ -168,6 +173,13 @@ class ClusterConfig(_Frozen):
         default_factory=WorkerCounts, description="Worker processes per role."
     )
     torch_threads: int = Field(default=1, ge=1, description="torch threads per worker process.")
+    drain_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A worker told to stop (SIGTERM) reports NOT_SERVING at once, takes no new "
+        "work and lets its requests run this long; the rest end UNAVAILABLE (the router moves "
+        "them to another worker), then it exits.",
+    )
     worker_nice: int = Field(
         default=0,
         ge=0,
@@ -336,6 +348,7 @@ class ClusterConfig(_Frozen):
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
             "max_migrations": r.max_migrations,
+            "shutdown_grace_s": r.shutdown_grace_s,
             "ratio": self.ratio,
         }
         return RouterConfig(**{**fields, **overrides})

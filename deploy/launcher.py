@@ -73,6 +73,8 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0
         kv_host,
         "--transfer-timeout-s",
         str(config.transfer.timeout_s),
+        "--stop-grace-s",
+        str(config.drain_timeout_s),
         "--torch-threads",
         str(config.torch_threads),
         "--nice",
@@ -103,6 +105,7 @@ class ProcessWorkers:
     workers: list[WorkerProcess]
     log_dir: Path
     supervisor: ProcessSupervisor | None = None
+    drain_timeout_s: float = 30.0
 
     @property
     def events(self) -> list[SupervisionEvent]:
@@ -120,11 +123,13 @@ class ProcessWorkers:
         """The workers' current pids (a restarted worker has a new one)."""
         return [w.process.pid for w in self.workers]
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stop supervising, SIGTERM every worker (each drains for up to its own
-        --stop-grace-s), SIGKILL those still running after `grace_s`."""
+        --stop-grace-s, `drain_timeout_s`), SIGKILL those still running after `grace_s`
+        (default: the drain timeout + 10 s)."""
         starting = self.supervisor.stop() if self.supervisor is not None else []
-        stop_processes([*starting, *(w.process for w in self.workers)], grace_s)
+        wait = self.drain_timeout_s + 10.0 if grace_s is None else grace_s
+        stop_processes([*starting, *(w.process for w in self.workers)], wait)
 
 
 def _log_dir(log_dir: str | Path | None) -> Path:
@@ -176,7 +181,7 @@ def launch_workers(
     events = EventLog((w.role for w in workers), on_event)
     supervisor = ProcessSupervisor(workers, config.supervision, respawn, WORKER_READY, events)
     supervisor.start()
-    return ProcessWorkers(workers, logs, supervisor)
+    return ProcessWorkers(workers, logs, supervisor, config.drain_timeout_s)
 
 
 # ---------------------------------------------------------------------- router
@@ -197,6 +202,7 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
     argv += ["--max-migrations", str(rc.max_migrations)]
+    argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]
     if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default
@@ -216,8 +222,11 @@ class RouterProcess:
     address: str
     process: ManagedProcess
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        stop_processes([self.process], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM (running streams get the router's shutdown grace), SIGKILL after `grace_s`
+        (default: that grace + 10 s)."""
+        wait = self.config.shutdown_grace_s + 10.0 if grace_s is None else grace_s
+        stop_processes([self.process], wait)
 
 
 def launch_router_process(
@@ -268,8 +277,12 @@ class LocalCluster:
         self.extra_routers.append(r)
         return r
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        stop_processes([r.process for r in (*self.extra_routers, self.router)], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """Routers first (their streams finish within their shutdown grace), then workers;
+        `grace_s` overrides how long each group may take before SIGKILL."""
+        routers = [r.process for r in (*self.extra_routers, self.router)]
+        wait = self.router.config.shutdown_grace_s + 10.0 if grace_s is None else grace_s
+        stop_processes(routers, wait)
         self.workers.stop(grace_s)
 
 

@@ -122,11 +122,13 @@ class RayWorkers:
         interval_s: float,
         max_restarts: int = 0,
         on_event: Callable[[SupervisionEvent], None] | None = None,
+        drain_timeout_s: float = 5.0,
     ) -> None:
         self.workers = workers
         self.placement_group = pg
         self.owns_ray = owns_ray
         self.max_restarts = max_restarts
+        self.drain_timeout_s = drain_timeout_s
         self._log = EventLog((w.role for w in workers), on_event)
         self._stopped = threading.Event()
         self._thread = threading.Thread(
@@ -198,9 +200,12 @@ class RayWorkers:
             self._event(w, "restarted", f"pid {w.pid} -> {pid}")
             w.pid = pid
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every worker (graceful, then `ray.kill`), remove the placement group, and shut
-        Ray down if `launch_ray_workers` started or joined it (an external cluster lives on)."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every worker (graceful: each drains for `grace_s`, default `drain_timeout_s`;
+        then `ray.kill`), remove the placement group, and shut Ray down if
+        `launch_ray_workers` started or joined it (an external cluster lives on)."""
+        if grace_s is None:
+            grace_s = self.drain_timeout_s
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -367,4 +372,6 @@ def launch_ray_workers(
         for (wid, role), addr, actor, pid in zip(roles, addrs, actors, pids, strict=True)
     ]
     log.info("ray workers ready: %s", {w.worker_id: w.address for w in workers})
-    return RayWorkers(workers, pg, owns_ray, interval_s, r.max_restarts, on_event)
+    return RayWorkers(
+        workers, pg, owns_ray, interval_s, r.max_restarts, on_event, config.drain_timeout_s
+    )

@@ -48,6 +48,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
     p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=RouterConfig.model_fields["shutdown_grace_s"].default,
+        help="on SIGTERM, how long running streams may finish",
+    )
+    p.add_argument(
         "--max-migrations",
         type=int,
         default=RouterConfig.model_fields["max_migrations"].default,
@@ -80,6 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
             max_migrations=args.max_migrations,
+            shutdown_grace_s=args.shutdown_grace_s,
             prefix_index=RouterConfig.prefix_index_from_url(args.redis_url),
             ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
         )

@@ -123,14 +123,17 @@ class RouterHandle:
         """host:port clients dial."""
         return f"{self.config.host}:{self.port}"
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         """Stop the ratio controller (no role change starts from here on), NOT_SERVING, stop
-        taking calls (in-flight ones get `grace_s`), send pending aborts, stop the indexers,
-        stop polling and close the worker channels."""
+        taking calls (running streams get `grace_s`, default `config.shutdown_grace_s`, to
+        finish; the rest are cancelled and aborted on their workers), send pending aborts, stop
+        the indexers, stop polling and close the worker channels."""
         if self.ratio is not None:
             await self.ratio.stop()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        log.info("router stopping: running streams get %.1f s to finish", grace)
+        await self.server.stop(grace)
         self.service.close()
         await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
         await self.indexers.stop()

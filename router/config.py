@@ -87,6 +87,12 @@ class RouterConfig(BaseModel):
         description="Timeout of one GetStatus call; a miss marks the worker unhealthy.",
     )
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Timeout of cleanup Abort calls.")
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On stop (SIGTERM): how long running streams may finish after the router "
+        "stops accepting calls; the rest are then cancelled and aborted on every worker.",
+    )
     max_route_attempts: int = Field(
         default=2,
         ge=1,

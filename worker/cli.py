@@ -49,7 +49,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         help="same-host shared-memory KV data plane (CPU)",
     )
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    p.add_argument("--stop-grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: NOT_SERVING at once, no new work, in-flight requests get this long",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.getLogger().setLevel(args.log_level)

@@ -32,14 +32,9 @@ def _kinds(local: LocalCluster, worker_id: str) -> list[str]:
 def test_killed_worker_is_reaped_restarted_and_given_up_after_its_restarts(
     tiny_model_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
-    config = cluster_config(tiny_model_dir, "disagg", prefill=1, decode=1)
-    config = config.model_copy(
-        update={
-            "supervision": config.supervision.model_copy(
-                update={"max_restarts": 1, "backoff_s": 0.2, "stable_s": 600.0}
-            )
-        }
-    )
+    restarts = {"max_restarts": 1, "backoff_s": 0.2, "stable_s": 600.0}
+    overrides: dict[str, object] = {f"supervision.{k}": v for k, v in restarts.items()}
+    config = cluster_config(tiny_model_dir, "disagg", overrides, prefill=1, decode=1)
     local = launch_local_cluster(config, tmp_path, port=0)
     channel = grpc.insecure_channel(local.address, CHANNEL_OPTIONS)
     pids = local.pids()
