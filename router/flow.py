@@ -71,6 +71,7 @@ class RequestRun:
     holders: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)  # workers that failed this request
     migrations: int = 0
+    streaming_from: str = ""  # address of the worker whose stream the client is fed from
     _tracking: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -109,13 +110,15 @@ class RequestRun:
                             chunk.token_ids, chunk.finished, chunk.finish_reason
                         ):
                             return
-                raise WorkerLost(self.client.facts.decode_worker, "stream ended without finishing")
+                lost = f"the stream of worker {self.streaming_from} ended without finishing"
+                raise WorkerLost(self.streaming_from, lost)
             except WorkerLost as lost:
                 chunks = await self._migrate(lost)
 
     async def _migrate(self, lost: WorkerLost) -> Chunks:
         """Move the request off the worker that failed mid-stream (see the module docstring)."""
-        if self.migrations >= self.max_migrations:
+        left = self.req.sampling.max_tokens - len(self.client.tokens)
+        if self.migrations >= self.max_migrations or left <= 0:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, lost.message)
         self.migrations += 1
         self.client.facts.migrations = self.migrations
@@ -133,11 +136,7 @@ class RequestRun:
             self.migrations,
             self.max_migrations,
         )
-        leg = Leg(
-            self.req.prompt_token_ids + tuple(sent),
-            self.req.sampling.max_tokens - len(sent),
-            num_sampled=len(sent),
-        )
+        leg = Leg(self.req.prompt_token_ids + tuple(sent), left, num_sampled=len(sent))
         try:
             return await self._place(leg)
         except RouterError as exc:

@@ -207,6 +207,8 @@ async def start_colocated(run: RequestRun, leg: Leg, w: WorkerView) -> Chunks:
         t.prefill_queue_ms, t.prefill_compute_ms = first.admission_ms, first.first_step_ms
         facts.cached_tokens = first.cached_tokens
 
+    run.streaming_from = w.address
+
     async def rest() -> Chunks:
         async with contextlib.aclosing(stream):
             yield first
@@ -224,6 +226,7 @@ async def decode_stream(
     yield first
     if first.finished:
         return
+    run.streaming_from = addr
     left = run.remaining()
     request.timeout_s = left
     call = run.pool.stub(addr).Decode(request, timeout=left)

@@ -58,6 +58,7 @@ class FakeWorkerConfig:
     prefill_delay_s: float = 0.0
     prefill_token_delay_s: float = 0.0
     reserve_answer_delay_s: float = 0.0  # after the blocks are taken: an answer still on the way
+    cut_stream_after: int = 0  # > 0: token streams end (not finished) after this many chunks
     eos_ids: tuple[int, ...] = ()
     release_on_cancel: bool = False
     worker_id: str = ""
@@ -166,11 +167,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 self.held.pop(request_id, None)
                 return
         first = not first_chunk
+        sent = 0
         while True:
             if self.config.token_delay_s:
                 await asyncio.sleep(self.config.token_delay_s)
             if request_id not in self.held:
                 raise _Aborted()
+            if self.config.cut_stream_after and sent >= self.config.cut_stream_after:
+                return  # a broken worker: the stream ends without a finished chunk
+            sent += 1
             last = (last + 1) % self.config.vocab_size
             produced += 1
             reason = self._finish_reason(last, produced, s)

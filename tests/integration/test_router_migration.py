@@ -110,3 +110,18 @@ def test_colocated_worker_death_mid_stream_moves_the_request(tiny_model_dir: Pat
             await c.assert_no_leaks(exclude=(victim,))
 
     asyncio.run(scenario())
+
+
+def test_a_stream_that_ends_without_finishing_moves_the_request(tiny_model_dir: Path) -> None:
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir, n_decode=2, policy="round_robin") as c:
+            d0, d1 = c.decode
+            d0.config.cut_stream_after = 5
+            outs = [await c.generate(req(f"r{i}", 12)) for i in range(2)]  # one runs on d0
+            for out in outs:
+                assert [t for r in out for t in r.token_ids] == list(range(8, 20))
+            final = next(o[-1].final for o in outs if o[-1].final.migrations)
+            assert final.decode_worker == d1.config.worker_id
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
