@@ -85,7 +85,7 @@ class StreamSink:
     """The chunks of a streaming RPC. Engine thread: `put` / `fail`; loop: ``async for``.
 
     Iteration ends after a chunk with ``finished=True``; a `fail` raises its `WorkerError` in
-    the consumer after the chunks already put.
+    the consumer after the chunks already put (merged, see `__aiter__`).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -107,11 +107,26 @@ class StreamSink:
             _call_soon(self._loop, self._queue.put_nowait, error)
 
     async def __aiter__(self) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """The chunks in order. After the first, chunks that piled up while the consumer was
+        busy (the loop lagging behind the engine) go out merged into one message — their
+        tokens in order, the last one's end — so a loaded worker and router handle fewer,
+        larger messages instead of falling further behind."""
+        first = True
         while True:
             item = await self._queue.get()
             if isinstance(item, WorkerError):
                 raise item
+            error = None
+            while not first and not item.finished and not self._queue.empty():
+                more = self._queue.get_nowait()
+                if isinstance(more, WorkerError):
+                    error = more
+                    break
+                item.MergeFrom(more)  # repeated fields append; set scalars (the end) overwrite
+            first = False
             yield item
+            if error is not None:
+                raise error
             if item.finished:
                 return
 
