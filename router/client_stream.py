@@ -8,6 +8,7 @@ decode worker mid-stream — the client gets one stream: every token exactly onc
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,15 @@ class FinalFacts:
 
 @dataclass
 class ClientStream:
-    """The client's side of one request. `push` sends each batch of tokens at once."""
+    """The client's side of one request.
+
+    `push` queues each batch of tokens and returns; one writer task sends the queue in order.
+    While a write is in flight, later batches pile up and go out as one message (their tokens
+    and text joined), so a router whose loop is busy — many streams, a burst of new calls —
+    writes fewer, larger messages instead of falling further behind. The final message is
+    waited for (`push` returns True once it is written); `close()` stops the writer when the
+    request ends any other way.
+    """
 
     request_id: str
     send: Send
@@ -56,6 +65,9 @@ class ClientStream:
     timings: RunTimings = field(default_factory=RunTimings)
     tokens: list[int] = field(default_factory=list)  # every token sent so far
     _text: TextStream | None = None
+    _outbox: list[inference_pb2.GenerateResponse] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _writer: asyncio.Task[None] | None = None
 
     async def push(self, tokens: Sequence[int], finished: bool, finish_reason: str = "") -> bool:
         """Send `tokens` (cut at a stop string) and, when the request ends here — a stop string
@@ -85,8 +97,32 @@ class ClientStream:
             self.timings.ttft_ms = (time.perf_counter() - self.t_arrival) * 1e3
         if finish:
             resp.final.CopyFrom(self._final(finish))
-        await self.send(resp)
+        self._outbox.append(resp)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_all())
+        elif self._writer.done():
+            await self._writer  # it failed: raise its error here
+        self._wake.set()
+        if finish:
+            await asyncio.shield(self._writer)  # the final message is out when we return
         return bool(finish)
+
+    def close(self) -> None:
+        """Stop the writer (the request ended without a final message); idempotent."""
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()
+
+    async def _write_all(self) -> None:
+        """Send queued messages in order, joining what piled up; end after the final one."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                resp = batch[0] if len(batch) == 1 else _join(batch)
+                await self.send(resp)
+                if resp.HasField("final"):
+                    return
 
     def _final(self, finish_reason: str) -> inference_pb2.FinalInfo:
         t, f = self.timings, self.facts
@@ -111,3 +147,14 @@ class ClientStream:
             decode_worker=f.decode_worker,
             migrations=f.migrations,
         )
+
+
+def _join(batch: list[inference_pb2.GenerateResponse]) -> inference_pb2.GenerateResponse:
+    """Consecutive responses as one: tokens and text in order, the last one's final info."""
+    out = inference_pb2.GenerateResponse(request_id=batch[0].request_id)
+    for resp in batch:
+        out.token_ids.extend(resp.token_ids)
+    out.text = "".join(resp.text for resp in batch)
+    if batch[-1].HasField("final"):
+        out.final.CopyFrom(batch[-1].final)
+    return out

@@ -243,6 +243,7 @@ class InferenceService:
         finally:
             self._in_flight_ids.discard(request_id)
             run.close()
+            client.close()
             if run.holders:
                 self.abort_later(request_id, sorted(run.holders))
         # Reached only when the handler was not cancelled (the client did not go away).
