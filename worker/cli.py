@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from model_runtime.engine_config import EngineConfig
@@ -95,4 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     log.info("signal received; stopping (grace %.1f s)", grace_s)
     server.stop(grace_s)
+    wait_for_threads(config.kv_connect_timeout_s + 1.0)
     return 0
+
+
+def wait_for_threads(timeout_s: float) -> None:
+    """Give threads still running after `stop` (a KV helper blocked in a store connect to a
+    peer that died) up to `timeout_s` to end: native code that returns into an interpreter
+    already shutting down aborts the process (SIGABRT instead of exit 0)."""
+    end = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                log.warning("thread %s still running at exit", thread.name)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -49,6 +51,18 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine.from_model_dir(tiny_model_dir, cfg)
 
 
+def _until_the_router_uses_every_decoder(cluster: E2ECluster, n: int) -> None:
+    """Readiness for a test: concurrent short requests until each of the `n` decode workers
+    served one (the router's view of a restarted worker lags its restart by a poll)."""
+    req = build_request(token_ids=PROMPT[:8], max_tokens=2, temperature=0.0)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30.0
+    while len(seen) < n:
+        assert time.monotonic() < deadline, f"the router used only {seen}"
+        with ThreadPoolExecutor(4) as pool:
+            seen |= {info.decode_worker for _, info in pool.map(cluster.generate, [req] * 4)}
+
+
 def _signal_decoder_mid_stream(
     cluster: E2ECluster,
     req: inference_pb2.GenerateRequest,
@@ -60,6 +74,7 @@ def _signal_decoder_mid_stream(
     (then call `while_draining(its address)`); wait until the supervisor restarted it. (every
     token, the final info)."""
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
+    _until_the_router_uses_every_decoder(cluster, len(decoders))
     restarts = sum(e.kind == "restarted" for e in cluster.local.workers.events)
     tokens: list[int] = []
     final = None
