@@ -187,7 +187,8 @@ class RayWorkers:
             if self._stopped.is_set():
                 return
             w.alive = False
-            self._event(w, "died", f"pid {w.pid}: {str(exc).splitlines()[0]}")
+            if not w.restarting:  # else its death was recorded when Ray began restarting it
+                self._event(w, "died", f"pid {w.pid}: {str(exc).splitlines()[0]}")
             self._event(
                 w,
                 "gave_up",

@@ -181,12 +181,13 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
         # down (`pdserve up` prints both; the router's health says NOT_SERVING, and why).
         os.kill(decode.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not any(e.kind == "role_down" for e in workers.events):
-            assert time.monotonic() < deadline, f"no role_down reported: {workers.events}"
+        while not any(e.kind == "gave_up" for e in workers.events):
+            assert time.monotonic() < deadline, f"not given up: {workers.events}"
             time.sleep(0.1)
         gave_up = [e for e in workers.events if e.kind == "gave_up"]
         assert [e.worker_id for e in gave_up] == [decode.worker_id], workers.events
         assert "ray.max_restarts=1" in gave_up[0].detail
+        assert [e.kind for e in workers.events if e.worker_id == "decode"][-1] == "role_down"
         assert asyncio.run(_health_reason(config, workers.addresses())).startswith(
             "no usable decode worker"
         )
