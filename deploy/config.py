@@ -176,9 +176,8 @@ class ClusterConfig(_Frozen):
     drain_timeout_s: float = Field(
         default=30.0,
         ge=0,
-        description="A worker told to stop (SIGTERM) reports NOT_SERVING at once, takes no new "
-        "work and lets its requests run this long; the rest end UNAVAILABLE (the router moves "
-        "them to another worker), then it exits.",
+        description="On SIGTERM a worker says NOT_SERVING and lets its requests run this long "
+        "(the rest are moved to another worker), then exits.",
     )
     worker_nice: int = Field(
         default=0,
