@@ -1,7 +1,9 @@
 """The public `pdserve.v1.Inference` gRPC service. Runs in the router process (grpc.aio).
 
-`Generate` = validate -> tokenize -> admit (bounded queue) -> route -> worker calls
-(`flow.RequestRun`) -> stream. Status codes at this edge (DESIGN.md's error table):
+`Generate` = admit (bounded queue: a slot, a place in the queue, or refused at once) ->
+validate -> tokenize (helper threads) -> wait for the slot -> route -> worker calls
+(`flow.RequestRun`) -> stream (`client_stream.ClientStream`). Status codes at this edge
+(DESIGN.md's error table):
 
 - RESOURCE_EXHAUSTED: admission queue full — decided first, before anything else is looked at
   (a burst beyond the queue is shed at once) — or no worker with KV room;
