@@ -49,7 +49,12 @@ class ColocatedRole(Role):
             raise self.duplicate(rid)
         try:
             params = sampling_from_proto(request.sampling, self.engine.model_config.vocab_size)
-            self.engine.add_request(rid, list(request.prompt_token_ids), params)
+            self.engine.add_request(
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                num_sampled=request.sampling.num_sampled,
+            )
         except ValueError as exc:
             raise self.invalid(exc) from exc
         job = _Job(sink, self.deadline(timeout_s), sink.created, params.logprobs is not None)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from deploy.config import ClusterConfig
     from deploy.launcher import ProcessWorkers
     from deploy.ray_launcher import RayWorkers
+    from deploy.supervision import SupervisionEvent
 
 log = logging.getLogger("pdserve")
 
@@ -271,14 +272,22 @@ def up_main(args: argparse.Namespace) -> int:
             workers.stop()
 
 
+def _say(event: SupervisionEvent) -> None:
+    """Tell the operator (stderr) what needs them: a worker given up, a role with no live
+    worker left, a role back. Deaths and restarts are logged by the supervisor itself."""
+    if event.kind in ("gave_up", "role_down", "role_up"):
+        what = event.kind.replace("_", " ")
+        print(f"pdserve up: {event.worker_id}: {what}: {event.detail}", file=sys.stderr, flush=True)
+
+
 def _launch_workers(config: ClusterConfig, log_dir: str | None) -> ProcessWorkers | RayWorkers:
     if config.launcher == "process":
         from deploy.launcher import launch_workers
 
-        return launch_workers(config, log_dir)
+        return launch_workers(config, log_dir, on_event=_say)
     from deploy.ray_launcher import launch_ray_workers
 
-    return launch_ray_workers(config)
+    return launch_ray_workers(config, on_event=_say)
 
 
 async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:

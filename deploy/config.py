@@ -21,6 +21,7 @@ sub-model per TOML table; every field is described and defaulted where a default
     [transfer] timeout_s = 30  kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
                (a `router.ratio` RatioConfig; default mode "fixed": the ratio never changes)
+    [supervision]  max_restarts = 5  backoff_s = 0.5 ...   (process launcher's restarts)
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
@@ -40,6 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
 from router.config import RouterConfig
 from router.policies import POLICIES
@@ -134,6 +136,16 @@ class RouterSection(_Frozen):
     status_poll_interval_s: float = Field(
         default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
     )
+    max_migrations: int = Field(
+        default=RouterConfig.model_fields["max_migrations"].default,
+        ge=0,
+        description="Times a request moves off a decode worker that failed mid-stream.",
+    )
+    shutdown_grace_s: float = Field(
+        default=RouterConfig.model_fields["shutdown_grace_s"].default,
+        ge=0,
+        description="On SIGTERM: how long running streams may finish before they are aborted.",
+    )
 
 
 class TransferSection(_Frozen):
@@ -168,6 +180,12 @@ class ClusterConfig(_Frozen):
         default_factory=WorkerCounts, description="Worker processes per role."
     )
     torch_threads: int = Field(default=1, ge=1, description="torch threads per worker process.")
+    drain_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM a worker says NOT_SERVING and lets its requests run this long "
+        "(the rest are moved to another worker), then exits.",
+    )
     worker_nice: int = Field(
         default=0,
         ge=0,
@@ -198,6 +216,11 @@ class ClusterConfig(_Frozen):
         default_factory=RatioConfig,
         description="Prefill:decode ratio controller run by the router (default mode 'fixed': "
         "off). Its bounds must contain workers.prefill / workers.decode.",
+    )
+    supervision: SupervisionConfig = Field(
+        default_factory=SupervisionConfig,
+        description="How the process launcher restarts dead workers (backoff, limits); Ray "
+        "restarts its actors itself (ray.max_restarts).",
     )
 
     @model_validator(mode="before")
@@ -331,6 +354,8 @@ class ClusterConfig(_Frozen):
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
+            "max_migrations": r.max_migrations,
+            "shutdown_grace_s": r.shutdown_grace_s,
             "ratio": self.ratio,
         }
         return RouterConfig(**{**fields, **overrides})

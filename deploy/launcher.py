@@ -22,7 +22,7 @@ import logging
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,12 @@ from deploy.processes import (
     wait_for_lines,
     wait_serving,
 )
+from deploy.supervision import (
+    EventLog,
+    ProcessSupervisor,
+    Supervised,
+    SupervisionEvent,
+)
 from router.config import RouterConfig
 from router.ratio.config import RatioConfig
 
@@ -46,8 +52,9 @@ ROUTER_READY = re.compile(
 )
 
 
-def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
-    """The command line of one worker process (`python -m worker ...`)."""
+def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0) -> list[str]:
+    """The command line of one worker process (`python -m worker ...`); `port` 0 picks one (a
+    restart passes the worker's old port, so the router's address list stays valid)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     argv = [
@@ -63,11 +70,13 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         "--host",
         host,
         "--port",
-        "0",
+        str(port),
         "--kv-host",
         kv_host,
         "--transfer-timeout-s",
         str(config.transfer.timeout_s),
+        "--stop-grace-s",
+        str(config.drain_timeout_s),
         "--torch-threads",
         str(config.torch_threads),
         "--nice",
@@ -91,10 +100,19 @@ class WorkerProcess:
 
 @dataclass
 class ProcessWorkers:
-    """The worker processes of one cluster; `stop()` ends them all (idempotent)."""
+    """The worker processes of one cluster, watched by a `ProcessSupervisor` (a dead worker is
+    reaped, logged and restarted on its address; `events` says what happened); `stop()` ends
+    them all (idempotent)."""
 
     workers: list[WorkerProcess]
     log_dir: Path
+    supervisor: ProcessSupervisor | None = None
+    drain_timeout_s: float = 30.0
+
+    @property
+    def events(self) -> list[SupervisionEvent]:
+        """Deaths, restarts and role changes seen so far (empty without a supervisor)."""
+        return self.supervisor.events.events if self.supervisor is not None else []
 
     def addresses(self) -> dict[str, list[str]]:
         """role -> worker addresses, as launched (roles can change later via SetRole)."""
@@ -104,12 +122,16 @@ class ProcessWorkers:
         return out
 
     def pids(self) -> list[int]:
+        """The workers' current pids (a restarted worker has a new one)."""
         return [w.process.pid for w in self.workers]
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every worker (each drains for up to its own --stop-grace-s, 5 s), SIGKILL
-        those still running after `grace_s`."""
-        stop_processes([w.process for w in self.workers], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop supervising, SIGTERM every worker (each drains for up to its own
+        --stop-grace-s, `drain_timeout_s`), SIGKILL those still running after `grace_s`
+        (default: the drain timeout + 10 s)."""
+        starting = self.supervisor.stop() if self.supervisor is not None else []
+        wait = self.drain_timeout_s + 10.0 if grace_s is None else grace_s
+        stop_processes([*starting, *(w.process for w in self.workers)], wait)
 
 
 def _log_dir(log_dir: str | Path | None) -> Path:
@@ -119,11 +141,16 @@ def _log_dir(log_dir: str | Path | None) -> Path:
 
 
 def launch_workers(
-    config: ClusterConfig, log_dir: str | Path | None = None, timeout_s: float = 120.0
+    config: ClusterConfig,
+    log_dir: str | Path | None = None,
+    timeout_s: float = 120.0,
+    on_event: Callable[[SupervisionEvent], None] | None = None,
 ) -> ProcessWorkers:
     """Start every worker of `config` at once (they load the model in parallel) and return
-    when each one announced READY and answers SERVING. On any failure every process started
-    here is stopped and the error (RuntimeError / TimeoutError / ValueError) propagates."""
+    when each one announced READY and answers SERVING; from then on a `ProcessSupervisor`
+    (`config.supervision`) restarts workers that die, telling `on_event` what it sees. On any
+    failure every process started here is stopped and the error (RuntimeError / TimeoutError
+    / ValueError) propagates."""
     check_model_dir(config)
     logs = _log_dir(log_dir)
     env = child_env(config.torch_threads)
@@ -142,8 +169,21 @@ def launch_workers(
     except BaseException:
         stop_processes([p for _, _, p in started], grace_s=2.0)
         raise
-    log.info("workers ready: %s", {w.worker_id: w.address for w in workers})
-    return ProcessWorkers(workers, logs)
+    log.info(
+        "workers ready: %s", {w.worker_id: f"{w.address} pid {w.process.pid}" for w in workers}
+    )
+
+    by_id = {w.worker_id: w for w in workers}
+
+    def respawn(dead: Supervised, n: int) -> ManagedProcess:
+        w = by_id[dead.worker_id]
+        argv = worker_argv(config, w.worker_id, w.role, int(w.address.rpartition(":")[2]))
+        return spawn(f"worker-{w.worker_id}-restart{n}", argv, logs, env)
+
+    events = EventLog((w.role for w in workers), on_event)
+    supervisor = ProcessSupervisor(workers, config.supervision, respawn, WORKER_READY, events)
+    supervisor.start()
+    return ProcessWorkers(workers, logs, supervisor, config.drain_timeout_s)
 
 
 # ---------------------------------------------------------------------- router
@@ -165,6 +205,8 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
+    argv += ["--max-migrations", str(rc.max_migrations)]
+    argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]
     if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default
@@ -186,8 +228,11 @@ class RouterProcess:
     process: ManagedProcess
     http_url: str | None = None
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        stop_processes([self.process], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM (running streams get the router's shutdown grace), SIGKILL after `grace_s`
+        (default: that grace + 10 s)."""
+        wait = self.config.shutdown_grace_s + 10.0 if grace_s is None else grace_s
+        stop_processes([self.process], wait)
 
 
 def launch_router_process(
@@ -239,8 +284,12 @@ class LocalCluster:
         self.extra_routers.append(r)
         return r
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        stop_processes([r.process for r in (*self.extra_routers, self.router)], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """Routers first (their streams finish within their shutdown grace), then workers;
+        `grace_s` overrides how long each group may take before SIGKILL."""
+        routers = [r.process for r in (*self.extra_routers, self.router)]
+        wait = self.router.config.shutdown_grace_s + 10.0 if grace_s is None else grace_s
+        stop_processes(routers, wait)
         self.workers.stop(grace_s)
 
 

@@ -34,9 +34,9 @@ import logging
 import os
 import tempfile
 import threading
-import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deploy.config import ClusterConfig, Role, check_model_dir
 from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_collision
 from deploy.processes import wait_serving
+from deploy.supervision import EventLog, SupervisionEvent
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,6 @@ class WorkerActor:
         self._server.stop(grace_s)
 
 
-@dataclass(frozen=True)
-class SupervisionEvent:
-    """Something the supervisor saw: kind is 'died', 'restarting' or 'restarted'."""
-
-    worker_id: str
-    kind: str
-    detail: str
-    at: float = field(default_factory=time.time)
-
-
 @dataclass
 class RayWorker:
     """One worker actor: id, role at launch, address, the actor (named `actor_name` in the
@@ -119,15 +110,26 @@ class RayWorker:
 
 
 class RayWorkers:
-    """Handle to launched worker actors; `stop()` is idempotent."""
+    """Handle to launched worker actors; `stop()` is idempotent. `events` (the shared
+    `deploy.supervision` vocabulary) says which workers died, restarted or were given up once
+    Ray's `max_restarts` were spent, and which roles have no live worker left."""
 
     def __init__(
-        self, workers: list[RayWorker], pg: PlacementGroup, owns_ray: bool, interval_s: float
+        self,
+        workers: list[RayWorker],
+        pg: PlacementGroup,
+        owns_ray: bool,
+        interval_s: float,
+        max_restarts: int = 0,
+        on_event: Callable[[SupervisionEvent], None] | None = None,
+        drain_timeout_s: float = 5.0,
     ) -> None:
         self.workers = workers
         self.placement_group = pg
         self.owns_ray = owns_ray
-        self.events: list[SupervisionEvent] = []
+        self.max_restarts = max_restarts
+        self.drain_timeout_s = drain_timeout_s
+        self._log = EventLog((w.role for w in workers), on_event)
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._supervise, args=(interval_s,), name="pdserve-supervisor", daemon=True
@@ -144,43 +146,67 @@ class RayWorkers:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers]
 
+    @property
+    def events(self) -> list[SupervisionEvent]:
+        """Deaths, restarts, given-up workers and role changes seen so far."""
+        return self._log.events
+
     def _event(self, w: RayWorker, kind: str, detail: str) -> None:
-        self.events.append(SupervisionEvent(w.worker_id, kind, detail))
-        log.warning("worker %s (%s) %s: %s", w.worker_id, w.address, kind, detail)
+        self._log.record(w.worker_id, kind, f"{detail} ({w.address})")
 
     def _supervise(self, interval_s: float) -> None:
-        """Ping each actor every `interval_s`; record deaths and restarts (pid changes)."""
+        """Ping each actor every `interval_s`; record deaths, restarts (pid changes), actors
+        out of restarts, and roles left without a live worker."""
         while not self._stopped.wait(interval_s):
             for w in self.workers:
                 if not w.alive or self._stopped.is_set():
                     continue
-                ref = w.actor.pid.remote()
-                try:
-                    pid = ray.get(ref, timeout=max(5.0, interval_s))
-                except GetTimeoutError:
-                    if not w.restarting:
-                        self._event(w, "restarting", "no answer to a ping (restarting or stuck)")
-                    w.restarting = True
-                    continue
-                except ActorUnavailableError as exc:  # Ray is restarting it
-                    if not w.restarting:
-                        self._event(w, "restarting", str(exc).splitlines()[0])
-                    w.restarting = True
-                    continue
-                except RayActorError as exc:
-                    if self._stopped.is_set():
-                        return
-                    w.alive = False
-                    self._event(w, "died", f"out of restarts: {exc}".splitlines()[0])
-                    continue
-                w.restarting = False
-                if pid != w.pid:
-                    self._event(w, "restarted", f"pid {w.pid} -> {pid}")
-                    w.pid = pid
+                self._ping(w, interval_s)
+            live: dict[str, int] = {}
+            for w in self.workers:
+                live[w.role] = live.get(w.role, 0) + int(w.alive and not w.restarting)
+            if not self._stopped.is_set():
+                self._log.roles_now(live)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every worker (graceful, then `ray.kill`), remove the placement group, and shut
-        Ray down if `launch_ray_workers` started or joined it (an external cluster lives on)."""
+    def _ping(self, w: RayWorker, interval_s: float) -> None:
+        ref = w.actor.pid.remote()
+        try:
+            pid = ray.get(ref, timeout=max(5.0, interval_s))
+        except GetTimeoutError:
+            if not w.restarting:
+                self._event(w, "restarting", "no answer to a ping (restarting or stuck)")
+            w.restarting = True
+            return
+        except ActorUnavailableError as exc:  # Ray is restarting it
+            if not w.restarting:
+                self._event(w, "died", f"pid {w.pid}: {str(exc).splitlines()[0]}")
+                self._event(w, "restarting", "Ray restarts the actor")
+            w.restarting = True
+            return
+        except RayActorError as exc:
+            if self._stopped.is_set():
+                return
+            w.alive = False
+            if not w.restarting:  # else its death was recorded when Ray began restarting it
+                self._event(w, "died", f"pid {w.pid}: {str(exc).splitlines()[0]}")
+            self._event(
+                w,
+                "gave_up",
+                f"ray.max_restarts={self.max_restarts} spent; Ray will not restart it and it "
+                "stays down",
+            )
+            return
+        w.restarting = False
+        if pid != w.pid:
+            self._event(w, "restarted", f"pid {w.pid} -> {pid}")
+            w.pid = pid
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every worker (graceful: each drains for `grace_s`, default `drain_timeout_s`;
+        then `ray.kill`), remove the placement group, and shut Ray down if
+        `launch_ray_workers` started or joined it (an external cluster lives on)."""
+        if grace_s is None:
+            grace_s = self.drain_timeout_s
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -273,7 +299,11 @@ def _strategy(config: ClusterConfig) -> str:
     return "PACK" if len(nodes) <= 1 else "SPREAD"
 
 
-def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWorkers:
+def launch_ray_workers(
+    config: ClusterConfig,
+    interval_s: float = 1.0,
+    on_event: Callable[[SupervisionEvent], None] | None = None,
+) -> RayWorkers:
     """Start the workers of `config` as Ray actors (see the module docstring for the steps)
     and return once each one serves. On failure everything started here is torn down and the
     error propagates: TimeoutError (no placement / not serving in `ray.start_timeout_s`),
@@ -343,4 +373,6 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
         for (wid, role), addr, actor, pid in zip(roles, addrs, actors, pids, strict=True)
     ]
     log.info("ray workers ready: %s", {w.worker_id: w.address for w in workers})
-    return RayWorkers(workers, pg, owns_ray, interval_s)
+    return RayWorkers(
+        workers, pg, owns_ray, interval_s, r.max_restarts, on_event, config.drain_timeout_s
+    )

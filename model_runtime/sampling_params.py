@@ -14,17 +14,23 @@ MAX_LOGPROBS = 20
 TopLogprobs = tuple[tuple[int, float], ...]
 """The k most likely (token id, log-probability) pairs at one position, most likely first."""
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: dividing logits by a tiny temperature overflows
+float32 (1e-38 already makes inf - inf = NaN probabilities), and the distribution is an
+argmax long before that."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature 0 means greedy (exact argmax). top_k 0 means no top-k cut; top_p 1.0 means no
-    nucleus cut. `seed` makes a sampled request reproducible whatever else is in the batch.
-    Generation stops at EOS (unless `ignore_eos`), at any of `stop_token_ids`, or after
-    `max_tokens` tokens; before `min_tokens` tokens EOS and the stop ids cannot be sampled.
-    `logprobs` None reports no log-probabilities; k reports each token's and the k most likely
-    tokens' (under the model's own distribution, before temperature, top-k and top-p).
+    temperature 0 (or anything below `GREEDY_BELOW`) means greedy (exact argmax). top_k 0
+    means no top-k cut; top_p 1.0 means no nucleus cut. `seed` makes a sampled request
+    reproducible whatever else is in the batch. Generation stops at EOS (unless `ignore_eos`),
+    at any of `stop_token_ids`, or after `max_tokens` tokens; before `min_tokens` tokens EOS and
+    the stop ids cannot be sampled. `logprobs` None reports no log-probabilities; k reports each
+    token's and the k most likely tokens' (under the model's own distribution, before
+    temperature, top-k and top-p).
     """
 
     max_tokens: int = 16
@@ -39,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field; `vocab_size` bounds token ids."""

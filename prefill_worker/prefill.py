@@ -123,7 +123,13 @@ class PrefillRole(Role):
             first_only = dataclasses.replace(
                 params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
             )
-            self.engine.add_request(engine_id, prompt, first_only, hold_blocks=True)
+            self.engine.add_request(
+                engine_id,
+                prompt,
+                first_only,
+                hold_blocks=True,
+                num_sampled=req.sampling.num_sampled,
+            )
         except LayoutMismatchError as exc:
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except ValueError as exc:
@@ -194,6 +200,7 @@ class PrefillRole(Role):
                         grpc.StatusCode.UNAVAILABLE,
                         f"KV transfer {r.transfer_id} of request {rid!r} to decode worker "
                         f"{r.peer} failed: {r.error}",
+                        failed_peer=r.peer,
                     )
                 )
                 continue

@@ -21,9 +21,13 @@ Module map:
 - `admission`   bounded FIFO admission (max_inflight running, max_queued waiting)
 - `textstream`  text deltas with stop-string matching
 - `errors`      `RouterError` (a request's final status) and worker-error mapping
-- `flow`        one request's worker calls (disagg and colocated)
-- `lifecycle`   the one request path both edges call: validate -> admit -> flow -> status,
+- `lifecycle`   the one request path both edges call: admit -> validate -> flow -> status,
                 cleanup aborts, outcome hooks
+- `flow`        one request's legs: routing, retries before the first token, migration to
+                another worker after a mid-stream failure, cleanup aborts
+- `worker_calls` one leg's worker calls (Reserve/Prefill/Decode or colocated Generate) and how
+                their failures are classified (retryable, migratable, final)
+- `client_stream` what the client sees: tokens -> text deltas (+ logprobs), the final info
 - `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
                 driver task, the `SetRole` actuator); fed by `server`'s outcome hook
 - `server`      the `Inference` gRPC servicer (a thin edge over `lifecycle`)

@@ -55,6 +55,18 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
     p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=RouterConfig.model_fields["shutdown_grace_s"].default,
+        help="on SIGTERM, how long running streams may finish",
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=RouterConfig.model_fields["max_migrations"].default,
+        help="times a request moves off a decode worker that failed mid-stream",
+    )
+    p.add_argument(
         "--ratio-json",
         default=None,
         help="ratio controller settings as JSON (a RatioConfig, e.g. "
@@ -81,6 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
+            max_migrations=args.max_migrations,
+            shutdown_grace_s=args.shutdown_grace_s,
             prefix_index=RouterConfig.prefix_index_from_url(args.redis_url),
             ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
         )

@@ -55,33 +55,52 @@ from router.validation import ModelLimits
 
 log = logging.getLogger(__name__)
 
+MIN_RECEIVE_BYTES = 64 * 2**20
+"""The router reads requests up to this size at least (then refuses those over the model's
+`ModelLimits.max_request_bytes` itself); larger ones get the transport's RESOURCE_EXHAUSTED."""
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def has_usable_route(mode: str, views: list[WorkerView]) -> bool:
     """True when a request could be routed now (ignoring capacity)."""
-    usable = {v.role for v in views if v.usable}
-    if mode == "colocated":
-        return "colocated" in usable
-    return "prefill" in usable and "decode" in usable
+    return not route_problem(mode, views)
 
 
-class _HealthUpdater:
-    """Pushes SERVING / NOT_SERVING into the health servicer when routability changes."""
+def route_problem(mode: str, views: list[WorkerView]) -> str:
+    """Why no request can be routed now, in words ("" when one can): each role without a
+    usable worker, with why each of its workers is unusable."""
+    roles = ("colocated",) if mode == "colocated" else ("prefill", "decode")
+    problems = []
+    for role in roles:
+        mine = [v for v in views if v.role == role]
+        if not any(v.usable for v in mine):
+            why = "; ".join(v.why_unusable() for v in mine) or "none registered"
+            problems.append(f"no usable {role} worker ({why})")
+    return ", ".join(problems)
+
+
+class RouterHealth:
+    """Pushes SERVING / NOT_SERVING into the health servicer when routability changes; the
+    reason for NOT_SERVING is logged and kept in `reason`."""
 
     def __init__(self, mode: str, servicer: health.aio.HealthServicer) -> None:
         self._mode = mode
         self._servicer = servicer
         self.serving: bool | None = None
+        self.reason = "not started"
 
     async def __call__(self, views: list[WorkerView]) -> None:
-        serving = has_usable_route(self._mode, views)
+        self.reason = route_problem(self._mode, views)
+        serving = not self.reason
         if serving == self.serving:
             return
-        self.serving = serving
+        first, self.serving = self.serving is None, serving
         status = _SERVING if serving else _NOT_SERVING
-        log.info("router health -> %s", "SERVING" if serving else "NOT_SERVING")
+        if serving or first:  # at start, NOT_SERVING until the first poll is no news
+            log.info("router health -> %s", "SERVING" if serving else "NOT_SERVING")
+        else:
+            log.warning("router health -> NOT_SERVING: %s", self.reason)
         for name in ("", SERVICE_NAME):
             await self._servicer.set(name, status)
 
@@ -101,22 +120,33 @@ class RouterHandle:
     metrics: RouterMetrics
     ratio: RatioController | None = None  # None: ratio.mode 'fixed'
     http: HttpFront | None = None  # None: no http_port configured
+    routability: RouterHealth | None = None
+
+    @property
+    def health_reason(self) -> str:
+        """Why the router says NOT_SERVING now, in words ("" while it serves)."""
+        return self.routability.reason if self.routability is not None else ""
 
     @property
     def address(self) -> str:
         """host:port clients dial."""
         return f"{self.config.host}:{self.port}"
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         """Stop the ratio controller (no role change starts from here on), NOT_SERVING, stop
-        the HTTP front, stop taking gRPC calls (in-flight ones get `grace_s`), send pending
-        aborts, stop the indexers, stop polling and close the worker channels."""
+        the HTTP front, stop taking gRPC calls (running streams get `grace_s`, default
+        `config.shutdown_grace_s`, to finish; the rest are cancelled and aborted on their
+        workers), send pending aborts, stop the indexers, stop polling and close the worker
+        channels."""
         if self.ratio is not None:
             await self.ratio.stop()
         await self.health.enter_graceful_shutdown()
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        log.info("router stopping: running streams get %.1f s to finish", grace)
         if self.http is not None:
             await self.http.stop()
-        await self.server.stop(grace_s)
+        await self.server.stop(grace)
+        self.service.lifecycle.close()
         await self.service.wait_cleanup(self.config.abort_timeout_s + 1.0)
         await self.indexers.stop()
         await self.prefix_index.close()
@@ -153,9 +183,11 @@ async def start_router(
     log.debug("router config: %s", _config_for_log(config))
     model = ModelConfig.from_model_dir(config.model_dir)
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
-    limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)
+    limits = ModelLimits.for_model(
+        model.vocab_size, model.max_position_embeddings, tokenizer.max_token_chars
+    )
     health_servicer = health.aio.HealthServicer()
-    updater = _HealthUpdater(config.mode, health_servicer)
+    updater = RouterHealth(config.mode, health_servicer)
     await updater([])  # NOT_SERVING until the first poll says otherwise
     pool = WorkerPool(
         registry
@@ -192,7 +224,12 @@ async def start_router(
     if ratio is not None:
         ratio.on_decision = metrics.observe_ratio_decision
     service = InferenceService(lifecycle)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Receive requests well over the model's own limit, so the service can refuse them
+    # naming that limit (INVALID_ARGUMENT) instead of the transport's RESOURCE_EXHAUSTED.
+    receive = max(MIN_RECEIVE_BYTES, 2 * limits.max_request_bytes)
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", receive)]
+    )
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -237,6 +274,7 @@ async def start_router(
         metrics,
         ratio,
         http,
+        updater,
     )
 
 

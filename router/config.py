@@ -94,10 +94,22 @@ class RouterConfig(BaseModel):
         description="Timeout of one GetStatus call; a miss marks the worker unhealthy.",
     )
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Timeout of cleanup Abort calls.")
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On stop (SIGTERM): how long running streams may finish after the router "
+        "stops accepting calls; the rest are then cancelled and aborted on every worker.",
+    )
     max_route_attempts: int = Field(
         default=2,
         ge=1,
         description="Tries (different workers) while nothing was sent to the client.",
+    )
+    max_migrations: int = Field(
+        default=1,
+        ge=0,
+        description="Times a request whose decode (or colocated) worker fails mid-stream moves "
+        "to another one (prompt + tokens so far prefilled again there); 0 = never.",
     )
 
     @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")

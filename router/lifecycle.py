@@ -4,12 +4,16 @@
 the gRPC `Generate` handler (`router.server`) and the OpenAI HTTP front (`router.http`) both
 call it, so validation, admission, routing, abort and timing are the same for both:
 
-1. validate and tokenize (`validation.validate_request`): bad input raises `InvalidRequest`
-   naming the field, before any worker is touched;
-2. admit into the bounded FIFO (`admission`): full -> RESOURCE_EXHAUSTED at once;
-3. run the worker calls (`flow.RequestRun`: route, Reserve -> Prefill -> Decode, or colocated),
-   each `GenerateResponse` handed to the caller's `send` as it is made; the last carries
-   `final` (finish reason, usage, timings);
+1. admit into the bounded FIFO (`admission`): a running slot, a place in the queue, or
+   RESOURCE_EXHAUSTED at once — decided first, before anything else is looked at, so a burst
+   beyond the queue is shed for almost nothing;
+2. validate and tokenize (`validation.validate_request`; text prompts on helper threads, never
+   on the event loop): bad input raises `InvalidRequest` naming the field, before any worker is
+   touched;
+3. wait for the running slot, then run the worker calls (`flow.RequestRun`: route, Reserve ->
+   Prefill -> Decode, or colocated, and migration off a decode worker that fails mid-stream);
+   `client_stream.ClientStream` turns tokens into `GenerateResponse`s handed to the caller's
+   `send` in order; the last carries `final` (finish reason, usage, timings);
 4. end: return normally once the final message was sent, or raise `RouterError` with the
    request's status. A client that goes away cancels the caller's task: `asyncio.CancelledError`
    propagates after the same cleanup.
@@ -37,6 +41,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,10 +49,11 @@ import grpc
 
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2, worker_pb2
-from router.admission import Admission, Overloaded
+from router.admission import Admission, Overloaded, Ticket
+from router.client_stream import ClientStream, FinalFacts, Send
 from router.config import RouterConfig
 from router.errors import InvalidRequest, RouterError
-from router.flow import RequestRun, Send
+from router.flow import RequestRun
 from router.policy import RoutingPolicy
 from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex
@@ -56,6 +62,7 @@ from router.validation import (
     ModelLimits,
     RequestValidationError,
     ValidatedRequest,
+    check_not_in_flight,
     validate_request,
 )
 
@@ -129,6 +136,12 @@ class RequestLifecycle:
         self.admission = Admission(config.max_inflight, config.max_queued)
         self._in_flight_ids: set[str] = set()
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
+        # Text prompts are tokenized here, never on the event loop (a long one takes seconds).
+        self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (after the edges stopped taking requests)."""
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     async def run(
         self,
@@ -145,13 +158,19 @@ class RequestLifecycle:
         rec = RequestRecord()
         try:
             try:
-                req = validate_request(
-                    request, self.limits, self.tokenizer.encode, self._in_flight_ids
-                )
-            except RequestValidationError as exc:
-                raise InvalidRequest(exc.field, exc.problem) from None
-            rec.prompt_tokens = len(req.prompt_token_ids)
-            await self._run_validated(req, t_arrival, send, timeout_s, rec)
+                ticket = self.admission.enter()  # first, and O(1): a burst is shed at once
+            except Overloaded as exc:
+                self._observe(None, None, False, time.perf_counter() - t_arrival)
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+            try:
+                try:
+                    req = await self._validate(request)
+                except RequestValidationError as exc:
+                    raise InvalidRequest(exc.field, exc.problem) from None
+                rec.prompt_tokens = len(req.prompt_token_ids)
+                await self._run_validated(req, ticket, t_arrival, send, timeout_s, rec)
+            finally:
+                ticket.leave()
         except RouterError as exc:
             rec.status = exc.code.name
             raise
@@ -162,9 +181,27 @@ class RequestLifecycle:
             rec.e2e_s = time.perf_counter() - t_arrival
             self._record(rec)
 
+    async def _validate(
+        self, request: DecodedRequest | inference_pb2.GenerateRequest
+    ) -> ValidatedRequest:
+        """`validate_request`; a text prompt is tokenized on the tokenizer threads."""
+        msg = request.message if isinstance(request, DecodedRequest) else request
+        if msg is None or msg.WhichOneof("prompt") != "text":
+            return validate_request(
+                request, self.limits, self.tokenizer.encode, self._in_flight_ids
+            )
+        loop = asyncio.get_running_loop()
+        encode = self.tokenizer.encode
+        req = await loop.run_in_executor(
+            self._tokenize, validate_request, request, self.limits, encode
+        )
+        check_not_in_flight(req.request_id, self._in_flight_ids)  # now, on the loop
+        return req
+
     async def _run_validated(
         self,
         req: ValidatedRequest,
+        ticket: Ticket,
         t_arrival: float,
         send: Send,
         timeout_s: float | None,
@@ -187,25 +224,38 @@ class RequestLifecycle:
                 rec.finish_reason = resp.final.finish_reason
             await send(resp)
 
+        client = ClientStream(
+            request_id,
+            tracked_send,
+            self.tokenizer,
+            req.stop,
+            t_arrival,
+            FinalFacts(prompt_tokens=len(req.prompt_token_ids)),
+            min_tokens=req.sampling.min_tokens,
+        )
         run = RequestRun(
             request_id=request_id,
             req=req,
             deadline=deadline,
-            t_arrival=t_arrival,
             pool=self._pool,
             policy=self._policy,
-            tokenizer=self.tokenizer,
             colocated=self.config.mode == "colocated",
             max_attempts=self.config.max_route_attempts,
             abort_now=self.abort_now,
-            send=tracked_send,
+            abort_later=self.abort_later,
+            client=client,
+            max_migrations=self.config.max_migrations,
             prefix_index=self._prefix_index,
         )
         self._in_flight_ids.add(request_id)
         error: RouterError | None = None
         try:
             async with asyncio.timeout_at(deadline):
-                await self._run_admitted(run, rec)
+                t0 = time.perf_counter()
+                await ticket.wait()
+                rec.queue_s = time.perf_counter() - t0
+                run.timings.router_queue_ms = rec.queue_s * 1e3
+                await run.execute()
         except TimeoutError:
             error = RouterError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"request deadline ({timeout:.3f} s) passed"
@@ -218,6 +268,7 @@ class RequestLifecycle:
         finally:
             self._in_flight_ids.discard(request_id)
             run.close()
+            client.close()
             if run.holders:
                 self.abort_later(request_id, sorted(run.holders))
             rec.completion_tokens = run.completion_tokens
@@ -227,28 +278,18 @@ class RequestLifecycle:
         if error is not None:
             raise error
 
-    async def _run_admitted(self, run: RequestRun, rec: RequestRecord) -> None:
-        t0 = time.perf_counter()
-        try:
-            await self.admission.acquire()
-        except Overloaded as exc:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        try:
-            rec.queue_s = time.perf_counter() - t0
-            run.timings.router_queue_ms = rec.queue_s * 1e3
-            await run.execute()
-        finally:
-            self.admission.release()
-
     def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
         """Tell the observer how `run` ended; never raises (a failing hook is logged)."""
+        if self._observer is not None:
+            self._observe(*request_outcome(run, e2e_s), ok, e2e_s)
+
+    def _observe(self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float) -> None:
         if self._observer is None:
             return
         try:
-            ttft_s, tpot_s = request_outcome(run, e2e_s)
             self._observer.observe(ttft_s, tpot_s, ok, e2e_s)
         except Exception:
-            log.exception("outcome observer failed for request %s", run.request_id)
+            log.exception("outcome observer failed")
 
     def _record(self, rec: RequestRecord) -> None:
         """Hand `rec` to the recorder; never raises (a failing hook is logged)."""

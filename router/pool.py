@@ -114,7 +114,7 @@ class WorkerPool:
             prompt_tokens, tokens = self._in_flight_tokens.get(rec.address, (0, 0))
             if st is None:
                 view = WorkerView(rec.address, rec.address, rec.role, False, False)
-                out.append(replace(view, in_flight=in_flight))
+                out.append(replace(view, in_flight=in_flight, error=rec.last_error))
                 continue
             out.append(
                 WorkerView(
@@ -133,6 +133,7 @@ class WorkerPool:
                     in_flight_prompt_tokens=prompt_tokens,
                     in_flight_tokens=tokens,
                     epoch=st.epoch,
+                    error="" if rec.healthy else rec.last_error,
                 )
             )
         return out

@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from model_runtime.engine_config import EngineConfig
@@ -52,7 +53,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         help="same-host shared-memory KV data plane (CPU)",
     )
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    p.add_argument("--stop-grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: NOT_SERVING at once, no new work, in-flight requests get this long",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.getLogger().setLevel(args.log_level)
@@ -94,4 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     log.info("signal received; stopping (grace %.1f s)", grace_s)
     server.stop(grace_s)
+    wait_for_threads(config.kv_connect_timeout_s + 1.0)
     return 0
+
+
+def wait_for_threads(timeout_s: float) -> None:
+    """Give threads still running after `stop` (a KV helper blocked in a store connect to a
+    peer that died) up to `timeout_s` to end: native code that returns into an interpreter
+    already shutting down aborts the process (SIGABRT instead of exit 0)."""
+    end = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                log.warning("thread %s still running at exit", thread.name)

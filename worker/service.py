@@ -190,7 +190,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return value
         except WorkerError as err:
             answered = True
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         finally:
             if not answered and request_id is not None:
                 self._engine.cancel(request_id, sink)
@@ -207,7 +207,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield chunk
         except WorkerError as err:
             ended = True
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         finally:
             if not ended:
                 self._engine.cancel(request.request_id, sink)

@@ -27,7 +27,7 @@ CASES = [p for p in PROMPTS if p.name in ("len7", "len33", "shared1", "text-shor
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
-    yield from start_cluster("openai", "disagg", router={"http_port": 0}, prefill=1, decode=1)
+    yield from start_cluster("openai", "disagg", {"router.http_port": 0}, prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")

@@ -120,4 +120,13 @@ BAD_REQUESTS: list[BadRequest] = [
         "sampling",
     ),
     BadRequest("malformed protobuf", b"\x12\x05ab", "request"),
+    # a known field with the wrong wire type is named (protobuf keeps it as an unknown field)
+    BadRequest("token_ids as a varint", bytes([3 << 3 | 0, 5]), "token_ids"),
+    BadRequest("text as a varint", bytes([2 << 3 | 0, 5]), "text"),
+    BadRequest("sampling as a fixed32", bytes([4 << 3 | 5, 0, 0, 0, 0]) + _req(**TEXT), "sampling"),
+    BadRequest(
+        "max_tokens as bytes",
+        _req(**TEXT) + _len_field(4, _len_field(1, b"12")),
+        "sampling.max_tokens",
+    ),
 ]

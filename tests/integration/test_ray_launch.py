@@ -128,6 +128,15 @@ async def _generate_via_router(config: ClusterConfig, addresses: dict[str, list[
         await handle.stop()
 
 
+async def _health_reason(config: ClusterConfig, addresses: dict[str, list[str]]) -> str:
+    """Why a router over `addresses` is NOT_SERVING ("" if it serves)."""
+    handle = await start_router(config.router_config(addresses))
+    try:
+        return handle.health_reason
+    finally:
+        await handle.stop()
+
+
 def _gone(pid: int) -> bool:
     """No such process, or only a zombie waiting to be reaped."""
     try:
@@ -167,6 +176,21 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
         wait_serving(decode.address, timeout_s=30)
         assert asyncio.run(_generate_via_router(config, workers.addresses())) == want
         pids = workers.pids()
+
+        # Again: max_restarts=1 is spent, so the worker stays down and the role is reported
+        # down (`pdserve up` prints both; the router's health says NOT_SERVING, and why).
+        os.kill(decode.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any(e.kind == "gave_up" for e in workers.events):
+            assert time.monotonic() < deadline, f"not given up: {workers.events}"
+            time.sleep(0.1)
+        gave_up = [e for e in workers.events if e.kind == "gave_up"]
+        assert [e.worker_id for e in gave_up] == [decode.worker_id], workers.events
+        assert "ray.max_restarts=1" in gave_up[0].detail
+        assert [e.kind for e in workers.events if e.worker_id == "decode"][-1] == "role_down"
+        assert asyncio.run(_health_reason(config, workers.addresses())).startswith(
+            "no usable decode worker"
+        )
     finally:
         workers.stop()
     deadline = time.monotonic() + 20

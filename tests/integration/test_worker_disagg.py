@@ -23,6 +23,7 @@ from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
+from proto.pdserve.v1.trailers import failed_peer
 from worker.process import WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -348,6 +349,38 @@ def test_prefill_killed_mid_prefill_frees_decode_blocks(
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
         assert "KV transfer" in err.details() and "freed" in err.details(), err.details()
         assert time.monotonic() - started < 4.0  # the ticket's 3 s deadline, not the 20 s one
+    finally:
+        victim.kill()
+
+
+def test_decode_killed_mid_prefill_blames_the_decode_worker(
+    tiny_model_dir: Path, pd: tuple[Worker, Worker]
+) -> None:
+    """P's KV push to a SIGKILLed D fails: P answers UNAVAILABLE naming D, in words and in the
+    `FAILED_PEER` trailer (the router then blames D, not P), and frees its blocks."""
+    p, _ = pd
+    victim = spawn(tiny_model_dir, "decode", "victim-d")
+    try:
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address, OPTS))
+        prompt = [(i * 7) % 1000 + 3 for i in range(1000)]
+        req = pb.ReserveRequest(
+            request_id="orphan", num_prompt_tokens=len(prompt), max_tokens=8, timeout_s=3.0
+        )
+        ticket = stub.Reserve(req, timeout=5).ticket
+        prefill = pb.PrefillRequest(
+            request_id="orphan",
+            prompt_token_ids=prompt,
+            sampling=pb.WorkerSampling(max_tokens=8),
+            ticket=ticket,
+        )
+        fut = p.stub.Prefill.future(prefill, timeout=30)
+        time.sleep(0.05)
+        victim.kill()
+        err = fut.exception(20)
+        assert isinstance(err, grpc.Call), err
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+        assert "victim-d" in err.details(), err.details()
+        assert failed_peer(err.trailing_metadata()) == "victim-d"
     finally:
         victim.kill()
 

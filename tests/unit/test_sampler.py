@@ -7,7 +7,7 @@ import math
 import torch
 
 from model_runtime.sampler import Sampler, apply_top_k_top_p
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import GREEDY_BELOW, SamplingParams
 
 GREEDY = SamplingParams()
 
@@ -119,3 +119,15 @@ def test_top_logprobs_are_the_models_own_and_banned_tokens_never_win() -> None:
     for seed in range(20):  # a banned token is never sampled either
         out = Sampler().sample(logits[1:], [params[1]], [_gen(seed)], banned=[(4, 0)])
         assert out.token_ids[0] not in (4, 0)
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    """1e-45 / 1e-38 overflowed logits / T to inf (NaN probabilities, token 0 every time);
+    a temperature below `GREEDY_BELOW` is greedy: exact argmax, no generator needed."""
+    logits = torch.tensor([[0.5, -3.0, 7.25, 7.0, 1.0], [-50.0, 80.0, 60.0, -1.0, 0.0]])
+    for t in (1e-45, 1e-38, 1e-12, GREEDY_BELOW / 2):
+        params = SamplingParams(temperature=t)
+        assert params.greedy, t
+        out = Sampler().sample(logits, [params] * 2, [_gen(3), _gen(4)])
+        assert out.token_ids == [2, 1], t
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
