@@ -34,7 +34,7 @@ from model_runtime.engine_config import EngineConfig
 from model_runtime.kv_cache import KVCache
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
-from model_runtime.sampler import Sampler
+from model_runtime.sampler import Sampler, skip_draws
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -169,6 +169,9 @@ class LLMEngine:
         output token `first_token` was sampled elsewhere. The engine takes the blocks over and
         frees them exactly once, when the request finishes or is aborted.
 
+        A sampled request's generator skips the one draw `first_token` took, so a seeded
+        request continues the same random stream as in a single engine.
+
         Returns the final output if `first_token` already ends the request (its blocks are
         freed then), else None; later outputs never repeat `first_token`. Raises ValueError
         (nothing taken over) for a duplicate id, bad params or tokens, or a prompt +
@@ -176,6 +179,8 @@ class LLMEngine:
         """
         request = self._make_request(request_id, prompt_token_ids, params)
         vocab = self.model_config.vocab_size
+        if request.generator is not None:  # `first_token` took the seed's first draw
+            skip_draws(request.generator, vocab, 1)
         if isinstance(first_token, bool) or not 0 <= first_token < vocab:
             raise ValueError(f"request {request_id!r}: first_token must be in [0, {vocab})")
         limit = self.model_config.max_position_embeddings

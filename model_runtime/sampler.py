@@ -77,6 +77,16 @@ class Sampler:
         return torch.argmax(probs / race)
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, steps: int) -> None:
+    """Advance `generator` past `steps` sampling steps, drawing exactly what `_sample_row` draws
+    per step (one float32 exponential race over the vocabulary). A seeded request whose first
+    `steps` tokens were sampled elsewhere (the prefill worker) then continues the seed's stream,
+    so it gets the tokens a single engine would give it."""
+    race = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(steps):
+        race.exponential_(generator=generator)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Return a copy of the [V] `logits` with tokens outside the top-k / top-p set at -inf.
 
