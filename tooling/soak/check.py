@@ -120,12 +120,16 @@ async def router_in_flight(cluster: SoakCluster, timeout_s: float) -> dict[str, 
 
 
 async def stale_index_entries(
-    cluster: SoakCluster, records: Sequence[FaultRecord], ttl_s: float, t_now: float
+    cluster: SoakCluster,
+    records: Sequence[FaultRecord],
+    ttl_s: float,
+    t_now: float,
+    settle_s: float = 15.0,
 ) -> list[str]:
-    """Keys and block fields in Redis that still name a killed worker's old epoch, once that
-    worker's TTL has passed since the kill (waits for it). One line per kind of leftover."""
-    import redis.asyncio as aioredis
-
+    """Keys and block fields in Redis that still name a killed worker's old epoch once that
+    worker's TTL has passed since the kill (waited for), polled for up to `settle_s` more (a
+    restarted worker's indexer reconnects with a backoff before its resync clears them). One
+    line per kind of leftover; [] when none is left."""
     old = {(r.target, str(r.old_epoch)) for r in records if r.kind.startswith("kill")}
     old = {(w, e) for w, e in old if e != "None"}
     last_kill = max((r.time_s for r in records if r.kind.startswith("kill")), default=None)
@@ -134,6 +138,17 @@ async def stale_index_entries(
     wait = last_kill + ttl_s + 1.0 - t_now
     if wait > 0:
         await asyncio.sleep(wait)
+    end = time.monotonic() + settle_s
+    while True:
+        found = await _old_epoch_entries(cluster, old)
+        if not found or time.monotonic() > end:
+            return found
+        await asyncio.sleep(0.5)
+
+
+async def _old_epoch_entries(cluster: SoakCluster, old: set[tuple[str, str]]) -> list[str]:
+    import redis.asyncio as aioredis
+
     assert cluster.cluster is not None
     index = cluster.cluster.router.prefix_index
     assert index.kind == "redis", index
