@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def test_plan_is_seeded_and_complete() -> None:
     assert plan != make_plan(config(requests=300, num_faults=10, seed=8), VOCAB)
     reqs = plan.requests
     assert len(reqs) == 300 and [r.index for r in reqs] == list(range(300))
-    assert all(a.at_s <= b.at_s for a, b in zip(reqs, reqs[1:], strict=False))
+    assert all(a.at_s <= b.at_s for a, b in itertools.pairwise(reqs))
     assert len({r.request_id for r in reqs}) == 300
     bursts = Counter(r.burst for r in reqs if r.kind == "burst")
     assert list(bursts.values()) == [c.burst_size] and c.burst_size > c.max_inflight + c.max_queued
