@@ -47,6 +47,7 @@ class FaultRecord:
     old_epoch: int | None = None
     detail: str = ""
     rejoined_s: float | None = None  # kills: when the worker served again, new epoch
+    probe: int | None = None  # kv-stall: the probe request's index
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -196,6 +197,7 @@ class Injector:
         stall = max(0.5, t_sent + PROBE_TIMEOUT_S + 0.5 - self.now())
         rec = FaultRecord(f.index, f.kind, self.now(), target.worker_id, stall, pid)
         rec.detail = f"probe request {f.probe}; target {how}"
+        rec.probe = f.probe
         self.records.append(rec)
         if pid is None or not self.cluster.send_signal(pid, signal.SIGSTOP):
             rec.detail += "; skipped: no live process"

@@ -102,6 +102,10 @@ async def run_soak_async(config: SoakConfig) -> SoakResult:
         except TimeoutError:
             log.error("fault injector still running after the load; cancelled")
         records = injector.records
+        for rec in records:  # how each KV stall's probe ended tells whether the stall hit it
+            if rec.probe is not None:
+                o = outcomes[rec.probe]
+                rec.detail += f"; probe ended {o.code} {o.details[:80]!r}"
         not_rejoined = await wait_rejoined(records, config.quiesce_timeout_s)
         requests = list(plan.requests)
         verdicts = [
