@@ -2,7 +2,7 @@
 do the admitted requests keep their SLOs?
 
 Runs as its own process: ``python -m benchmarks.bench_overload [--topology 1p1d] [--factor 5]
-[--repeats 3] [--out runs/overload]`` from the repository root. The cluster is started with the
+[--repeats 3] [--out runs/bench/overload]`` from the repository root. The cluster is started with the
 product launcher (`deploy.launcher.launch_local_cluster`: worker processes on the tiny random
 model and a router process); this process is the client, on its own event loop.
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-slack", type=float, default=1.5)
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--tpot-slo-ms", type=float)
-    p.add_argument("--out", default="runs/overload")
+    p.add_argument("--out", default="runs/bench/overload")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
