@@ -78,6 +78,18 @@ def _launch(config: ClusterConfig, log_dir: Path) -> Any:
     return launch_ray_workers(config)
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None
+    when there is no such process or it is a zombie. Tells a process from a later one that
+    reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 @dataclass
 class WorkerRef:
     """A worker as the soak names it: id, role at launch, address."""
@@ -97,7 +109,9 @@ class SoakCluster:
         self.cluster: ClusterConfig | None = None
         self.workers: Any = None  # ProcessWorkers | RayWorkers
         self.router: RouterHandle | None = None
-        self.stopped_pids: set[int] = set()  # SIGSTOPped now; SIGCONT at stop() whatever
+        # SIGSTOPped now -> the process's start time (a reused pid never gets our SIGCONT);
+        # every one is resumed at stop() whatever happened
+        self.stopped: dict[int, int] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}  # the soak's own, for GetStatus
 
     async def start(self) -> None:
@@ -114,7 +128,7 @@ class SoakCluster:
         return self.router.address
 
     async def stop(self) -> None:
-        for pid in list(self.stopped_pids):
+        for pid in list(self.stopped):
             self.resume(pid)
         for ch in self._channels.values():
             await ch.close()
@@ -147,10 +161,11 @@ class SoakCluster:
 
         try:
             ref = w.actor.pid.remote()
-            return int(await asyncio.to_thread(ray.get, ref, timeout=5.0))
-        except Exception as exc:  # an actor being restarted answers with one of Ray's errors
-            log.info("pid of %s unknown now: %r", worker_id, exc)
-            return None
+            return int(await asyncio.to_thread(ray.get, ref, timeout=2.0))
+        except Exception as exc:  # restarting, or stopped (it cannot answer): Ray's errors
+            log.info("pid of %s: no answer (%r); the supervisor's last pid", worker_id, exc)
+        pid = int(w.pid)  # deploy.ray_launcher.RayWorker, kept current by its supervisor
+        return pid if process_start_time(pid) is not None else None
 
     async def status(self, address: str, timeout_s: float = 1.0) -> worker_pb2.WorkerStatus | None:
         """`GetStatus` of the worker at `address`; None when it does not answer in time."""
@@ -166,18 +181,29 @@ class SoakCluster:
             return None
 
     def send_signal(self, pid: int, sig: signal.Signals) -> bool:
-        """Send `sig` to `pid`; False when the process is gone."""
+        """Send `sig` to `pid`; False when the process is gone. A SIGSTOPped process is
+        remembered (with its start time) until `resume`."""
+        started = process_start_time(pid)
+        if started is None:
+            return False
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             return False
         if sig == signal.SIGSTOP:
-            self.stopped_pids.add(pid)
+            self.stopped[pid] = started
+        elif sig == signal.SIGKILL:
+            self.stopped.pop(pid, None)
         return True
 
-    def resume(self, pid: int) -> None:
-        self.stopped_pids.discard(pid)
-        self.send_signal(pid, signal.SIGCONT)
+    def resume(self, pid: int) -> bool:
+        """SIGCONT `pid` if this soak stopped it and it is still the same process (same start
+        time: the pid was not reused); True when a SIGCONT was sent."""
+        started = self.stopped.pop(pid, None)
+        if started is None or process_start_time(pid) != started:
+            return False
+        os.kill(pid, signal.SIGCONT)
+        return True
 
     # -- router ----------------------------------------------------------------------------
 

@@ -122,7 +122,6 @@ class Injector:
         if pid is None or not self.cluster.send_signal(pid, signal.SIGKILL):
             rec.detail = "skipped: no live process (not restarted yet)"
             return
-        self.cluster.stopped_pids.discard(pid)
         rec.detail = f"SIGKILL pid {pid}"
         await self._watch_rejoin(rec)
 
@@ -153,12 +152,13 @@ class Injector:
         await self._resume_later(ref.worker_id, pid, f.duration_s)
 
     async def _resume_later(self, worker_id: str, pid: int, after_s: float) -> None:
+        """SIGCONT after `after_s` (never to a process that replaced the stopped one: a stopped
+        process cannot be asked who it is, so `SoakCluster.resume` checks its start time)."""
         try:
             await asyncio.sleep(after_s)
         finally:
-            if pid in self.cluster.stopped_pids and await self.cluster.worker_pid(worker_id) == pid:
-                self.cluster.resume(pid)
-            self.cluster.stopped_pids.discard(pid)
+            if not self.cluster.resume(pid):
+                log.info("%s (pid %d) was gone before its SIGCONT", worker_id, pid)
 
     async def _redis(self, f: PlannedFault) -> None:
         down = self._rng.uniform(0.5, 3.0)
