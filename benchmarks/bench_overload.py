@@ -2,8 +2,8 @@
 do the admitted requests keep their SLOs?
 
 Runs as its own process: ``python -m benchmarks.bench_overload [--topology 1p1d] [--factor 5]
-[--repeats 3] [--out runs/bench/overload]`` from the repository root. The cluster is started with the
-product launcher (`deploy.launcher.launch_local_cluster`: worker processes on the tiny random
+[--repeats 3] [--out runs/bench/overload]`` from the repository root. The cluster is started with
+the product launcher (`deploy.launcher.launch_local_cluster`: worker processes on the tiny random
 model and a router process); this process is the client, on its own event loop.
 
 Capacity = what the router admits at once: `max_inflight` running + `max_queued` waiting

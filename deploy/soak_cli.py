@@ -34,17 +34,18 @@ def add_soak_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     a = p.add_argument
     a("--model", required=True, help="model folder; built (tiny preset) when it has none")
     a("--out", required=True, help="run folder")
-    a("--topology", default="2p2d", help="workers as <P>p<D>d (default 2p2d)")
-    a("--requests", type=int, default=300, help="requests in total (default 300)")
-    a("--rate", type=float, default=4.0, help="mean arrival rate, requests/s (default 4)")
-    a("--seed", type=int, default=0)
+    a("--topology", default="2p2d", help="workers as <P>p<D>d")
+    a("--requests", type=int, default=300, help="requests in total")
+    a("--rate", type=float, default=4.0, help="mean Poisson arrival rate, requests/s")
+    a("--seed", type=int, default=0, help="seeds the workload and the fault schedule")
     a("--faults", default=DEFAULT_FAULTS,
       help=f"comma list of kind[:count] from {list(FAULT_KINDS)}, or 'none'")  # fmt: skip
-    a("--num-faults", type=int, help="faults of kinds listed without a count "
-      "(default max(5, requests / 50))")  # fmt: skip
-    a("--bursts", type=int, help="bursts above the queue bound (default 1 per 300 requests)")
-    a("--launcher", choices=["processes", "ray"], default="processes")
-    a("--stop-max-s", type=float, default=10.0, help="longest SIGSTOP of a worker")
+    a("--num-faults", type=int, help="faults of the kinds listed without a count "
+      "(default: max(5, requests / 50))")  # fmt: skip
+    a("--bursts", type=int, help="bursts above the queue bound (default: 1 per 300 requests)")
+    a("--launcher", choices=["processes", "ray"], default="processes",
+      help="who starts and restarts the workers")  # fmt: skip
+    a("--stop-max-s", type=float, default=10.0, help="longest SIGSTOP of a worker, seconds")
     p.set_defaults(func=soak_main)
 
 
