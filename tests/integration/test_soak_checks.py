@@ -1,16 +1,23 @@
 """The soak's judge against the real reference engine on the tiny model: it must call a wrong
 token wrong, a clean stream exact, a partial stream that ended with a clear status fine, and
-everything else what it is. Runs in the pytest process (torch, no cluster)."""
+everything else what it is; and the injector's SIGSTOP / SIGCONT bookkeeping on a real child
+process. Runs in the pytest process (torch, no cluster)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tooling.redis_server import SKIP_REASON, redis_server_path
 from tooling.soak.check import judge
 from tooling.soak.client import Outcome
+from tooling.soak.cluster import SoakCluster, process_start_time
+from tooling.soak.config import SoakConfig
 from tooling.soak.reference import Reference
 from tooling.soak.workload import PlannedRequest, f32
 
@@ -64,3 +71,32 @@ def test_stop_strings_cut_expected_tokens_like_the_router(ref: Reference) -> Non
     assert cut.finish_reason == "stop" and stop not in cut.text
     assert cut.tokens == full.tokens[: len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
     assert full.full_text.startswith(cut.text)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_injector_resumes_only_a_process_it_stopped(tmp_path: Path) -> None:
+    """SIGSTOP / SIGCONT go by pid and process start time: a stopped process is resumed once;
+    one that died meanwhile (its pid possibly reused) gets no SIGCONT."""
+    if redis_server_path() is None:
+        pytest.skip(SKIP_REASON)
+    cluster = SoakCluster(SoakConfig(model=tmp_path, out=tmp_path))
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert cluster.send_signal(proc.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        assert _state(proc.pid) == "T"
+        assert cluster.resume(proc.pid)
+        time.sleep(0.1)
+        assert _state(proc.pid) != "T"
+        assert not cluster.resume(proc.pid)  # not stopped by the soak any more
+        assert cluster.send_signal(proc.pid, signal.SIGSTOP)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_start_time(proc.pid) is None
+    assert not cluster.resume(proc.pid) and not cluster.stopped
+    assert not cluster.send_signal(proc.pid, signal.SIGSTOP)
