@@ -11,6 +11,7 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
                [--decode M] [--colocated K] [--port P] [--http-port Q] [--ray-address ADDR]
                [--no-ray]
     pdserve generate --addr HOST:PORT (--prompt TEXT | --token-ids 1,2,3) [sampling] [--json]
+    pdserve soak --model DIR --out DIR [--requests N] [--faults LIST] ...   (chaos soak)
 
 A subcommand module exposes `add_<name>_parser(subparsers)`, which registers its parser and sets
 `func` to a function `(argparse.Namespace) -> int` returning the exit code.
@@ -33,6 +34,7 @@ from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_repo
 from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
 from deploy.plan_cli import add_plan_parser, add_profile_parser
+from deploy.soak_cli import add_soak_parser
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
@@ -346,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_soak_parser(sub)
     for sp in sub.choices.values():
         # SUPPRESS: unless given here, the value before the subcommand (or None) stands.
         sp.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)

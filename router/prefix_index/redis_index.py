@@ -4,7 +4,8 @@ process, on its event loop; every method is one round trip (one Lua script, EVAL
 Keys (`P` = key prefix; `H` = a block hash as 16 raw big-endian bytes, `hash_to_bytes`)::
 
     P w:<worker_id>   HASH  {epoch, seq}        TTL ttl_s, restarted by apply/resync/refresh
-    P s:<worker_id>   SET   {H, ...}            the worker's hashes (for clear / resync / drop)
+    P s:<worker_id>   SET   {H, ...}            the worker's hashes (for clear / resync / drop),
+                                                TTL block_ttl_s, restarted with the worker key
     P b:<H>           HASH  {worker_id: epoch}  TTL block_ttl_s, restarted by store and by hits
 
 Epochs travel and compare as decimal strings (they exceed 2^53, Lua's exact-integer range);
@@ -13,6 +14,8 @@ seqs are compared as Lua numbers (exact up to 2^53 events per epoch).
 A worker's block fields are valid only while `P w:<worker_id>` exists with the same epoch:
 `match` checks that for every worker it meets and deletes the field of a dead or restarted
 worker on the spot (lazy clean-up); a block key nobody stores or hits for `block_ttl_s` expires.
+The hash set outlives the worker key, so a worker that comes back with a new epoch after its
+TTL ran out still clears every field of its old epoch at its resync.
 Scripts build key names from their arguments, so this needs a standalone Redis (not Cluster).
 """
 
@@ -75,7 +78,7 @@ else
 end
 redis.call('HSET', wkey, 'seq', ARGV[4])
 redis.call('PEXPIRE', wkey, ttl)
-redis.call('PEXPIRE', skey, ttl)
+redis.call('PEXPIRE', skey, bttl)
 return 'applied'
 """
 )
@@ -90,7 +93,7 @@ local wkey, skey = p .. 'w:' .. w, p .. 's:' .. w
 local cur = redis.call('HMGET', wkey, 'epoch', 'seq')
 if cur[1] == epoch and tonumber(cur[2]) >= seq then
   redis.call('PEXPIRE', wkey, ttl)
-  redis.call('PEXPIRE', skey, ttl)
+  redis.call('PEXPIRE', skey, bttl)
   return 0
 end
 clear(p, w, skey)
@@ -103,17 +106,17 @@ for i = 7, #ARGV do
   redis.call('PEXPIRE', bkey, bttl)
   redis.call('SADD', skey, ARGV[i])
 end
-redis.call('PEXPIRE', skey, ttl)
+redis.call('PEXPIRE', skey, bttl)
 return 1
 """
 )
 
-# ARGV: prefix, worker_id, epoch, ttl_ms
+# ARGV: prefix, worker_id, epoch, ttl_ms, block_ttl_ms
 _REFRESH = """
 local wkey, skey = ARGV[1] .. 'w:' .. ARGV[2], ARGV[1] .. 's:' .. ARGV[2]
 if redis.call('HGET', wkey, 'epoch') ~= ARGV[3] then return 0 end
 redis.call('PEXPIRE', wkey, ARGV[4])
-redis.call('PEXPIRE', skey, ARGV[4])
+redis.call('PEXPIRE', skey, ARGV[5])
 return 1
 """
 
@@ -244,6 +247,7 @@ class RedisPrefixIndex:
     async def refresh(self, worker_id: str, epoch: int) -> bool:
         """Restart the worker's TTL if Redis holds it at `epoch`."""
         args: list[bytes | str | int] = [self._prefix, worker_id, str(epoch), self._ttl_ms]
+        args.append(self._block_ttl_ms)
         return bool(await self._run(self._refresh, args))
 
     async def match(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch]:

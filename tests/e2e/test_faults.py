@@ -1,8 +1,8 @@
 """Faults and limits through a real 1P+1D cluster: client cancel and deadline expiry free every
 block on both workers, every bad input is INVALID_ARGUMENT (and the cluster serves the next
-request), overload beyond the router's queue bound is RESOURCE_EXHAUSTED quickly, and the
-`pdserve generate` CLI works against it, and a router sent SIGTERM lets running streams finish
-within its shutdown grace and aborts the rest.
+request), fuzzed requests get a documented status, overload beyond the router's queue bound is
+RESOURCE_EXHAUSTED quickly, the `pdserve generate` CLI works against it, and a router sent
+SIGTERM lets running streams finish within its shutdown grace and aborts the rest.
 
 Runs in the pytest process; one cluster for the module, stopped by PID at the end.
 """
@@ -20,11 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from deploy.client import CHANNEL_OPTIONS, build_request
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
 from tests.e2e.helpers import PROMPTS, E2ECluster, Reference
 from tests.fakes.bad_requests import BAD_REQUESTS
+from tests.fakes.fuzz import GENERATE_OK, wire_payloads
 
 pytestmark = pytest.mark.slow
 LONG = build_request(token_ids=list(range(10, 26)), max_tokens=900, ignore_eos=True)
@@ -89,6 +91,30 @@ def test_bad_inputs_are_invalid_argument(cluster: E2ECluster, reference: Referen
                 wrong.append(f"{bad.name}: {code.name}: {details!r} (want field {bad.field!r})")
     assert not wrong, "\n".join(wrong)
     assert cluster.free_blocks() == cluster.baseline
+    _serves(cluster, reference)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(payload=wire_payloads())
+def test_fuzzed_requests_get_a_documented_status(
+    cluster: E2ECluster, reference: Reference, payload: bytes
+) -> None:
+    """A short real-cluster run of the public-API fuzzing (the long one runs over fake
+    workers): random or damaged requests end OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED, and
+    the cluster serves the next request."""
+    generate = cluster.channel.unary_stream(
+        "/pdserve.v1.Inference/Generate",
+        request_serializer=None,
+        response_deserializer=inference_pb2.GenerateResponse.FromString,
+    )
+    try:
+        list(generate(payload, timeout=30.0))
+    except grpc.RpcError as exc:
+        assert exc.code() in GENERATE_OK, (exc.code(), exc.details(), payload)  # type: ignore[attr-defined]
     _serves(cluster, reference)
 
 

@@ -86,10 +86,17 @@ def expected(oracle: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]
 
 
 def run(
-    p: Worker, d: Worker, rid: str, prompt: list[int], max_tokens: int, timeout_s: float = 30.0
+    p: Worker,
+    d: Worker,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float = 30.0,
+    sampling: pb.WorkerSampling | None = None,
 ) -> tuple[list[int], pb.PrefillResponse, list[pb.TokenChunk]]:
-    """The router's hand-off; returns (all tokens, the Prefill answer, the Decode chunks)."""
-    sampling = pb.WorkerSampling(max_tokens=max_tokens)
+    """The router's hand-off; returns (all tokens, the Prefill answer, the Decode chunks).
+    `sampling` defaults to greedy with `max_tokens`."""
+    sampling = sampling or pb.WorkerSampling(max_tokens=max_tokens)
     ticket = d.stub.Reserve(
         pb.ReserveRequest(
             request_id=rid,
@@ -169,6 +176,20 @@ def test_greedy_matches_colocated(
         f"transfer {pre.transfer_ms} ms, decode admission {chunks[0].admission_ms} ms, "
         f"first step {chunks[0].first_step_ms} ms"
     )
+
+
+def test_seeded_sampling_matches_colocated(pd: tuple[Worker, Worker], oracle: LLMEngine) -> None:
+    """A seeded sampled request draws the same tokens split over P and D as in one engine: the
+    decode side continues the seed's stream after the prefill side's draw."""
+    p, d = pd
+    prompt = [(i * 53) % 1000 + 4 for i in range(40)]
+    temperature = 0.8999999761581421  # 0.9 as float32: what the wire carries
+    sampling = pb.WorkerSampling(
+        max_tokens=12, temperature=temperature, top_k=50, has_seed=True, seed=4321
+    )
+    tokens, _, _ = run(p, d, "seeded", prompt, 12, sampling=sampling)
+    params = SamplingParams(max_tokens=12, temperature=temperature, top_k=50, seed=4321)
+    assert tokens == list(oracle.generate([prompt], params)[0].output_token_ids)
 
 
 def test_prefix_cache_hit_on_prefill(pd: tuple[Worker, Worker], oracle: LLMEngine) -> None:
