@@ -32,19 +32,22 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from model_runtime.config import ModelConfig
 from model_runtime.tokenizer import Tokenizer
+from router.auth import PublicAuth
 from router.config import RouterConfig
 from router.indexer import Indexers, KVEventSource
 from router.kv_source import GrpcKVEventSource
 from router.policies import make_policy
 from router.policy import Role, WorkerView
 from router.pool import WorkerPool
-from router.prefix_index.config import RedisIndexConfig, make_index
+from router.prefix_index.config import make_index
 from router.prefix_index.guard import GuardedPrefixIndex
 from router.ratio.actuator import PoolActuator
 from router.ratio.driver import RatioController
 from router.registry import InMemoryWorkerRegistry, WorkerRegistry
 from router.server import SERVICE_NAME, InferenceService
 from router.validation import ModelLimits
+from security.channels import InternalAuth
+from security.secret import ClusterSecret, resolve_cluster_secret
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,7 @@ class RouterHandle:
     prefix_index: GuardedPrefixIndex
     indexers: Indexers
     ratio: RatioController | None = None  # None: ratio.mode 'fixed'
+    auth: PublicAuth | None = None
 
     @property
     def address(self) -> str:
@@ -110,6 +114,8 @@ class RouterHandle:
         await self.indexers.stop()
         await self.prefix_index.close()
         await self.pool.stop()
+        if self.auth is not None:
+            await self.auth.stop()
 
     async def wait_for_termination(self) -> None:
         """Block until the server stops."""
@@ -117,14 +123,7 @@ class RouterHandle:
 
 
 def _config_for_log(config: RouterConfig) -> str:
-    """The effective config as JSON, with a Redis URL's password masked."""
-    index = config.prefix_index
-    if isinstance(index, RedisIndexConfig) and "@" in index.url:
-        scheme, _, rest = index.url.partition("://")
-        creds, _, host = rest.rpartition("@")
-        user = creds.split(":", 1)[0]
-        masked = index.model_copy(update={"url": f"{scheme}://{user}:***@{host}"})
-        return config.model_copy(update={"prefix_index": masked}).model_dump_json()
+    """The effective config as JSON (a Redis password is masked by the config itself)."""
     return config.model_dump_json()
 
 
@@ -132,14 +131,21 @@ async def start_router(
     config: RouterConfig,
     registry: WorkerRegistry | None = None,
     kv_sources: Callable[[str], KVEventSource] | None = None,
+    cluster_secret: ClusterSecret | None = None,
 ) -> RouterHandle:
     """Start a router for `config`; return once it is listening and workers were polled once.
 
-    Raises ValueError for an unusable model folder, RuntimeError if the port cannot be bound.
-    `registry` defaults to an `InMemoryWorkerRegistry`; `kv_sources(address)` gives a worker's
-    KV event source (default: the worker's `StreamKVEvents` / `GetKVSnapshot` RPCs).
+    Raises ValueError for an unusable model folder or security file, RuntimeError if the port
+    cannot be bound. `registry` defaults to an `InMemoryWorkerRegistry`; `kv_sources(address)`
+    gives a worker's KV event source (default: the worker's `StreamKVEvents` / `GetKVSnapshot`
+    RPCs). `cluster_secret` is what every call to a worker carries; None takes
+    `security.cluster_secret_file`, else ``PDSERVE_CLUSTER_SECRET``, else none (workers
+    started without a secret).
     """
     log.debug("router config: %s", _config_for_log(config))
+    auth = PublicAuth(config.security)
+    secret = cluster_secret or resolve_cluster_secret(config.security.cluster_secret_file)
+    internal = InternalAuth(secret, config.security.internal)
     model = ModelConfig.from_model_dir(config.model_dir)
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
     limits = ModelLimits(vocab_size=model.vocab_size, context_length=model.max_position_embeddings)
@@ -153,6 +159,7 @@ async def start_router(
         poll_interval_s=config.status_poll_interval_s,
         poll_timeout_s=config.status_poll_timeout_s,
         on_change=updater,
+        internal=internal,
     )
     roles: list[tuple[Role, tuple[str, ...]]] = [
         ("prefill", config.prefill_addrs),
@@ -175,22 +182,30 @@ async def start_router(
     ratio = make_ratio_controller(config, pool, indexers, sources)
     policy = make_policy(config.policy, config.prefix_routing)
     service = InferenceService(config, tokenizer, limits, pool, policy, prefix_index, ratio)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=auth.interceptors())
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = auth.add_port(server, f"{config.host}:{config.port}")
     except RuntimeError as exc:
         await indexers.stop()
         await prefix_index.close()
         await pool.stop()
         raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
     await server.start()
-    log.info("router listening on %s:%d (mode=%s)", config.host, port, config.mode)
+    auth.start()
+    log.info(
+        "router listening on %s:%d (mode=%s; %s; worker calls %s)",
+        config.host,
+        port,
+        config.mode,
+        auth.describe(),
+        "authenticated" if secret is not None else "NOT authenticated (no cluster secret)",
+    )
     if ratio is not None:
         ratio.start()
     return RouterHandle(
-        config, port, server, pool, service, health_servicer, prefix_index, indexers, ratio
+        config, port, server, pool, service, health_servicer, prefix_index, indexers, ratio, auth
     )
 
 

@@ -33,7 +33,7 @@ from deploy.processes import (  # noqa: E402
     wait_for_lines,
     wait_serving,
 )
-from deploy.ray_launcher import NAMESPACE, launch_ray_workers  # noqa: E402
+from deploy.ray_launcher import NAMESPACE, RayWorkers, launch_ray_workers  # noqa: E402
 from router.app import start_router  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -117,8 +117,10 @@ def _expected(model_dir: Path) -> list[int]:
     return list(engine.generate([PROMPT], SamplingParams(max_tokens=8))[0].output_token_ids)
 
 
-async def _generate_via_router(config: ClusterConfig, addresses: dict[str, list[str]]) -> list[int]:
-    handle = await start_router(config.router_config(addresses))
+async def _generate_via_router(config: ClusterConfig, workers: RayWorkers) -> list[int]:
+    handle = await start_router(
+        config.router_config(workers.addresses()), cluster_secret=workers.internal.secret
+    )
     try:
         req = build_request(token_ids=PROMPT, max_tokens=8, temperature=0.0)
         # the sync client blocks: run it off the event loop that serves the router
@@ -153,7 +155,7 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
     try:
         addrs = workers.addresses()
         assert len(addrs["prefill"]) == 1 and len(addrs["decode"]) == 1
-        assert asyncio.run(_generate_via_router(config, addrs)) == want
+        assert asyncio.run(_generate_via_router(config, workers)) == want
 
         # Kill the decode worker's process: Ray restarts it (max_restarts=1) on the same port.
         decode = next(w for w in workers.workers if w.role == "decode")
@@ -165,7 +167,7 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
             time.sleep(0.1)
         assert decode.pid != old_pid
         wait_serving(decode.address, timeout_s=30)
-        assert asyncio.run(_generate_via_router(config, workers.addresses())) == want
+        assert asyncio.run(_generate_via_router(config, workers)) == want
         pids = workers.pids()
     finally:
         workers.stop()

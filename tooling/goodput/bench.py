@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from security.channels import ClientSecurity
 from tooling.goodput.analysis import SLO, attainment, slo_goodput_rps
 from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
@@ -91,6 +92,11 @@ class BenchConfig(BaseModel):
         default=None, gt=0, description="Per-request deadline; None = 5 x the SLO budget."
     )
     title: str = Field(default="pdserve goodput benchmark", description="Report title.")
+    client_security: dict[str, Any] = Field(
+        default_factory=dict,
+        description="How to reach `address` (TLS, client certificate, token file): "
+        "`security.channels.ClientSecurity.to_json`; file paths only.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
@@ -165,7 +171,12 @@ class Bench:
         for name in names:  # every cluster: warm-up request, then its unloaded latencies
             addr = self.clusters.address(name)
             say(f"warming up and calibrating {name} ({addr}) ...")
-            calib = asyncio.run(calibrate(name, addr, prompt, out, repeats=5 if name == ref else 2))
+            calib = asyncio.run(
+                calibrate(
+                    name, addr, prompt, out, repeats=5 if name == ref else 2,
+                    security=self._security(name),
+                )
+            )  # fmt: skip
             unloaded[name] = calib.to_json()
             say(f"  unloaded {name}: TTFT {calib.prefill_ms:.1f} ms, TPOT {calib.decode_ms:.1f} ms")
         c = self.meta["calibration"] = unloaded[ref]
@@ -180,6 +191,11 @@ class Bench:
             rates = [round(base * r, 3) for r in cfg.rel_rates]
         self.meta["sweep_rates"] = rates
         say(f"SLOs: TTFT <= {self.slo.ttft_ms} ms, TPOT <= {self.slo.tpot_ms} ms; rates {rates}")
+
+    def _security(self, name: str) -> dict[str, Any]:
+        """Client credentials for cluster `name`: the configured ones for the external router,
+        none for clusters this run launched (plaintext on 127.0.0.1)."""
+        return dict(self.cfg.client_security) if name in self.clusters.external else {}
 
     def timeout_s(self) -> float:
         if self.cfg.request_timeout_s is not None:
@@ -202,6 +218,7 @@ class Bench:
             token_seed=cfg.seed * 1000 + k,
             timeout_s=self.timeout_s(),
             label=f"{name}-{k}",
+            security=self._security(name),
         )
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
@@ -239,7 +256,8 @@ def run_bench(cfg: BenchConfig, on_ready: Callable[[Bench], None] | None = None)
     meta: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "machine": machine}
     meta["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
     if cfg.address is not None:
-        info = asyncio.run(model_info(cfg.address))
+        security = ClientSecurity.from_json(cfg.client_security)
+        info = asyncio.run(model_info(cfg.address, security=security))
         context = min(cfg.context or info.context_length, info.context_length)
         meta["model"] = {"name": info.model, "context_length": info.context_length,
                          "vocab_size": info.vocab_size, "mode": info.mode}  # fmt: skip

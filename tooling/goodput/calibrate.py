@@ -39,10 +39,16 @@ class Calibration:
 
 
 async def sequential(
-    address: str, prompt_len: int, output_len: int, n: int, token_seed: int, label: str
+    address: str,
+    prompt_len: int,
+    output_len: int,
+    n: int,
+    token_seed: int,
+    label: str,
+    security: dict[str, Any] | None = None,
 ) -> list[tuple[float, float]]:
-    """(TTFT ms, TPOT ms) of `n` requests sent one after another. RuntimeError names the
-    status of a failed request."""
+    """(TTFT ms, TPOT ms) of `n` requests sent one after another (`security`: the client
+    credentials, `LoadJob.security`). RuntimeError names the status of a failed request."""
     out = []
     for i in range(n):
         job = LoadJob(
@@ -52,6 +58,7 @@ async def sequential(
             label=f"{label}-{i}",
             channels=1,
             timeout_s=600.0,
+            security=dict(security or {}),
         )
         (rec,) = (await run_load(job, progress=False)).records
         if not rec.ok or rec.ttft_ms is None:
@@ -67,12 +74,16 @@ async def calibrate(
     output_len: int,
     repeats: int = 3,
     token_seed: int = 10**6,
+    security: dict[str, Any] | None = None,
 ) -> Calibration:
-    """Measure unloaded prefill (TTFT) and decode step (TPOT) times (see module docstring)."""
+    """Measure unloaded prefill (TTFT) and decode step (TPOT) times (see module docstring).
+    `security`: the client credentials (`LoadJob.security`)."""
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 to measure a decode step, got {output_len}")
-    await sequential(address, prompt_len, output_len, 1, token_seed - 1, "warmup")
-    samples = await sequential(address, prompt_len, output_len, repeats, token_seed, "calib")
+    await sequential(address, prompt_len, output_len, 1, token_seed - 1, "warmup", security)
+    samples = await sequential(
+        address, prompt_len, output_len, repeats, token_seed, "calib", security
+    )
     ttft = tuple(s[0] for s in samples)
     tpot = tuple(s[1] for s in samples)
     return Calibration(

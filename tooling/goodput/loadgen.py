@@ -38,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from security.channels import ClientSecurity
 from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RequestSpec, RunResult
 from tooling.goodput.traces import prompt_tokens
 
@@ -67,6 +68,8 @@ class LoadJob:
     channels: int = 4
     label: str = "run"
     meta: dict[str, Any] = field(default_factory=dict)
+    # How to reach `address` (`security.channels.ClientSecurity.to_json`: paths, no token).
+    security: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,9 +80,11 @@ class LoadJob:
         return cls(**{**data, "specs": specs})
 
 
-async def model_info(address: str, timeout_s: float = 10.0) -> inference_pb2.ModelInfo:
+async def model_info(
+    address: str, timeout_s: float = 10.0, security: ClientSecurity | None = None
+) -> inference_pb2.ModelInfo:
     """The router's `GetModelInfo` answer (raises grpc.aio.AioRpcError)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+    async with (security or ClientSecurity()).aio_channel(address, CHANNEL_OPTIONS) as ch:
         stub = inference_pb2_grpc.InferenceStub(ch)  # type: ignore[no-untyped-call]
         info: inference_pb2.ModelInfo = await stub.GetModelInfo(
             inference_pb2.GetModelInfoRequest(), timeout=timeout_s
@@ -146,11 +151,11 @@ async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
     `progress` None = a progress bar only when stderr is a terminal."""
     if not job.specs:
         raise ValueError("the job has no requests")
-    vocab = job.vocab_size or (await model_info(job.address)).vocab_size
+    security = ClientSecurity.from_json(job.security)
+    vocab = job.vocab_size or (await model_info(job.address, security=security)).vocab_size
     requests = build_requests(job, vocab)
     channels = [
-        grpc.aio.insecure_channel(job.address, options=CHANNEL_OPTIONS)
-        for _ in range(max(1, job.channels))
+        security.aio_channel(job.address, CHANNEL_OPTIONS) for _ in range(max(1, job.channels))
     ]
     try:
         stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]  # type: ignore[no-untyped-call]
