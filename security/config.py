@@ -135,7 +135,7 @@ class SecurityConfig(BaseModel):
             what
             for what, ok in (
                 ("TLS (security.tls_cert + security.tls_key, --tls-cert/--tls-key)", self.tls),
-                ("a token file (security.auth_token_file, --auth-token-file)", self.auth),
+                ("token file (security.auth_token_file, --auth-token-file)", self.auth),
             )
             if not ok
         ]
