@@ -27,6 +27,7 @@ from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2_grpc
 from security.channels import InternalAuth
 from security.config import is_loopback
+from security.kvseal import RecordSeal
 from security.secret import ClusterSecret
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
@@ -91,6 +92,7 @@ class WorkerServer:
             port=cfg.kv_port,
             connect_timeout_s=cfg.kv_connect_timeout_s,
             shared_memory=cfg.kv_shared_memory,
+            seal=None if self._secret is None else RecordSeal(self._secret),
         )
         self.kv_endpoint = f"{transport.endpoint.host}:{transport.endpoint.port}"
         ctx = RoleContext(
