@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from deploy.config import ClusterConfig
     from deploy.launcher import ProcessWorkers
     from deploy.ray_launcher import RayWorkers
+    from security.secret import ClusterSecret
 
 log = logging.getLogger("pdserve")
 
@@ -247,12 +248,17 @@ def up_main(args: argparse.Namespace) -> int:
         print(f"pdserve up: bad config: {exc}", file=sys.stderr)
         return 2
     log.debug("effective config: %s", config.model_dump_json())
+    try:
+        secret = up_secret(config)
+    except ValueError as exc:
+        print(f"pdserve up: bad config: {exc}", file=sys.stderr)
+        return 2
     # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     workers: ProcessWorkers | RayWorkers | None = None
     try:
         try:
-            workers = _launch_workers(config, args.log_dir)
+            workers = _launch_workers(config, args.log_dir, secret)
         except (RuntimeError, TimeoutError, ValueError) as exc:
             print(f"pdserve up: workers failed to start: {exc}", file=sys.stderr)
             return 1
@@ -265,14 +271,28 @@ def up_main(args: argparse.Namespace) -> int:
             workers.stop()
 
 
-def _launch_workers(config: ClusterConfig, log_dir: str | None) -> ProcessWorkers | RayWorkers:
+def up_secret(config: ClusterConfig) -> ClusterSecret:
+    """The cluster secret of `pdserve up`: `security.cluster_secret_file`, else
+    PDSERVE_CLUSTER_SECRET (then removed from this process's environment, which Ray's and
+    every other child's would inherit), else a fresh one."""
+    from security.secret import ClusterSecret
+
+    from_env = ClusterSecret.from_env(remove=True)
+    if config.security.cluster_secret_file is not None:
+        return ClusterSecret.from_file(config.security.cluster_secret_file)
+    return from_env or ClusterSecret.generate()
+
+
+def _launch_workers(
+    config: ClusterConfig, log_dir: str | None, secret: ClusterSecret
+) -> ProcessWorkers | RayWorkers:
     if config.launcher == "process":
         from deploy.launcher import launch_workers
 
-        return launch_workers(config, log_dir)
+        return launch_workers(config, log_dir, cluster_secret=secret)
     from deploy.ray_launcher import launch_ray_workers
 
-    return launch_ray_workers(config)
+    return launch_ray_workers(config, cluster_secret=secret)
 
 
 async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from deploy.processes import (  # noqa: E402
 )
 from deploy.ray_launcher import NAMESPACE, RayWorkers, launch_ray_workers  # noqa: E402
 from router.app import start_router  # noqa: E402
+from security.secret import ClusterSecret  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]
@@ -67,7 +69,9 @@ def test_pdserve_up_with_ray_serves_and_stops_everything(
 ) -> None:
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
     argv += ["--mode", "colocated", "--port", "0"]
-    up = spawn("pdserve-up-ray", argv, tmp_path, child_env(1))
+    secret = ClusterSecret.generate()  # given, so the logs can be searched for it
+    t_start = time.time()
+    up = spawn("pdserve-up-ray", argv, tmp_path, {**child_env(1), **secret.env()})
     try:
         (m,) = wait_for_lines([up], re.compile(r"^pdserve ready: (\S+:\d+) ", re.M), 120)
         started = _descendants(up.pid)  # Ray's gcs/raylet/workers, the worker actor among them
@@ -82,6 +86,13 @@ def test_pdserve_up_with_ray_serves_and_stops_everything(
             time.sleep(0.1)
     finally:
         stop_processes([up])
+    # The secret went to the actor as a constructor argument: no log of this run holds it (the
+    # driver's, with the actors' output forwarded, and every Ray log written since the start).
+    logs = [up.log_path, *Path(tempfile.gettempdir(), "ray").glob("session_*/logs/**/*")]
+    for path in logs:
+        if path.is_file() and path.stat().st_mtime >= t_start:
+            with open(path, "rb") as f:
+                assert secret.to_text().encode() not in f.read(16 << 20), path
 
 
 @pytest.fixture(scope="module")
