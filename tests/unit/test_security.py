@@ -178,3 +178,39 @@ def test_stub_metadata_is_added_to_every_call() -> None:
     check = ClusterSecretInterceptor("abc")
     assert check._allowed((("x-pdserve-cluster-auth", "abc"),))
     assert not check._allowed((("x-pdserve-cluster-auth", "abd"),)) and not check._allowed(None)
+
+
+def test_the_router_command_line_carries_paths_and_the_environment_the_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deploy.launcher import router_argv, router_env
+    from router.__main__ import parse_args as router_args
+    from security.config import InternalTLS
+
+    pem = tmp_path / "x.pem"
+    security = SecurityConfig(
+        tls_cert=pem,
+        tls_key=pem,
+        auth_token_file=pem,
+        internal=InternalTLS(tls_cert=pem, tls_key=pem, tls_ca=pem),
+    )
+    rc = RouterConfig(
+        model_dir=tmp_path,
+        mode="colocated",
+        colocated_addrs=("h:1",),
+        host="0.0.0.0",
+        security=security,
+        prefix_index=RedisIndexConfig(url="rediss://u:s3cret@h:1/0", tls_ca_file=pem),
+    )
+    secret = ClusterSecret.generate()
+    argv, env = router_argv(rc), router_env(rc, secret)
+    assert "s3cret" not in " ".join(argv) and secret.to_text() not in " ".join(argv)
+    assert env == {**secret.env(), "PDSERVE_REDIS_PASSWORD": "s3cret"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    parsed = router_args(argv[3:])
+    assert parsed.security == security and parsed.host == "0.0.0.0"
+    assert isinstance(parsed.prefix_index, RedisIndexConfig)
+    assert parsed.prefix_index.resolved_password() == "s3cret"
+    assert parsed.prefix_index.tls_ca_file == pem
+    assert "PDSERVE_REDIS_PASSWORD" not in os.environ  # read once, then dropped
