@@ -24,6 +24,7 @@ Module map:
 - `flow`        one request's worker calls (disagg and colocated) and cleanup aborts
 - `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
                 driver task, the `SetRole` actuator); fed by `server`'s outcome hook
+- `auth`        the public API's TLS port, bearer-token interceptor and token-file watcher
 - `server`      the `Inference` servicer; `app` wires everything (`start_router`, and the
                 ratio controller when `config.ratio.mode` is not 'fixed')
 """

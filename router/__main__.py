@@ -54,8 +54,9 @@ def _prefix_index(args: argparse.Namespace) -> MemoryIndexConfig | RedisIndexCon
         index = RouterConfig.prefix_index_from_url(args.redis_url)
     password = os.environ.pop(REDIS_PASSWORD_ENV, None)
     if password and isinstance(index, RedisIndexConfig):
-        index = index.model_copy(update={"password": SecretStr(password)})
-        RedisIndexConfig.model_validate(index.__dict__)  # one password only: check again
+        index = RedisIndexConfig.model_validate(
+            {**index.model_dump(), "password": SecretStr(password)}
+        )
     return index
 
 

@@ -8,6 +8,11 @@ grpc.aio server with the `Inference` service and the standard `grpc.health.v1.He
 -> with `ratio.mode` 'adaptive' or 'advisory', start the ratio controller
 (`make_ratio_controller`).
 
+Security (`docs/security.md`): the public port is TLS / mutual TLS and the `Inference` service
+needs a bearer token when `security` says so (`router.auth.PublicAuth`: interceptor, token-file
+watcher; health open); every call to a worker carries the cluster secret's token and, with
+`security.internal`, goes over mutual TLS (`security.channels.InternalAuth`, in the pool).
+
 Ratio controller: one `RatioController` task on the router's loop (`handle.ratio`), fed every
 finished request by the `Inference` service (`server.OutcomeObserver`) and the pool's views.
 'adaptive' acts through a `PoolActuator` (Worker.SetRole) whose role-change callback keeps the

@@ -96,9 +96,9 @@ class RedisIndexConfig(_IndexCommon):
     Credentials: an ACL user (`username`) and a password — `password`, `password_file`, or
     the URL's user info (``redis://user:pw@host``), one of them. TLS: a ``rediss://`` URL,
     with `tls_ca_file` (and `tls_cert_file` / `tls_key_file` for a client certificate).
-    Passwords never appear in a dump or a log: `password` is a `SecretStr` and the URL's
-    password is masked when serialized (so pass a password to another process through
-    `password` / `password_file`, never a dumped URL)."""
+    Passwords never appear in a JSON dump or a log: `password` is a `SecretStr` and the URL's
+    password is masked in JSON (so pass a password to another process through `password` /
+    `password_file` / the environment, never a JSON dump)."""
 
     kind: Literal["redis"] = "redis"
     url: str = Field(description="redis://, rediss:// (TLS) or unix:// URL of the Redis server.")
@@ -137,7 +137,7 @@ class RedisIndexConfig(_IndexCommon):
             )
         return value
 
-    @field_serializer("url")
+    @field_serializer("url", when_used="json")
     def _dump_url(self, value: str) -> str:
         return mask_url(value)
 
