@@ -16,7 +16,7 @@ machine's state round by round; each cluster's first `--warmup` rounds are dropp
 handshakes, KV pair joins). Reported per cluster: TTFT and end-to-end p50/p99 (client clock),
 and per secured cluster the median of the per-round differences against ``plain``.
 Certificates are minted at start (`trustme`, a test dependency); output: a table on stderr
-and JSON in `--out` (default runs/bench_security/<time>.json).
+and JSON in `--out` (default runs/bench/security.json).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.configs.split(",") if n]
     if "plain" not in names or not set(names) <= set(CONFIGS):
         ap.error(f"--configs must include 'plain' and come from {CONFIGS}")
-    out = args.out or REPO / "runs" / "bench_security" / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out or REPO / "runs" / "bench" / "security.json"
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         if args.model is None:
