@@ -213,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {CONFIGS}")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default="runs/bench/security.json")
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     if "plain" not in names or not set(names) <= set(CONFIGS):
         ap.error(f"--configs must include 'plain' and come from {CONFIGS}")
-    out = args.out or REPO / "runs" / "bench" / "security.json"
+    out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         if args.model is None:

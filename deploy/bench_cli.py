@@ -110,9 +110,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
       help="deadline of each request (default: 5 x its SLO budget, at least 30 s)")  # fmt: skip
     a("--title", default="pdserve goodput benchmark", help="report title")
     a("--out", help="run folder (default: runs/bench-YYYYmmdd-HHMMSS)")
-    a("--request-timeout-s", type=float)
-    a("--title", default="pdserve goodput benchmark")
-    a("--out", help="run folder (default runs/bench-YYYYmmdd-HHMMSS)")
     add_client_security_args(p)  # for --addr
     p.set_defaults(func=bench_main)
 

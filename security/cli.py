@@ -21,17 +21,25 @@ def add_server_security_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "security", "TLS, mutual TLS and bearer tokens on the public API (docs/security.md)"
     )
-    g.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
-    g.add_argument("--tls-key", metavar="FILE", help="private key (PEM) of --tls-cert")
+    g.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve TLS with this certificate (PEM) (default: plaintext)",
+    )
+    g.add_argument(
+        "--tls-key", metavar="FILE", help="private key (PEM) of --tls-cert (default: none)"
+    )
     g.add_argument(
         "--tls-client-ca",
         metavar="FILE",
-        help="mutual TLS: clients must present a certificate this CA (PEM) signed",
+        help="mutual TLS: clients must present a certificate this CA (PEM) signed "
+        "(default: no client certificate asked for)",
     )
     g.add_argument(
         "--auth-token-file",
         metavar="FILE",
-        help="bearer tokens, one per line (re-read when it changes); calls need one",
+        help="bearer tokens, one per line (re-read when it changes); calls need one "
+        "(default: no token needed)",
     )
     g.add_argument(
         "--metrics-public", action="store_true", default=None, help="/metrics without a token"
@@ -40,7 +48,7 @@ def add_server_security_args(parser: argparse.ArgumentParser) -> None:
         "--insecure",
         action="store_true",
         default=None,
-        help="allow a non-loopback --host without TLS and a token file",
+        help="allow a non-loopback --host without TLS and a token file (default: refuse)",
     )
     g.add_argument(
         "--cluster-secret-file",
@@ -67,16 +75,26 @@ def add_client_security_args(parser: argparse.ArgumentParser) -> None:
     """A client's TLS / mTLS / token flags."""
     g = parser.add_argument_group("security", "how to reach a router that needs TLS or tokens")
     g.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca)")
-    g.add_argument("--tls-ca", metavar="FILE", help="CA (PEM) that signed the router's cert")
-    g.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS")
-    g.add_argument("--tls-key", metavar="FILE", help="private key (PEM) of --tls-cert")
+    g.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="CA (PEM) that signed the router's cert (default: the system's roots, with --tls)",
+    )
+    g.add_argument(
+        "--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS (default: none)"
+    )
+    g.add_argument(
+        "--tls-key", metavar="FILE", help="private key (PEM) of --tls-cert (default: none)"
+    )
     g.add_argument(
         "--tls-server-name",
         metavar="NAME",
         help="name to expect in the router's certificate (default: the host dialled)",
     )
     g.add_argument(
-        "--auth-token-file", metavar="FILE", help="file whose first token is sent as Bearer"
+        "--auth-token-file",
+        metavar="FILE",
+        help="file whose first token is sent as Bearer (default: no token)",
     )
 
 
