@@ -3,7 +3,10 @@
 Built from `RouterConfig.security` at start: the token file is read (and then watched for
 changes on the router's loop), the TLS files are read when the port is bound. The gRPC server
 gets `interceptors()` (the bearer-token check; health and reflection exempt) and binds with
-`add_port` (TLS, or mutual TLS with `tls_client_ca`); an HTTP front shares `tokens`.
+`add_port` (TLS, or mutual TLS with `tls_client_ca`). An HTTP front shares the same rules:
+`ssl_context()` for its socket and `http_allowed(path, authorization)` for each request
+(`/health` open, `/metrics` open with `metrics_public`, everything else needs a token; a
+refusal is HTTP 401).
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 import grpc
 
 from security.config import SecurityConfig
 from security.grpc_auth import BearerTokenInterceptor
 from security.tls import server_credentials
-from security.tokens import TokenFile
+from security.tokens import TokenFile, bearer_token
+
+OPEN_HTTP_PATHS = frozenset({"/health"})
+"""HTTP paths every caller may use without a token (probes)."""
+METRICS_PATH = "/metrics"
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,28 @@ class PublicAuth:
             return int(server.add_insecure_port(address))
         creds = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
         return int(server.add_secure_port(address, creds))
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A server TLS context for an HTTP socket (None: plaintext): the same certificate,
+        and with `tls_client_ca` the same demand for a client certificate."""
+        s = self.security
+        if s.tls_cert is None or s.tls_key is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(s.tls_cert, s.tls_key)
+        if s.tls_client_ca is not None:
+            ctx.load_verify_locations(cafile=s.tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def http_allowed(self, path: str, authorization: str | None) -> bool:
+        """Whether an HTTP request for `path` with this ``Authorization`` header may proceed
+        (module docstring); False is answered 401."""
+        if self.tokens is None or path in OPEN_HTTP_PATHS:
+            return True
+        if path == METRICS_PATH and self.security.metrics_public:
+            return True
+        return self.tokens.check(bearer_token(authorization))
 
     def start(self) -> None:
         """Watch the token file for changes (no-op without one)."""

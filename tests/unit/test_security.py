@@ -214,3 +214,29 @@ def test_the_router_command_line_carries_paths_and_the_environment_the_secrets(
     assert parsed.prefix_index.resolved_password() == "s3cret"
     assert parsed.prefix_index.tls_ca_file == pem
     assert "PDSERVE_REDIS_PASSWORD" not in os.environ  # read once, then dropped
+
+
+def test_http_requests_follow_the_same_rules(tmp_path: Path) -> None:
+    from router.auth import PublicAuth
+    from tests.certs import mint
+
+    certs = mint(tmp_path / "ca")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t1\n")
+    auth = PublicAuth(
+        SecurityConfig(
+            tls_cert=certs.server_cert,
+            tls_key=certs.server_key,
+            tls_client_ca=certs.ca,
+            auth_token_file=tokens,
+        )
+    )
+    assert auth.http_allowed("/health", None)
+    assert not auth.http_allowed("/metrics", None) and auth.http_allowed("/metrics", "Bearer t1")
+    assert not auth.http_allowed("/v1/completions", "Bearer t2")
+    assert auth.http_allowed("/v1/completions", "bearer t1")
+    ctx = auth.ssl_context()
+    assert ctx is not None and ctx.verify_mode.name == "CERT_REQUIRED"
+    public = PublicAuth(SecurityConfig(auth_token_file=tokens, metrics_public=True))
+    assert public.http_allowed("/metrics", None) and public.ssl_context() is None
+    assert PublicAuth(SecurityConfig()).http_allowed("/v1/models", None)
