@@ -196,8 +196,7 @@ class Receiver:
     def _on_join(self, rec: dict[str, Any]) -> None:
         sender, gen = str(rec["sender"]), int(rec["gen"])
         if gen < int(self._ctl.add(rdv.gen_key(sender), 0)):  # an old join, replayed
-            stale = f"reject:generation {gen} is not the newest"
-            self._ctl.set(rdv.join_key(sender, gen), self._verdict(stale, sender, gen))
+            self._answer(sender, gen, f"reject:generation {gen} is not the newest")
             return
         try:
             check_layout(
@@ -207,24 +206,22 @@ class Receiver:
                 f"prefill {sender}",
             )
         except LayoutMismatchError as exc:
-            why = self._verdict(f"reject:{exc}", sender, gen)
-            self._ctl.set(rdv.join_key(sender, gen), why)
+            self._answer(sender, gen, f"reject:{exc}")
             return
         pair = RecvPair(sender, gen, peer_cache=self._map_peer_cache(sender, rec.get("shm")))
         with self._lock:
             old = self._pairs.get(sender)
             if old is not None and old.gen >= gen:
-                stale = f"reject:generation {gen} of {sender} is older than {old.gen}"
-                self._ctl.set(rdv.join_key(sender, gen), self._verdict(stale, sender, gen))
+                self._answer(sender, gen, f"reject:generation {gen} is older than {old.gen}")
                 return
             self._pairs[sender] = pair
         self._ctl.set(rdv.cur_key(sender), str(gen))
-        verdict = rdv.JOIN_OK_SHM if pair.peer_cache is not None else rdv.JOIN_OK
-        self._ctl.set(rdv.join_key(sender, gen), self._verdict(verdict, sender, gen))
+        self._answer(sender, gen, rdv.JOIN_OK_SHM if pair.peer_cache is not None else rdv.JOIN_OK)
         self._helpers.start(f"kvx-join-{sender}-{gen}", self._build_pair, pair)
 
-    def _verdict(self, verdict: str, sender: str, gen: int) -> str:
-        return rdv.verdict_text(verdict, sender, gen, self._seal)
+    def _answer(self, sender: str, gen: int, verdict: str) -> None:
+        """Store the verdict on a join (signed with the cluster secret's seal, if any)."""
+        self._ctl.set(rdv.join_key(sender, gen), rdv.verdict_text(verdict, sender, gen, self._seal))
 
     def _map_peer_cache(self, sender: str, shm: Any) -> PeerCache | None:
         """The sender's cache mapped read-only, when both sides want shared memory and the
