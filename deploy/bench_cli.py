@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.cli_help import use_defaults_help
+from security.cli import add_client_security_args, client_security
 
 DEMO = {
     # The demo's experiment (see `demo_config`): summarize-style prompts within a 512-token
@@ -115,6 +116,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
       help="deadline of each request (default: 5 x its SLO budget, at least 30 s)")  # fmt: skip
     a("--title", default="pdserve goodput benchmark", help="report title")
     a("--out", help="run folder (default: runs/bench-YYYYmmdd-HHMMSS)")
+    add_client_security_args(p)  # for --addr
     p.set_defaults(func=bench_main)
 
 
@@ -140,6 +142,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         threads=args.threads, chunk_tokens=args.chunk_tokens, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, device=args.device,
         request_timeout_s=args.request_timeout_s, title=args.title,
+        client_security=client_security(args).to_json(),
     )  # fmt: skip
 
 

@@ -35,12 +35,14 @@ from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
 from deploy.plan_cli import add_plan_parser, add_profile_parser
 from deploy.soak_cli import add_soak_parser
+from security.cli import add_server_security_args, server_security_overrides
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
     from deploy.launcher import ProcessWorkers
     from deploy.ray_launcher import RayWorkers
     from deploy.supervision import SupervisionEvent
+    from security.secret import ClusterSecret
 
 log = logging.getLogger("pdserve")
 
@@ -210,6 +212,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         "in-memory index in the router)",
     )
     p.add_argument("--log-dir", help="worker logs with --no-ray (default: a temp folder)")
+    add_server_security_args(p)
     p.set_defaults(func=up_main, default_log_level="INFO")
 
 
@@ -231,6 +234,7 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": args.torch_threads,
         "ray.address": args.ray_address,
         "launcher": "process" if args.no_ray else None,
+        **server_security_overrides(args),
     }
     if args.ray_address:  # a local cluster's size means nothing on an external one
         out["ray.num_cpus"] = UNSET
@@ -256,12 +260,17 @@ def up_main(args: argparse.Namespace) -> int:
         print(f"pdserve up: bad config: {exc}", file=sys.stderr)
         return 2
     log.debug("effective config: %s", config.model_dump_json())
+    try:
+        secret = up_secret(config)
+    except ValueError as exc:
+        print(f"pdserve up: bad config: {exc}", file=sys.stderr)
+        return 2
     # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     workers: ProcessWorkers | RayWorkers | None = None
     try:
         try:
-            workers = _launch_workers(config, args.log_dir)
+            workers = _launch_workers(config, args.log_dir, secret)
         except (RuntimeError, TimeoutError, ValueError) as exc:
             print(f"pdserve up: workers failed to start: {exc}", file=sys.stderr)
             return 1
@@ -282,39 +291,48 @@ def _say(event: SupervisionEvent) -> None:
         print(f"pdserve up: {event.worker_id}: {what}: {event.detail}", file=sys.stderr, flush=True)
 
 
-def _launch_workers(config: ClusterConfig, log_dir: str | None) -> ProcessWorkers | RayWorkers:
+def up_secret(config: ClusterConfig) -> ClusterSecret:
+    """The cluster secret of `pdserve up`: `security.cluster_secret_file`, else
+    PDSERVE_CLUSTER_SECRET (then removed from this process's environment, which Ray's and
+    every other child's would inherit), else a fresh one."""
+    from security.secret import ClusterSecret
+
+    from_env = ClusterSecret.from_env(remove=True)
+    if config.security.cluster_secret_file is not None:
+        return ClusterSecret.from_file(config.security.cluster_secret_file)
+    return from_env or ClusterSecret.generate()
+
+
+def _launch_workers(
+    config: ClusterConfig, log_dir: str | None, secret: ClusterSecret
+) -> ProcessWorkers | RayWorkers:
     if config.launcher == "process":
         from deploy.launcher import launch_workers
 
-        return launch_workers(config, log_dir, on_event=_say)
+        return launch_workers(config, log_dir, on_event=_say, cluster_secret=secret)
     from deploy.ray_launcher import launch_ray_workers
 
-    return launch_ray_workers(config, on_event=_say)
+    return launch_ray_workers(config, on_event=_say, cluster_secret=secret)
 
 
 async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:
     """Run the router in this process until SIGINT/SIGTERM; 1 if it never became healthy."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from router.app import start_router
+    from router.app import has_usable_route, start_router
 
     rc = config.router_config(workers.addresses())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    handle = await start_router(rc)
+    handle = await start_router(rc, cluster_secret=workers.internal.secret)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
-            check = health_pb2_grpc.HealthStub(ch).Check
-            req = health_pb2.HealthCheckRequest()
-            deadline = loop.time() + 30.0
-            while (await check(req, timeout=5.0)).status != health_pb2.HealthCheckResponse.SERVING:
-                if loop.time() > deadline or stop.is_set():
-                    print("pdserve up: router never became healthy", file=sys.stderr)
-                    return 1
-                await asyncio.sleep(0.1)
+        deadline = loop.time() + 30.0  # healthy = a usable route, what its health service says
+        while not has_usable_route(rc.mode, handle.pool.views()):
+            if loop.time() > deadline or stop.is_set():
+                print("pdserve up: router never became healthy", file=sys.stderr)
+                return 1
+            await asyncio.sleep(0.1)
+            await handle.pool.poll_once()
         roles = ", ".join(
             f"{len(a)} {role}: {' '.join(a)}" for role, a in workers.addresses().items() if a
         )

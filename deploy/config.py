@@ -22,6 +22,10 @@ sub-model per TOML table; every field is described and defaulted where a default
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
                (a `router.ratio` RatioConfig; default mode "fixed": the ratio never changes)
     [supervision]  max_restarts = 5  backoff_s = 0.5 ...   (process launcher's restarts)
+    [security] tls_cert = "server.pem"  tls_key = "server.key"  auth_token_file = "tokens.txt"
+               tls_client_ca = ...  metrics_public = false  insecure = false
+               cluster_secret_file = ...   (a `security.config` SecurityConfig: file paths)
+    [security.internal]  tls_cert = ...  tls_key = ...  tls_ca = ...   (router<->worker mTLS)
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
@@ -47,6 +51,7 @@ from router.config import RouterConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
 from router.ratio.config import RatioConfig
+from security.config import SecurityConfig
 
 Mode = Literal["disagg", "colocated"]
 Role = Literal["prefill", "decode", "colocated"]
@@ -222,6 +227,11 @@ class ClusterConfig(_Frozen):
         description="How the process launcher restarts dead workers (backoff, limits); Ray "
         "restarts its actors itself (ray.max_restarts).",
     )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="TLS / mutual TLS / bearer tokens on the public API, the cluster secret "
+        "file and router<->worker mutual TLS (docs/security.md).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -264,6 +274,7 @@ class ClusterConfig(_Frozen):
                 f"router.policy must be one of {sorted(POLICIES)}, got {self.router.policy!r}"
             )
         self._check_ratio()
+        self.security.check_bind(self.router.host, "router.host")
         r = self.ray
         if r.address and r.num_cpus is not None:
             raise ValueError(
@@ -357,6 +368,7 @@ class ClusterConfig(_Frozen):
             "max_migrations": r.max_migrations,
             "shutdown_grace_s": r.shutdown_grace_s,
             "ratio": self.ratio,
+            "security": self.security,
         }
         return RouterConfig(**{**fields, **overrides})
 

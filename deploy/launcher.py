@@ -13,6 +13,12 @@ clean-up); a cluster stops in order: router first, then workers.
 Readiness is each process's own announcement (`PDSERVE_WORKER_READY host:port`, printed once
 the worker's gRPC health service says SERVING; `pdserve-router ready host=H port=P`) followed by
 a `grpc.health.v1` check; never a sleep.
+
+Security: `launch_workers` takes the cluster secret (`security.cluster_secret_file`, else
+``PDSERVE_CLUSTER_SECRET``, else a fresh one) and hands it to every child through its
+environment, never its command line; `ProcessWorkers.internal` is what a process needs to call
+those workers (their token, the cluster certificate). A Redis password reaches a router child
+through ``PDSERVE_REDIS_PASSWORD``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,10 @@ from deploy.supervision import (
     SupervisionEvent,
 )
 from router.config import RouterConfig
+from router.prefix_index.config import REDIS_PASSWORD_ENV, RedisIndexConfig, strip_password
 from router.ratio.config import RatioConfig
+from security.channels import ClientSecurity, InternalAuth
+from security.secret import ClusterSecret, resolve_cluster_secret
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,10 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0
         config.engine.model_dump_json(),
         "--kv-shared-memory" if config.transfer.shared_memory else "--no-kv-shared-memory",
     ]
+    if config.security.internal is not None:
+        argv += ["--internal-tls-json", config.security.internal.model_dump_json()]
+    if config.security.insecure:
+        argv.append("--insecure")
     return [*argv, "--sched-idle"] if config.worker_sched_idle else argv
 
 
@@ -102,12 +115,14 @@ class WorkerProcess:
 class ProcessWorkers:
     """The worker processes of one cluster, watched by a `ProcessSupervisor` (a dead worker is
     reaped, logged and restarted on its address; `events` says what happened); `stop()` ends
-    them all (idempotent)."""
+    them all (idempotent). `internal`: how to call them (the cluster secret's token, the
+    cluster certificate)."""
 
     workers: list[WorkerProcess]
     log_dir: Path
     supervisor: ProcessSupervisor | None = None
     drain_timeout_s: float = 30.0
+    internal: InternalAuth = field(default_factory=InternalAuth)
 
     @property
     def events(self) -> list[SupervisionEvent]:
@@ -145,15 +160,24 @@ def launch_workers(
     log_dir: str | Path | None = None,
     timeout_s: float = 120.0,
     on_event: Callable[[SupervisionEvent], None] | None = None,
+    cluster_secret: ClusterSecret | None = None,
 ) -> ProcessWorkers:
     """Start every worker of `config` at once (they load the model in parallel) and return
     when each one announced READY and answers SERVING; from then on a `ProcessSupervisor`
-    (`config.supervision`) restarts workers that die, telling `on_event` what it sees. On any
+    (`config.supervision`) restarts workers that die, telling `on_event` what it sees.
+    `cluster_secret` None: the one of `security.cluster_secret_file` /
+    ``PDSERVE_CLUSTER_SECRET``, else a fresh one. On any
     failure every process started here is stopped and the error (RuntimeError / TimeoutError
     / ValueError) propagates."""
     check_model_dir(config)
+    config.security.check_files()
+    secret = cluster_secret or resolve_cluster_secret(
+        config.security.cluster_secret_file, generate=True
+    )
+    assert secret is not None, "generate=True always gives a secret"
+    internal = InternalAuth(secret, config.security.internal)
     logs = _log_dir(log_dir)
-    env = child_env(config.torch_threads)
+    env = {**child_env(config.torch_threads), **secret.env()}
     started: list[tuple[str, Role, ManagedProcess]] = []
     try:
         for worker_id, role in config.worker_roles():
@@ -165,7 +189,7 @@ def launch_workers(
             for (wid, role, proc), m in zip(started, matches, strict=True)
         ]
         for w in workers:
-            wait_serving(w.address, timeout_s=10.0)
+            wait_serving(w.address, timeout_s=10.0, open_channel=internal.channel)
     except BaseException:
         stop_processes([p for _, _, p in started], grace_s=2.0)
         raise
@@ -183,7 +207,7 @@ def launch_workers(
     events = EventLog((w.role for w in workers), on_event)
     supervisor = ProcessSupervisor(workers, config.supervision, respawn, WORKER_READY, events)
     supervisor.start()
-    return ProcessWorkers(workers, logs, supervisor, config.drain_timeout_s)
+    return ProcessWorkers(workers, logs, supervisor, config.drain_timeout_s, internal)
 
 
 # ---------------------------------------------------------------------- router
@@ -209,13 +233,29 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]
-    if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default
-        argv += ["--redis-url", rc.prefix_index.url]
+    if isinstance(rc.prefix_index, RedisIndexConfig):  # its password goes by `router_env`
+        index = rc.prefix_index.model_copy(
+            update={"url": strip_password(rc.prefix_index.url), "password": None}
+        )
+        argv += ["--prefix-index-json", index.model_dump_json()]
+    if rc.security != type(rc.security)():  # file paths only
+        argv += ["--security-json", rc.security.model_dump_json(exclude_defaults=True)]
     if rc.ratio.enabled:  # a relative decisions_path means this process's directory
         path = rc.ratio.decisions_path
         ratio = rc.ratio.model_copy(update={"decisions_path": path and path.resolve()})
         argv += ["--ratio-json", ratio.model_dump_json()]
     return argv
+
+
+def router_env(rc: RouterConfig, cluster_secret: ClusterSecret | None) -> dict[str, str]:
+    """The secrets a router child gets through its environment: the cluster secret and the
+    Redis password (URL, `password` or `password_file`)."""
+    env = {} if cluster_secret is None else cluster_secret.env()
+    if isinstance(rc.prefix_index, RedisIndexConfig):
+        password = rc.prefix_index.resolved_password()
+        if password:
+            env[REDIS_PASSWORD_ENV] = password
+    return env
 
 
 @dataclass
@@ -236,19 +276,32 @@ class RouterProcess:
 
 
 def launch_router_process(
-    rc: RouterConfig, log_dir: str | Path | None = None, timeout_s: float = 30.0, name: str = ""
+    rc: RouterConfig,
+    log_dir: str | Path | None = None,
+    timeout_s: float = 30.0,
+    name: str = "",
+    cluster_secret: ClusterSecret | None = None,
+    client: ClientSecurity | None = None,
 ) -> RouterProcess:
     """Start a router process for `rc`; return once it announced its port and its health
-    service says SERVING (its workers are reachable). Stops it again on failure."""
+    service says SERVING (its workers are reachable). Stops it again on failure.
+
+    `cluster_secret`: what its calls to workers carry. `client`: how to dial it for the
+    health check, required when `rc` serves TLS (e.g. the CA and, for mutual TLS, a client
+    certificate)."""
+    if rc.security.tls and client is None:
+        raise ValueError("a TLS router's readiness check needs client= (a ClientSecurity)")
     logs = _log_dir(log_dir)
+    env = {**child_env(1), **router_env(rc, cluster_secret)}
     proc = spawn(
-        name or f"router-{len(list(logs.glob('router*.log')))}", router_argv(rc), logs, child_env(1)
+        name or f"router-{len(list(logs.glob('router*.log')))}", router_argv(rc), logs, env
     )
     try:
         (m,) = wait_for_lines([proc], ROUTER_READY, timeout_s)
         address = f"{m.group(1)}:{m.group(2)}"
-        http_url = f"http://{m.group(1)}:{m.group(3)}/v1" if m.group(3) else None
-        wait_serving(address, timeout_s)
+        scheme = "https" if rc.security.tls_cert is not None else "http"
+        http_url = f"{scheme}://{m.group(1)}:{m.group(3)}/v1" if m.group(3) else None
+        wait_serving(address, timeout_s, open_channel=None if client is None else client.channel)
     except BaseException:
         stop_processes([proc], grace_s=2.0)
         raise
@@ -271,6 +324,11 @@ class LocalCluster:
     def address(self) -> str:
         return self.router.address
 
+    @property
+    def secret(self) -> ClusterSecret | None:
+        """The cluster secret its processes share."""
+        return self.workers.internal.secret
+
     def pids(self) -> list[int]:
         routers = [self.router, *self.extra_routers]
         return [r.process.pid for r in routers] + self.workers.pids()
@@ -280,7 +338,7 @@ class LocalCluster:
         cluster; no ratio controller unless `ratio=` is given (one controller per cluster)."""
         overrides.setdefault("ratio", RatioConfig())
         rc = self.config.router_config(self.workers.addresses(), port=0, **overrides)
-        r = launch_router_process(rc, self.workers.log_dir)
+        r = launch_router_process(rc, self.workers.log_dir, cluster_secret=self.secret)
         self.extra_routers.append(r)
         return r
 
@@ -297,14 +355,19 @@ def launch_local_cluster(
     config: ClusterConfig,
     log_dir: str | Path | None = None,
     timeout_s: float = 120.0,
+    client: ClientSecurity | None = None,
     **router_overrides: object,
 ) -> LocalCluster:
     """Workers (`launch_workers`) and a router process in front of them (port from
-    `config.router.port` unless overridden, e.g. `port=0`)."""
+    `config.router.port` unless overridden, e.g. `port=0`). `client`: how to dial a TLS
+    router (`launch_router_process`)."""
     workers = launch_workers(config, log_dir, timeout_s)
     try:
         rc = config.router_config(workers.addresses(), **router_overrides)
-        router = launch_router_process(rc, workers.log_dir, name="router-0")
+        router = launch_router_process(
+            rc, workers.log_dir, name="router-0", cluster_secret=workers.internal.secret,
+            client=client,
+        )  # fmt: skip
     except BaseException:
         workers.stop(grace_s=2.0)
         raise

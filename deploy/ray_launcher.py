@@ -26,6 +26,9 @@ Steps of `launch_ray_workers`:
 5. start the supervisor thread, which pings every actor each `interval_s` and records deaths
    and restarts. A restarted actor (Ray's `max_restarts`) rebinds the same port on the same
    node (the port is kept in a file on that node), so the router's address list stays valid.
+
+The cluster secret reaches each actor as a constructor argument (kept by Ray for restarts,
+never printed, not in the runtime env, which Ray shows in its state API and dashboard).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from deploy.config import ClusterConfig, Role, check_model_dir
 from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_collision
 from deploy.processes import wait_serving
 from deploy.supervision import EventLog, SupervisionEvent
+from security.channels import InternalAuth
+from security.secret import ClusterSecret, resolve_cluster_secret
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +66,18 @@ class WorkerActor:
     Ray). The constructor starts the server, so a Ray restart restarts the worker.
 
     `worker_config_json` is a `WorkerConfig` as JSON; its host "auto" becomes this node's IP.
-    `port_file` (on this node) remembers the bound port across restarts of this actor."""
+    `port_file` (on this node) remembers the bound port across restarts of this actor.
+    `cluster_secret` is the cluster secret's hex form (None: an unauthenticated worker)."""
 
-    def __init__(self, worker_config_json: str, port_file: str) -> None:
+    def __init__(
+        self, worker_config_json: str, port_file: str, cluster_secret: str | None = None
+    ) -> None:
         from worker.config import WorkerConfig
         from worker.server import WorkerServer
 
+        secret = (
+            None if cluster_secret is None else ClusterSecret.from_text(cluster_secret, "actor")
+        )
         config = WorkerConfig.model_validate_json(worker_config_json)
         update: dict[str, Any] = {}
         if config.host == "auto":
@@ -76,7 +87,7 @@ class WorkerActor:
         path = Path(port_file)
         if path.is_file():  # a restart: take the port the router already knows
             update["port"] = int(path.read_text())
-        self._server = WorkerServer(config.model_copy(update=update))
+        self._server = WorkerServer(config.model_copy(update=update), secret)
         self._address = self._server.start()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self._address.rpartition(":")[2])
@@ -123,8 +134,10 @@ class RayWorkers:
         max_restarts: int = 0,
         on_event: Callable[[SupervisionEvent], None] | None = None,
         drain_timeout_s: float = 5.0,
+        internal: InternalAuth | None = None,
     ) -> None:
         self.workers = workers
+        self.internal = internal or InternalAuth()
         self.placement_group = pg
         self.owns_ray = owns_ray
         self.max_restarts = max_restarts
@@ -245,6 +258,8 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
         transfer_timeout_s=config.transfer.timeout_s,
         kv_host=kv_host,
         kv_shared_memory=config.transfer.shared_memory,
+        internal_tls=config.security.internal,
+        insecure=config.security.insecure,
     )
     return wc.model_dump_json()
 
@@ -303,13 +318,22 @@ def launch_ray_workers(
     config: ClusterConfig,
     interval_s: float = 1.0,
     on_event: Callable[[SupervisionEvent], None] | None = None,
+    cluster_secret: ClusterSecret | None = None,
 ) -> RayWorkers:
     """Start the workers of `config` as Ray actors (see the module docstring for the steps)
-    and return once each one serves. On failure everything started here is torn down and the
-    error propagates: TimeoutError (no placement / not serving in `ray.start_timeout_s`),
-    RuntimeError (an actor died while starting), ValueError (bad model folder, workers that can
-    never be placed, a Redis URL on Ray's GCS port)."""
+    and return once each one serves. `cluster_secret` None: `security.cluster_secret_file`,
+    else ``PDSERVE_CLUSTER_SECRET``, else a fresh one. On failure everything started here is
+    torn down and the error propagates: TimeoutError (no placement / not serving in
+    `ray.start_timeout_s`), RuntimeError (an actor died while starting), ValueError (bad model
+    folder or security file, workers that can never be placed, a Redis URL on Ray's GCS
+    port)."""
     check_model_dir(config)
+    config.security.check_files()
+    secret = cluster_secret or resolve_cluster_secret(
+        config.security.cluster_secret_file, generate=True
+    )
+    assert secret is not None, "generate=True always gives a secret"
+    internal = InternalAuth(secret, config.security.internal)
     owns_ray = _join_ray(config)
     host = config.worker_host
     if host == "auto" and not config.ray.address:  # a local cluster: one node
@@ -350,7 +374,11 @@ def launch_ray_workers(
                     pg, placement_group_bundle_index=i
                 ),
                 runtime_env={"env_vars": env},
-            ).remote(worker_config_json(config, worker_id, role, host), str(port_dir / worker_id))
+            ).remote(
+                worker_config_json(config, worker_id, role, host),
+                str(port_dir / worker_id),
+                secret.to_text(),
+            )
             actors.append(actor)
         try:
             addrs = ray.get([a.address.remote() for a in actors], timeout=r.start_timeout_s)
@@ -360,7 +388,7 @@ def launch_ray_workers(
         except RayActorError as exc:
             raise RuntimeError(f"a worker actor died while starting: {exc}") from exc
         for a in addrs:
-            wait_serving(a, timeout_s=30.0)
+            wait_serving(a, timeout_s=30.0, open_channel=internal.channel)
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -374,5 +402,12 @@ def launch_ray_workers(
     ]
     log.info("ray workers ready: %s", {w.worker_id: w.address for w in workers})
     return RayWorkers(
-        workers, pg, owns_ray, interval_s, r.max_restarts, on_event, config.drain_timeout_s
+        workers,
+        pg,
+        owns_ray,
+        interval_s,
+        r.max_restarts,
+        on_event,
+        config.drain_timeout_s,
+        internal,
     )

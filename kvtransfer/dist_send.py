@@ -56,6 +56,7 @@ from kvtransfer.wire import (
     td,
 )
 from model_runtime.kv_cache import KVCache
+from security.kvseal import RecordSeal
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,10 @@ class Sender:
         events: EventQueue,
         staging: StagingPool,
         segment: SegmentInfo | None = None,
+        seal: RecordSeal | None = None,
     ) -> None:
         self._worker_id = worker_id
+        self._seal = seal  # the cluster secret's seal on every record (None: open cluster)
         self._cache = cache
         self._segment = segment  # this worker's cache in shared memory, offered at join
         self._layout = cache.layout
@@ -227,10 +230,11 @@ class Sender:
             store = rdv.connect_store(ep.host, ep.port, limit)
             gen = int(store.add(rdv.gen_key(me), 1))
             shm = self._segment.to_dict() if self._segment is not None else None
-            store.queue_push(rdv.CTL_QUEUE, rdv.join_record(me, gen, self._layout, shm))
+            record = rdv.join_record(me, gen, self._layout, shm, self._seal)
+            store.queue_push(rdv.CTL_QUEUE, record)
             key = rdv.join_key(me, gen)
             store.wait([key], td(min(self._connect_timeout_s, remaining(deadline))))
-            verdict = store.get(key).decode()
+            verdict = rdv.read_verdict(store.get(key), me, gen, self._seal)
             store.delete_key(key)
             if verdict not in (rdv.JOIN_OK, rdv.JOIN_OK_SHM):
                 pair.broken = True
@@ -244,6 +248,7 @@ class Sender:
                 self._backend,
                 self._host,
                 min(self._connect_timeout_s, remaining(deadline)),
+                self._seal,
             )
             pair.store, pair.gen, pair.shm = store, gen, verdict == rdv.JOIN_OK_SHM
             return True
@@ -268,17 +273,17 @@ class Sender:
         tag = pair.take_tag()
         if tr.cancelled:  # not announced yet: tell the receiver so it fails it now
             store.queue_push(
-                rdv.CTL_QUEUE, rdv.cancel_record(self._worker_id, t.transfer_id, t.epoch)
+                rdv.CTL_QUEUE,
+                rdv.cancel_record(self._worker_id, t.transfer_id, t.epoch, self._seal),
             )
             raise TransferError("cancelled by sender")
         left_ms = max(1, round((deadline - time.monotonic()) * 1000))
         src = list(tr.src) if pair.shm else None
-        store.queue_push(
-            rdv.CTL_QUEUE,
-            rdv.xfer_record(
-                self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms, src
-            ),
-        )
+        header = rdv.xfer_record(
+            self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms, src,
+            self._seal,
+        )  # fmt: skip
+        store.queue_push(rdv.CTL_QUEUE, header)
         if verify and store.get(rdv.cur_key(self._worker_id)).decode() != str(pair.gen):
             return False
         with tr.cond:  # from here on the engine thread posts each layer as it comes

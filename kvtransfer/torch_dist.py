@@ -41,6 +41,7 @@ from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
 from kvtransfer.wire import Event, EventQueue
 from model_runtime.kv_cache import KVCache, KVLayout
+from security.kvseal import RecordSeal
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ class TorchDistTransport:
     worker's cache into shared memory and use the same-host data plane with every peer that
     also has it on (`kvtransfer.shm`) — the receiver copies the blocks straight from the
     sender's cache; other peers still get the bytes over gloo. Build the transport before the
-    cache serves a step (it moves the cache's tensor).
+    cache serves a step (it moves the cache's tensor). `seal` (`security.kvseal`, from the
+    cluster secret): sign every control record, seal the shared-memory offer, and act only on
+    records that carry the secret's MAC (`rendezvous`); None: an open rendezvous.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class TorchDistTransport:
         serve: bool = True,
         staging_pool_bytes: int = STAGING_POOL_BYTES,
         shared_memory: bool = False,
+        seal: RecordSeal | None = None,
     ) -> None:
         if not worker_id or "/" in worker_id or "@" in worker_id:
             raise ValueError(f"worker_id must be non-empty without '/' or '@', got {worker_id!r}")
@@ -93,12 +97,13 @@ class TorchDistTransport:
                 self._events,
                 pool,
                 shared_memory=self.shared_memory,
+                seal=seal,
             )
             if serve
             else None
         )
         self._sender = Sender(
-            worker_id, cache, host, connect_timeout_s, self._events, pool, segment
+            worker_id, cache, host, connect_timeout_s, self._events, pool, segment, seal
         )
         port_used = self._receiver.port if self._receiver is not None else 0
         self._endpoint = PeerEndpoint(worker_id, host, port_used)
@@ -115,6 +120,11 @@ class TorchDistTransport:
     @property
     def layout(self) -> KVLayout:
         return self._cache.layout
+
+    @property
+    def rejected_records(self) -> int:
+        """Rendezvous records this worker refused for want of the cluster secret's MAC."""
+        return 0 if self._receiver is None else self._receiver.refusals.count
 
     def shared_memory_peers(self) -> list[str]:
         """Receivers this worker sends to through shared memory now (the rest get gloo bytes)."""

@@ -11,6 +11,11 @@ gRPC server reflection (so `grpcurl` and other generic clients need no .proto fi
 The router's Prometheus metrics (`router.metrics`) are fed by the request lifecycle, the
 prefix index's lookups and the ratio controller's decisions.
 
+Security (`docs/security.md`): the public port is TLS / mutual TLS and the `Inference` service
+needs a bearer token when `security` says so (`router.auth.PublicAuth`: interceptor, token-file
+watcher; health open); every call to a worker carries the cluster secret's token and, with
+`security.internal`, goes over mutual TLS (`security.channels.InternalAuth`, in the pool).
+
 Ratio controller: one `RatioController` task on the router's loop (`handle.ratio`), fed every
 finished request by the request lifecycle (`lifecycle.OutcomeObserver`) and the pool's views.
 'adaptive' acts through a `PoolActuator` (Worker.SetRole) whose role-change callback keeps the
@@ -36,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from model_runtime.config import ModelConfig
 from model_runtime.tokenizer import Tokenizer
+from router.auth import PublicAuth
 from router.config import RouterConfig
 from router.http.server import HttpFront, start_http_front
 from router.indexer import Indexers, KVEventSource
@@ -45,13 +51,15 @@ from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Role, WorkerView
 from router.pool import WorkerPool
-from router.prefix_index.config import RedisIndexConfig, make_index
+from router.prefix_index.config import make_index
 from router.prefix_index.guard import GuardedPrefixIndex
 from router.ratio.actuator import PoolActuator
 from router.ratio.driver import RatioController
 from router.registry import InMemoryWorkerRegistry, WorkerRegistry
 from router.server import SERVICE_NAME, InferenceService
 from router.validation import ModelLimits
+from security.channels import InternalAuth
+from security.secret import ClusterSecret, resolve_cluster_secret
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +129,7 @@ class RouterHandle:
     ratio: RatioController | None = None  # None: ratio.mode 'fixed'
     http: HttpFront | None = None  # None: no http_port configured
     routability: RouterHealth | None = None
+    auth: PublicAuth | None = None
 
     @property
     def health_reason(self) -> str:
@@ -151,6 +160,8 @@ class RouterHandle:
         await self.indexers.stop()
         await self.prefix_index.close()
         await self.pool.stop()
+        if self.auth is not None:
+            await self.auth.stop()
 
     async def wait_for_termination(self) -> None:
         """Block until the server stops."""
@@ -158,14 +169,7 @@ class RouterHandle:
 
 
 def _config_for_log(config: RouterConfig) -> str:
-    """The effective config as JSON, with a Redis URL's password masked."""
-    index = config.prefix_index
-    if isinstance(index, RedisIndexConfig) and "@" in index.url:
-        scheme, _, rest = index.url.partition("://")
-        creds, _, host = rest.rpartition("@")
-        user = creds.split(":", 1)[0]
-        masked = index.model_copy(update={"url": f"{scheme}://{user}:***@{host}"})
-        return config.model_copy(update={"prefix_index": masked}).model_dump_json()
+    """The effective config as JSON (a Redis password is masked by the config itself)."""
     return config.model_dump_json()
 
 
@@ -173,14 +177,21 @@ async def start_router(
     config: RouterConfig,
     registry: WorkerRegistry | None = None,
     kv_sources: Callable[[str], KVEventSource] | None = None,
+    cluster_secret: ClusterSecret | None = None,
 ) -> RouterHandle:
     """Start a router for `config`; return once it is listening and workers were polled once.
 
-    Raises ValueError for an unusable model folder, RuntimeError if the port cannot be bound.
-    `registry` defaults to an `InMemoryWorkerRegistry`; `kv_sources(address)` gives a worker's
-    KV event source (default: the worker's `StreamKVEvents` / `GetKVSnapshot` RPCs).
+    Raises ValueError for an unusable model folder or security file, RuntimeError if the port
+    cannot be bound. `registry` defaults to an `InMemoryWorkerRegistry`; `kv_sources(address)`
+    gives a worker's KV event source (default: the worker's `StreamKVEvents` / `GetKVSnapshot`
+    RPCs). `cluster_secret` is what every call to a worker carries; None takes
+    `security.cluster_secret_file`, else ``PDSERVE_CLUSTER_SECRET``, else none (workers
+    started without a secret).
     """
     log.debug("router config: %s", _config_for_log(config))
+    auth = PublicAuth(config.security)
+    secret = cluster_secret or resolve_cluster_secret(config.security.cluster_secret_file)
+    internal = InternalAuth(secret, config.security.internal)
     model = ModelConfig.from_model_dir(config.model_dir)
     tokenizer = Tokenizer.from_model_dir(config.model_dir)
     limits = ModelLimits.for_model(
@@ -196,6 +207,7 @@ async def start_router(
         poll_interval_s=config.status_poll_interval_s,
         poll_timeout_s=config.status_poll_timeout_s,
         on_change=updater,
+        internal=internal,
     )
     roles: list[tuple[Role, tuple[str, ...]]] = [
         ("prefill", config.prefill_addrs),
@@ -228,7 +240,8 @@ async def start_router(
     # naming that limit (INVALID_ARGUMENT) instead of the transport's RESOURCE_EXHAUSTED.
     receive = max(MIN_RECEIVE_BYTES, 2 * limits.max_request_bytes)
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", receive)]
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", receive)],
+        interceptors=auth.interceptors(),
     )
     server.add_generic_rpc_handlers((service.rpc_handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -236,14 +249,22 @@ async def start_router(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = auth.add_port(server, f"{config.host}:{config.port}")
     except RuntimeError as exc:
         await indexers.stop()
         await prefix_index.close()
         await pool.stop()
         raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
     await server.start()
-    log.info("router listening on %s:%d (mode=%s)", config.host, port, config.mode)
+    auth.start()
+    log.info(
+        "router listening on %s:%d (mode=%s; %s; worker calls %s)",
+        config.host,
+        port,
+        config.mode,
+        auth.describe(),
+        "authenticated" if secret is not None else "NOT authenticated (no cluster secret)",
+    )
     http: HttpFront | None = None
     if config.http_port is not None:
         try:
@@ -253,12 +274,15 @@ async def start_router(
                 config.http_port,
                 lambda: bool(updater.serving),
                 metrics.exposition,
+                middlewares=[auth.http_middleware()],
+                ssl_context=auth.ssl_context(),
             )
         except (RuntimeError, ValueError):
             await server.stop(None)
             await indexers.stop()
             await prefix_index.close()
             await pool.stop()
+            await auth.stop()
             raise
     if ratio is not None:
         ratio.start()
@@ -275,6 +299,7 @@ async def start_router(
         ratio,
         http,
         updater,
+        auth,
     )
 
 

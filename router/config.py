@@ -15,6 +15,7 @@ from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
 from router.prefix_policy import PrefixRoutingConfig
 from router.ratio.config import RatioConfig
+from security.config import SecurityConfig
 
 Mode = Literal["disagg", "colocated"]
 
@@ -66,6 +67,12 @@ class RouterConfig(BaseModel):
         default=(), description="Colocated workers' host:port (colocated mode)."
     )
     host: str = Field(default="127.0.0.1", description="Interface the public gRPC server binds.")
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="TLS, mutual TLS and bearer tokens on the public API; the worker plane's "
+        "mutual TLS and cluster secret file (`security.config`). A non-loopback `host` needs "
+        "TLS and a token file unless security.insecure.",
+    )
     port: int = Field(default=0, ge=0, le=65535, description="Public port; 0 picks a free one.")
     http_port: int | None = Field(
         default=None,
@@ -143,6 +150,11 @@ class RouterConfig(BaseModel):
                 raise ValueError("mode 'colocated' needs colocated_addrs (>= 1)")
             if self.prefill_addrs or self.decode_addrs:
                 raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
+        return self
+
+    @model_validator(mode="after")
+    def _bind(self) -> RouterConfig:
+        self.security.check_bind(self.host, "host")
         return self
 
     @model_validator(mode="after")

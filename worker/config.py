@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_runtime.engine_config import EngineConfig
+from security.config import InternalTLS
 
 READY_PREFIX = "PDSERVE_WORKER_READY"
 """Start of the one stdout line a worker prints once it serves (``... host:port``)."""
@@ -81,6 +82,16 @@ class WorkerConfig(BaseModel):
         default=300.0,
         gt=0,
         description="Deadline of a request that carries neither timeout_s nor a gRPC deadline.",
+    )
+    internal_tls: InternalTLS | None = Field(
+        default=None,
+        description="Serve the worker API over mutual TLS (the cluster certificate; clients "
+        "must present one the same CA signed).",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="Allow a non-loopback `host` without a cluster secret (the worker API and "
+        "the KV rendezvous then answer anyone who can reach them).",
     )
 
     @field_validator("worker_id")

@@ -26,6 +26,10 @@ from kvtransfer.torch_dist import TorchDistTransport
 from model_runtime.engine import LLMEngine
 from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2_grpc
+from security.channels import InternalAuth
+from security.config import is_loopback
+from security.kvseal import RecordSeal
+from security.secret import ClusterSecret
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
@@ -40,10 +44,17 @@ ROLES: dict[str, type[Role]] = {r.name: r for r in (PrefillRole, DecodeRole, Col
 
 
 class WorkerServer:
-    """A worker's engine thread + gRPC server in this process. `start()` once, `stop()` once."""
+    """A worker's engine thread + gRPC server in this process. `start()` once, `stop()` once.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    `cluster_secret` closes the internal planes: every call but health needs the cluster's
+    worker token (else UNAUTHENTICATED, before any handler runs), and the KV rendezvous takes
+    only join/transfer records signed with it. None leaves both open, which `start` allows
+    only on loopback addresses unless `config.insecure`."""
+
+    def __init__(self, config: WorkerConfig, cluster_secret: ClusterSecret | None = None) -> None:
         self.config = config
+        self._internal = InternalAuth(cluster_secret, config.internal_tls)
+        self._secret = cluster_secret
         self.epoch = time.time_ns()  # changes on every start of a worker process
         self.address = ""
         self.kv_endpoint = ""
@@ -66,6 +77,13 @@ class WorkerServer:
         for name in ("host", "kv_host"):
             if getattr(cfg, name) == "auto":
                 raise ValueError(f"{name} 'auto' must be resolved to an address before start()")
+            if self._secret is None and not cfg.insecure and not is_loopback(getattr(cfg, name)):
+                raise ValueError(
+                    f"{name}={getattr(cfg, name)!r} is not a loopback address and this worker has "
+                    "no cluster secret: anyone on the network could call its API and join its KV "
+                    "rendezvous. Give it the secret (PDSERVE_CLUSTER_SECRET or "
+                    "--cluster-secret-file), bind 127.0.0.1, or pass --insecure."
+                )
         log.info("worker config %s", cfg.model_dump_json())
         lower_priority(cfg.nice, cfg.sched_idle)
         if cfg.torch_threads is not None:
@@ -78,6 +96,7 @@ class WorkerServer:
             port=cfg.kv_port,
             connect_timeout_s=cfg.kv_connect_timeout_s,
             shared_memory=cfg.kv_shared_memory,
+            seal=None if self._secret is None else RecordSeal(self._secret),
         )
         self.kv_endpoint = f"{transport.endpoint.host}:{transport.endpoint.port}"
         ctx = RoleContext(
@@ -118,7 +137,9 @@ class WorkerServer:
 
     async def _serve(self) -> int:
         assert self._engine_thread is not None, "start() creates the engine thread first"
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)], interceptors=self._internal.server_interceptors()
+        )
         health_servicer = health.aio.HealthServicer()
         service = WorkerService(
             self._engine_thread,
@@ -131,7 +152,7 @@ class WorkerServer:
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = int(server.add_insecure_port(f"{self.config.host}:{self.config.port}"))
+        port = self._internal.add_port(server, f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await server.start()

@@ -7,13 +7,16 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 Middlewares, outermost first: `openai_errors` (every failure becomes an OpenAI error object
 with its status: a handler's `OpenAIError`, aiohttp's own 404/405/413, and a bug as a 500 with
 its traceback in the log), then the `middlewares` the caller passes to `build_app` /
-`start_http_front` — the place for authentication (issue 19): a middleware that raises
-`OpenAIError(401, ...)` answers with an OpenAI error object like every other refusal.
+`start_http_front` — authentication (`router.auth.PublicAuth.http_middleware`) raises
+`OpenAIError(401, ...)` and is answered with an OpenAI error object like every other refusal.
+With an `ssl_context` the front serves HTTPS (the public API's certificate, and mutual TLS
+when the gRPC port asks for client certificates).
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,6 +95,7 @@ async def start_http_front(
     metrics: Callable[[], tuple[bytes, str]] | None = None,
     middlewares: Sequence[Middleware] = (),
     shutdown_timeout_s: float = 1.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> HttpFront:
     """Serve the HTTP front on `host:port` (0: a free port) on the running loop.
 
@@ -107,12 +111,13 @@ async def start_http_front(
         shutdown_timeout=shutdown_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         raise RuntimeError(f"HTTP front cannot bind {host}:{port}: {exc}") from exc
     bound = runner.addresses[0][1]
-    log.info("HTTP front (OpenAI API) on http://%s:%d/v1", host, bound)
+    scheme = "http" if ssl_context is None else "https"
+    log.info("HTTP front (OpenAI API) on %s://%s:%d/v1", scheme, host, bound)
     return HttpFront(runner, host, int(bound))

@@ -164,11 +164,14 @@ class E2ECluster:
         return [w.address for w in self.local.workers.workers]
 
     def worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address, CHANNEL_OPTIONS))
+        """A stub with the cluster's worker credentials (its calls carry the secret)."""
+        internal = self.local.workers.internal
+        return internal.stub(worker_pb2_grpc.WorkerStub(internal.channel(address, CHANNEL_OPTIONS)))
 
     def status(self, address: str) -> worker_pb2.WorkerStatus:
-        with grpc.insecure_channel(address, CHANNEL_OPTIONS) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).GetStatus(
+        internal = self.local.workers.internal
+        with internal.channel(address, CHANNEL_OPTIONS) as ch:
+            return internal.stub(worker_pb2_grpc.WorkerStub(ch)).GetStatus(
                 worker_pb2.GetStatusRequest(), timeout=5.0
             )
 

@@ -226,7 +226,7 @@ def test_a_10_mb_request_is_invalid_argument_naming_the_limit(tiny_model_dir: Pa
 
     async def scenario() -> None:
         async with fake_cluster(tiny_model_dir) as c:
-            limit = c.router.service.limits.max_request_bytes
+            limit = c.router.service.lifecycle.limits.max_request_bytes
             big = ipb.GenerateRequest(text="x" * 10_000_000)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.generate(big)
@@ -240,7 +240,7 @@ def test_a_10_mb_request_is_invalid_argument_naming_the_limit(tiny_model_dir: Pa
 def test_text_prompts_are_tokenized_off_the_event_loop(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
         async with fake_cluster(tiny_model_dir) as c:
-            tokenizer = c.router.service.tokenizer
+            tokenizer = c.router.service.lifecycle.tokenizer
             encode, threads = tokenizer.encode, []
 
             def recording(text: str, add_bos: bool = True) -> list[int]:

@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from security.channels import ClientSecurity
 from tooling.goodput.analysis import SLO, attainment, slo_goodput_rps
 from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
@@ -114,6 +115,11 @@ class BenchConfig(BaseModel):
         default=None, gt=0, description="Per-request deadline; None = 5 x the SLO budget."
     )
     title: str = Field(default="pdserve goodput benchmark", description="Report title.")
+    client_security: dict[str, Any] = Field(
+        default_factory=dict,
+        description="How to reach `address` (TLS, client certificate, token file): "
+        "`security.channels.ClientSecurity.to_json`; file paths only.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
@@ -192,7 +198,7 @@ class Bench:
             addr = self.clusters.address(name)
             say(f"warming up and calibrating {name} ({addr}) ...")
             repeats = 5 if name == ref else 2
-            job = self.clusters.job_fields(name)
+            job = {**self.clusters.job_fields(name), "security": self._security(name)}
             calib = asyncio.run(calibrate(name, addr, prompt, out, repeats=repeats, **job))
             unloaded[name] = calib.to_json()
             say(f"  unloaded {name}: TTFT {calib.prefill_ms:.1f} ms, TPOT {calib.decode_ms:.1f} ms")
@@ -208,6 +214,11 @@ class Bench:
             rates = [round(base * r, 3) for r in cfg.rel_rates]
         self.meta["sweep_rates"] = rates
         say(f"SLOs: TTFT <= {self.slo.ttft_ms} ms, TPOT <= {self.slo.tpot_ms} ms; rates {rates}")
+
+    def _security(self, name: str) -> dict[str, Any]:
+        """Client credentials for cluster `name`: the configured ones for the external router,
+        none for clusters this run launched (plaintext on 127.0.0.1)."""
+        return dict(self.cfg.client_security) if name in self.clusters.external else {}
 
     def timeout_s(self) -> float:
         if self.cfg.request_timeout_s is not None:
@@ -231,6 +242,7 @@ class Bench:
             timeout_s=self.timeout_s(),
             label=f"{name}-{k}",
             **self.clusters.job_fields(name),
+            security=self._security(name),
         )
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
@@ -261,7 +273,8 @@ def _targets(cfg: BenchConfig, meta: dict[str, Any]) -> tuple[Any, int]:
     the running router at `cfg.address`, or local clusters of `cfg.configs` (none: an
     OpenAI server alone). Fills `meta["model"]`."""
     if cfg.address is not None:
-        info = asyncio.run(model_info(cfg.address))
+        security = ClientSecurity.from_json(cfg.client_security)
+        info = asyncio.run(model_info(cfg.address, security=security))
         meta["model"] = {"name": info.model, "context_length": info.context_length,
                          "vocab_size": info.vocab_size, "mode": info.mode}  # fmt: skip
         name = cfg.configs[0] if len(cfg.configs) == 1 else "external"

@@ -43,6 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from security.channels import ClientSecurity
 from tooling.goodput.openai_load import completion_body, consume_openai
 from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RequestSpec, RunResult
 from tooling.goodput.traces import prompt_tokens
@@ -75,6 +76,8 @@ class LoadJob:
     api: str = "grpc"  # "grpc": pdserve's Generate at `address`; "openai": `address` is a /v1 URL
     model: str = ""  # the OpenAI model name (api "openai")
     meta: dict[str, Any] = field(default_factory=dict)
+    # How to reach `address` (`security.channels.ClientSecurity.to_json`: paths, no token).
+    security: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,9 +88,11 @@ class LoadJob:
         return cls(**{**data, "specs": specs})
 
 
-async def model_info(address: str, timeout_s: float = 10.0) -> inference_pb2.ModelInfo:
+async def model_info(
+    address: str, timeout_s: float = 10.0, security: ClientSecurity | None = None
+) -> inference_pb2.ModelInfo:
     """The router's `GetModelInfo` answer (raises grpc.aio.AioRpcError)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+    async with (security or ClientSecurity()).aio_channel(address, CHANNEL_OPTIONS) as ch:
         stub = inference_pb2_grpc.InferenceStub(ch)  # type: ignore[no-untyped-call]
         info: inference_pb2.ModelInfo = await stub.GetModelInfo(
             inference_pb2.GetModelInfoRequest(), timeout=timeout_s
@@ -150,12 +155,13 @@ reads its answer into `record`."""
 
 @contextlib.asynccontextmanager
 async def _grpc_sender(job: LoadJob) -> AsyncIterator[Send]:
-    """Requests built, `job.channels` channels opened and warmed; closed on exit."""
-    vocab = job.vocab_size or (await model_info(job.address)).vocab_size
+    """Requests built, `job.channels` channels opened (with `job.security`) and warmed; closed
+    on exit."""
+    security = ClientSecurity.from_json(job.security)
+    vocab = job.vocab_size or (await model_info(job.address, security=security)).vocab_size
     requests = build_requests(job, vocab)
     channels = [
-        grpc.aio.insecure_channel(job.address, options=CHANNEL_OPTIONS)
-        for _ in range(max(1, job.channels))
+        security.aio_channel(job.address, CHANNEL_OPTIONS) for _ in range(max(1, job.channels))
     ]
     try:
         stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]  # type: ignore[no-untyped-call]
