@@ -293,22 +293,52 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="offline batch inference from a JSONL file",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
+    from model_runtime.engine_config import EngineConfig  # torch-free
+
+    # Unset engine options keep `EngineConfig`'s defaults, named in each help line.
+    d = {name: f.default for name, f in EngineConfig.model_fields.items()}
     p.add_argument("--model", required=True, help="HF model folder (config.json, safetensors)")
     p.add_argument("--input", required=True, help="input JSONL, one request per line")
     p.add_argument("--output", required=True, help="output JSONL, one result per input line")
-    p.add_argument("--max-batch-tokens", type=int, help="token budget of one engine step")
-    p.add_argument("--max-num-seqs", type=int, help="most requests running at once")
-    p.add_argument("--block-size", type=int, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from memory budget)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        help=f"token budget of one engine step (default: {d['max_num_batched_tokens']})",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help=f"most requests running at once (default: {d['max_num_seqs']}, or "
+        "--max-batch-tokens when smaller)",
+    )
+    p.add_argument(
+        "--block-size", type=int, help=f"tokens per KV block (default: {d['block_size']})"
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help=f"KV blocks (default: as many as {d['kv_cache_memory_mb']:g} MiB hold)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default cpu)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument("--device", help=f"torch device, e.g. cpu or cuda:0 (default: {d['device']})")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help=f"weights and KV dtype; auto = the checkpoint's (default: {d['dtype']})",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "cpu", "triton"],
+        help="auto = Triton on CUDA; on CPU the compiled decode attention ('cpu') where it "
+        f"builds, else torch (default: {d['attention_backend']})",
+    )
     p.add_argument(
         "--linear-kernel",
         choices=["auto", "torch", "onednn", "avx2"],
-        help="GEMM for weight matmuls",
+        help="GEMM for weight matmuls; auto = the compiled AVX2 kernel where it is the CPU's "
+        "best, else oneDNN prepacked weights where torch has oneDNN, else F.linear "
+        f"(default: {d['linear_kernel']})",
     )
     p.set_defaults(func=batch_main)
 

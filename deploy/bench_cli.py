@@ -1,6 +1,7 @@
 """`pdserve bench`, `pdserve report` and `pdserve demo` (the goodput demo). CLI process.
 
     pdserve bench [--configs colocated,colocated-nochunk,disagg | --addr HOST:PORT]
+                  [--openai-url URL [--openai-model NAME] [--vocab-size N]]
                   [--workload summarize|chat|code|prefix|multiturn | --trace FILE]
                   [--rates 0.5,1,2] [--ttft-slo-ms MS --tpot-slo-ms MS | --ttft-scale X ...]
                   [--out DIR] ...
@@ -19,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from deploy.cli_help import use_defaults_help
+from security.cli import add_client_security_args, client_security
 
 DEMO = {
     # The demo's experiment (see `demo_config`): summarize-style prompts within a 512-token
@@ -66,36 +70,53 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "results.json + report.md + plots to --out.",
     )
     a = p.add_argument
-    a("--model", default="models/small", help="model folder to serve (default models/small)")
-    a("--addr", help="bench this running router instead of launching clusters")
-    a("--configs", type=_names, default=CONFIG_NAMES, help=f"comma list from {CONFIG_NAMES}")
-    a("--workload", choices=sorted(WORKLOADS), default="summarize")
-    a("--trace", help="replay a trace file (.csv/.jsonl) instead of a workload")
+    a("--model", default="models/small", help="model folder to serve")
+    a("--addr", help="bench this running router instead of launching clusters (default: launch)")
+    a("--openai-url", help="also bench this OpenAI-compatible server (http://host:port/v1) as "
+      "configuration 'openai'; alone, bench only it (default: none)")  # fmt: skip
+    a("--openai-model", help="model name at --openai-url (default: the server's first)")
+    a("--vocab-size", type=int, help="vocabulary of --openai-url's token-id prompts "
+      "(default: --model's)")  # fmt: skip
+    a("--configs", type=_names, default=CONFIG_NAMES, metavar="NAME[,NAME...]",
+      help=f"configurations to launch, a comma list from {','.join(CONFIG_NAMES)}")  # fmt: skip
+    a("--workload", choices=sorted(WORKLOADS), default="summarize",
+      help="synthetic request lengths: chat (short in, medium out), summarize (long in, short "
+      "out), code (medium in, short out), prefix / multiturn (shared prefixes)")  # fmt: skip
+    a("--trace", help="replay a trace file, .csv/.jsonl (default: the --workload)")
     a("--context", type=int, help="length budget in tokens (default: the model's context)")
     a("--output-len", type=int, help="fixed output length (default: the workload's draw)")
-    a("--arrival", choices=["poisson", "gamma"], default="poisson")
+    a("--arrival", choices=["poisson", "gamma"], default="poisson",
+      help="inter-arrival times: poisson, or gamma (burstier, see --cv)")  # fmt: skip
     a("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
-    a("--seed", type=int, default=0)
-    a("--rates", type=_floats, help="sweep rates in req/s, e.g. 0.5,1,2")
-    a("--rel-rates", type=_floats, default=(0.25, 0.5, 0.75, 1.0),
-      help="sweep rates as fractions of 1000/unloaded-prefill-ms (when no --rates)")  # fmt: skip
+    a("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
+    a("--rates", type=_floats, metavar="R[,R...]",
+      help="sweep rates in req/s, a comma list, e.g. 0.5,1,2 (default: --rel-rates)")  # fmt: skip
+    a("--rel-rates", type=_floats, default=(0.25, 0.5, 0.75, 1.0), metavar="F[,F...]",
+      help="sweep rates as fractions of 1000/unloaded-prefill-ms, a comma list; used when "
+      "--rates is not given")  # fmt: skip
     a("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     a("--min-requests", type=int, default=20, help="fewest requests per run")
     a("--ttft-slo-ms", type=float, help="TTFT SLO in ms (default: --ttft-scale x unloaded)")
     a("--tpot-slo-ms", type=float, help="TPOT SLO in ms (default: --tpot-scale x unloaded)")
-    a("--ttft-scale", type=float, default=5.0)
-    a("--tpot-scale", type=float, default=5.0)
-    a("--target", type=float, default=0.9, help="attainment target (default 0.9)")
-    a("--bisect-steps", type=int, default=2)
-    a("--calibrate-on", help="configuration whose unloaded times set relative SLOs")
+    a("--ttft-scale", type=float, default=5.0,
+      help="TTFT SLO = this x the unloaded TTFT, unless --ttft-slo-ms")  # fmt: skip
+    a("--tpot-scale", type=float, default=5.0,
+      help="TPOT SLO = this x the unloaded decode step, unless --tpot-slo-ms")  # fmt: skip
+    a("--target", type=float, default=0.9, help="attainment target: share meeting both SLOs")
+    a("--bisect-steps", type=int, default=2,
+      help="bisection steps between the last passing and first failing rate")  # fmt: skip
+    a("--calibrate-on",
+      help="configuration whose unloaded times set relative SLOs (default: the first)")  # fmt: skip
     a("--threads", type=int, default=2, help="total torch threads per configuration")
     a("--chunk-tokens", type=int, default=256, help="chunked-prefill step budget")
-    a("--num-kv-blocks", type=int, default=1024)
-    a("--max-num-seqs", type=int, default=32)
+    a("--num-kv-blocks", type=int, default=1024, help="KV blocks per worker")
+    a("--max-num-seqs", type=int, default=32, help="most requests running at once per worker")
     a("--device", default="cpu", help="workers' torch device (cuda on a GPU machine)")
-    a("--request-timeout-s", type=float)
-    a("--title", default="pdserve goodput benchmark")
-    a("--out", help="run folder (default runs/bench-YYYYmmdd-HHMMSS)")
+    a("--request-timeout-s", type=float,
+      help="deadline of each request (default: 5 x its SLO budget, at least 30 s)")  # fmt: skip
+    a("--title", default="pdserve goodput benchmark", help="report title")
+    a("--out", help="run folder (default: runs/bench-YYYYmmdd-HHMMSS)")
+    add_client_security_args(p)  # for --addr
     p.set_defaults(func=bench_main)
 
 
@@ -107,8 +128,11 @@ def bench_config(args: argparse.Namespace) -> Any:
     configs = args.configs
     if args.addr and configs == _default_configs():
         configs = ("external",)  # one running cluster; --configs NAME names it
+    elif args.openai_url and configs == _default_configs():
+        configs = ()  # the OpenAI server alone; --configs adds local pdserve clusters
     return BenchConfig(
         out=Path(out), model=Path(args.model), address=args.addr, configs=configs,
+        openai_url=args.openai_url, openai_model=args.openai_model, vocab_size=args.vocab_size,
         workload=args.workload, trace=args.trace, context=args.context,
         output_len=args.output_len, arrival=args.arrival, cv=args.cv, seed=args.seed,
         rates=args.rates, rel_rates=args.rel_rates, duration_s=args.duration,
@@ -118,6 +142,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         threads=args.threads, chunk_tokens=args.chunk_tokens, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, device=args.device,
         request_timeout_s=args.request_timeout_s, title=args.title,
+        client_security=client_security(args).to_json(),
     )  # fmt: skip
 
 
@@ -150,7 +175,7 @@ def bench_main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
-    if cfg.address is None and not (cfg.model / "config.json").is_file():
+    if cfg.address is None and cfg.configs and not (cfg.model / "config.json").is_file():
         print(f"pdserve bench: --model {cfg.model} is not a model folder", file=sys.stderr)
         return 2
     return _run("bench", cfg)
@@ -198,10 +223,12 @@ def add_goodput_demo_parser(
         "(chunked prefill, 2 threads), colocated without chunking, and disaggregated 1P+1D "
         "(1 thread each), interleaved; write the report and print its headline.",
     )
-    p.add_argument("--model", default="models/small", help="model folder (default models/small)")
-    p.add_argument("--preset", choices=["tiny", "small"], default="small")
-    p.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="models/small", help="model folder")
+    p.add_argument(
+        "--preset", choices=["tiny", "small"], default="small", help="model to build if missing"
+    )
+    p.add_argument("--out", default="runs/demo", help="run folder")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
     p.set_defaults(func=demo_main)
 
 
@@ -236,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     add_report_parser(sub)
     add_goodput_demo_parser(sub)
+    use_defaults_help(parser)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

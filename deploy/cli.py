@@ -8,8 +8,10 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
     pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: the goodput demo)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
     pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
-               [--decode M] [--colocated K] [--port P] [--ray-address ADDR] [--no-ray]
+               [--decode M] [--colocated K] [--port P] [--http-port Q] [--ray-address ADDR]
+               [--no-ray]
     pdserve generate --addr HOST:PORT (--prompt TEXT | --token-ids 1,2,3) [sampling] [--json]
+    pdserve soak --model DIR --out DIR [--requests N] [--faults LIST] ...   (chaos soak)
 
 A subcommand module exposes `add_<name>_parser(subparsers)`, which registers its parser and sets
 `func` to a function `(argparse.Namespace) -> int` returning the exit code.
@@ -29,13 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.batch import add_batch_parser
 from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_report_parser
+from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
 from deploy.plan_cli import add_plan_parser, add_profile_parser
+from deploy.soak_cli import add_soak_parser
+from security.cli import add_server_security_args, server_security_overrides
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
     from deploy.launcher import ProcessWorkers
     from deploy.ray_launcher import RayWorkers
+    from deploy.supervision import SupervisionEvent
+    from security.secret import ClusterSecret
 
 log = logging.getLogger("pdserve")
 
@@ -48,9 +55,14 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
         description="Write a random-weight HF Llama folder (config.json, model.safetensors, "
         "tokenizer.json). Same preset and seed give byte-identical files.",
     )
-    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small"],
+        default="tiny",
+        help="model size: tiny (~1 M parameters, tests) or small (~129 M, benchmarks)",
+    )
     p.add_argument("--out", required=True, help="output folder (created if missing)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -94,11 +106,13 @@ def add_batch_demo_parser(
         "write demo prompts to OUT/input.jsonl, run `pdserve batch` on them into "
         "OUT/output.jsonl and print a summary.",
     )
-    p.add_argument("--model", default="models/small", help="model folder (default models/small)")
-    p.add_argument("--preset", choices=["tiny", "small"], default="small")
-    p.add_argument("--out", default="runs/batch-demo", help="run folder (default runs/batch-demo)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--model", default="models/small", help="model folder")
+    p.add_argument(
+        "--preset", choices=["tiny", "small"], default="small", help="model to build if missing"
+    )
+    p.add_argument("--out", default="runs/batch-demo", help="run folder")
+    p.add_argument("--num-prompts", type=int, default=16, help="demo prompts to run")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.set_defaults(func=batch_demo_main)
 
 
@@ -164,26 +178,50 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         help="start a serving cluster: workers + the router (until Ctrl-C / SIGTERM)",
         description="Start the workers of a cluster (Ray actors, or local processes with "
         "--no-ray), then run the public router in this process. Prints 'pdserve ready: "
-        "HOST:PORT (...)' once it serves; Ctrl-C or SIGTERM stops everything it started. "
+        "HOST:PORT (...)' once it serves (plus ' http URL' with --http-port); Ctrl-C or "
+        "SIGTERM stops everything it started. "
         "Flags override the --config file. --mode alone also zeroes the counts of roles that "
         "mode does not use; --ray-address drops the file's ray.num_cpus (local clusters only).",
     )
-    p.add_argument("--config", help="cluster TOML file (see deploy/examples/)")
-    p.add_argument("--model", help="HF model folder")
-    p.add_argument("--mode", choices=["disagg", "colocated"])
-    p.add_argument("--prefill", type=int, help="prefill workers (disagg)")
-    p.add_argument("--decode", type=int, help="decode workers (disagg)")
-    p.add_argument("--colocated", type=int, help="colocated workers (colocated mode)")
-    p.add_argument("--port", type=int, help="router port (0 picks a free one)")
-    p.add_argument("--host", help="router interface (default 127.0.0.1)")
-    p.add_argument("--torch-threads", type=int, help="torch threads per worker")
-    p.add_argument("--ray-address", help="join this Ray cluster ('auto', 'ray://h:10001')")
+    # Unset flags keep the --config file's value, else the built-in default named here.
+    p.add_argument(
+        "--config", help="cluster TOML file, see deploy/examples/ (default: built-in defaults)"
+    )
+    p.add_argument("--model", help="HF model folder (default: the file's `model`)")
+    p.add_argument(
+        "--mode",
+        choices=["disagg", "colocated"],
+        help="serving mode (default: the file's, else disagg)",
+    )
+    p.add_argument("--prefill", type=int, help="prefill workers (default: the file's, else 1)")
+    p.add_argument("--decode", type=int, help="decode workers (default: the file's, else 1)")
+    p.add_argument("--colocated", type=int, help="colocated workers (default: the file's, else 1)")
+    p.add_argument(
+        "--port", type=int, help="router port, 0 picks a free one (default: the file's, else 50051)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the OpenAI-compatible HTTP API and /metrics on this port, 0 picks a free "
+        "one (default: the file's, else none)",
+    )
+    p.add_argument("--host", help="router interface (default: the file's, else 127.0.0.1)")
+    p.add_argument(
+        "--torch-threads", type=int, help="torch threads per worker (default: the file's, else 1)"
+    )
+    p.add_argument(
+        "--ray-address",
+        help="join this Ray cluster: 'auto', 'host:6379', 'ray://host:10001' (default: the "
+        "file's, else start a local Ray cluster sized for the workers)",
+    )
     p.add_argument("--no-ray", action="store_true", help="workers as plain local processes")
     p.add_argument(
         "--redis-url",
-        help="shared prefix index in Redis (redis://host:port/db); default: in-memory",
+        help="shared prefix index in Redis, redis://host:port/db (default: the file's, else an "
+        "in-memory index in the router)",
     )
     p.add_argument("--log-dir", help="worker logs with --no-ray (default: a temp folder)")
+    add_server_security_args(p)
     p.set_defaults(func=up_main, default_log_level="INFO")
 
 
@@ -198,12 +236,14 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "workers.decode": args.decode,
         "workers.colocated": args.colocated,
         "router.port": args.port,
+        "router.http_port": args.http_port,
         "router.host": args.host,
         "router.prefix_index.kind": "redis" if args.redis_url else None,
         "router.prefix_index.url": args.redis_url,
         "torch_threads": args.torch_threads,
         "ray.address": args.ray_address,
         "launcher": "process" if args.no_ray else None,
+        **server_security_overrides(args),
     }
     if args.ray_address:  # a local cluster's size means nothing on an external one
         out["ray.num_cpus"] = UNSET
@@ -228,13 +268,18 @@ def up_main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"pdserve up: bad config: {exc}", file=sys.stderr)
         return 2
-    log.info("effective config: %s", config.model_dump_json())
+    log.debug("effective config: %s", config.model_dump_json())
+    try:
+        secret = up_secret(config)
+    except ValueError as exc:
+        print(f"pdserve up: bad config: {exc}", file=sys.stderr)
+        return 2
     # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     workers: ProcessWorkers | RayWorkers | None = None
     try:
         try:
-            workers = _launch_workers(config, args.log_dir)
+            workers = _launch_workers(config, args.log_dir, secret)
         except (RuntimeError, TimeoutError, ValueError) as exc:
             print(f"pdserve up: workers failed to start: {exc}", file=sys.stderr)
             return 1
@@ -247,43 +292,61 @@ def up_main(args: argparse.Namespace) -> int:
             workers.stop()
 
 
-def _launch_workers(config: ClusterConfig, log_dir: str | None) -> ProcessWorkers | RayWorkers:
+def _say(event: SupervisionEvent) -> None:
+    """Tell the operator (stderr) what needs them: a worker given up, a role with no live
+    worker left, a role back. Deaths and restarts are logged by the supervisor itself."""
+    if event.kind in ("gave_up", "role_down", "role_up"):
+        what = event.kind.replace("_", " ")
+        print(f"pdserve up: {event.worker_id}: {what}: {event.detail}", file=sys.stderr, flush=True)
+
+
+def up_secret(config: ClusterConfig) -> ClusterSecret:
+    """The cluster secret of `pdserve up`: `security.cluster_secret_file`, else
+    PDSERVE_CLUSTER_SECRET (then removed from this process's environment, which Ray's and
+    every other child's would inherit), else a fresh one."""
+    from security.secret import ClusterSecret
+
+    from_env = ClusterSecret.from_env(remove=True)
+    if config.security.cluster_secret_file is not None:
+        return ClusterSecret.from_file(config.security.cluster_secret_file)
+    return from_env or ClusterSecret.generate()
+
+
+def _launch_workers(
+    config: ClusterConfig, log_dir: str | None, secret: ClusterSecret
+) -> ProcessWorkers | RayWorkers:
     if config.launcher == "process":
         from deploy.launcher import launch_workers
 
-        return launch_workers(config, log_dir)
+        return launch_workers(config, log_dir, on_event=_say, cluster_secret=secret)
     from deploy.ray_launcher import launch_ray_workers
 
-    return launch_ray_workers(config)
+    return launch_ray_workers(config, on_event=_say, cluster_secret=secret)
 
 
 async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:
     """Run the router in this process until SIGINT/SIGTERM; 1 if it never became healthy."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from router.app import start_router
+    from router.app import has_usable_route, start_router
 
     rc = config.router_config(workers.addresses())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    handle = await start_router(rc)
+    handle = await start_router(rc, cluster_secret=workers.internal.secret)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
-            check = health_pb2_grpc.HealthStub(ch).Check
-            req = health_pb2.HealthCheckRequest()
-            deadline = loop.time() + 30.0
-            while (await check(req, timeout=5.0)).status != health_pb2.HealthCheckResponse.SERVING:
-                if loop.time() > deadline or stop.is_set():
-                    print("pdserve up: router never became healthy", file=sys.stderr)
-                    return 1
-                await asyncio.sleep(0.1)
+        deadline = loop.time() + 30.0  # healthy = a usable route, what its health service says
+        while not has_usable_route(rc.mode, handle.pool.views()):
+            if loop.time() > deadline or stop.is_set():
+                print("pdserve up: router never became healthy", file=sys.stderr)
+                return 1
+            await asyncio.sleep(0.1)
+            await handle.pool.poll_once()
         roles = ", ".join(
             f"{len(a)} {role}: {' '.join(a)}" for role, a in workers.addresses().items() if a
         )
-        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles})", flush=True)
+        http = f" http {handle.http.url}" if handle.http is not None else ""
+        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles}){http}", flush=True)
         await stop.wait()
         print("pdserve up: stopping", file=sys.stderr, flush=True)
         return 0
@@ -291,15 +354,16 @@ async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWork
         await handle.stop()
 
 
+LOG_LEVEL_HELP = "logging level: DEBUG, INFO, WARNING, ... (default: INFO for `up`, else WARNING)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `pdserve` parser: every subcommand, each option's help showing its default, and
+    `--log-level` accepted before or after the subcommand."""
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        help="logging level (DEBUG, INFO, WARNING, ...; default INFO for `up`, else WARNING)",
-    )
+    parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_make_model_parser(sub)
     add_batch_parser(sub)
@@ -311,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_soak_parser(sub)
+    for sp in sub.choices.values():
+        # SUPPRESS: unless given here, the value before the subcommand (or None) stands.
+        sp.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+    use_defaults_help(parser)
     return parser
 
 

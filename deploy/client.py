@@ -9,8 +9,8 @@ message from the router); `response_json` renders one response as a JSON-able di
 finish reason, token counts, TTFT — goes to stderr), or with `--json` one JSON object per
 response: ``{"token_ids": [...], "text": "..."}`` and, on the last one, ``"finish_reason"``,
 ``"usage"``, ``"timings"`` and the workers that served it. A gRPC error prints
-``pdserve generate: <STATUS_CODE>: <message>`` on stderr and exits 1; bad arguments exit 2;
-Ctrl-C cancels the call and exits 130.
+``pdserve generate: <STATUS_CODE>: <message>`` on stderr (plus a hint when nothing listens at
+`--addr`) and exits 1; bad arguments exit 2; Ctrl-C cancels the call and exits 130.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from security.cli import add_client_security_args, client_security
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
@@ -129,17 +130,36 @@ def add_generate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized by the router, with BOS)")
     src.add_argument("--token-ids", type=_token_ids, help="prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-tokens", type=int, default=None, help="default: the router's (16)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", nargs="+", action="extend", default=[], help="stop strings")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--request-id", default="")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    # Unset sampling values are not sent: the router's defaults (named here) apply.
+    p.add_argument("--max-tokens", type=int, help="tokens to generate (default: the router's, 16)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: 0, greedy)")
+    p.add_argument(
+        "--top-p", type=float, help="nucleus sampling mass, in (0, 1] (default: 1.0, off)"
+    )
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest, 0 = off (default: 0)")
+    p.add_argument(
+        "--seed", type=int, help="seed of this request's sampling (default: the engine's seed)"
+    )
+    p.add_argument(
+        "--stop", nargs="+", action="extend", default=[], help="stop strings (default: none)"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--request-id", default="", help="request id (default: the router makes one)")
+    p.add_argument(
+        "--timeout", type=float, help="deadline in seconds (default: the router's default)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per response")
+    add_client_security_args(p)
     p.set_defaults(func=generate_main)
+
+
+def _no_server(details: str) -> bool:
+    """True when a gRPC error's details say the connection itself failed (nothing listening,
+    unknown host), as opposed to a router that answered UNAVAILABLE."""
+    text = details.lower()
+    return any(
+        s in text for s in ("failed to connect", "connection refused", "dns resolution failed")
+    )
 
 
 def generate_main(args: argparse.Namespace) -> int:
@@ -156,7 +176,12 @@ def generate_main(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         request_id=args.request_id,
     )
-    stream = stream_generate(args.addr, req, timeout=args.timeout)
+    try:
+        channel = client_security(args).channel(args.addr, CHANNEL_OPTIONS)
+    except ValueError as exc:  # an unreadable certificate or token file
+        print(f"pdserve generate: {exc}", file=sys.stderr)
+        return 2
+    stream = stream_generate(args.addr, req, timeout=args.timeout, channel=channel)
     try:
         for resp in stream:
             if args.json:
@@ -180,9 +205,17 @@ def generate_main(args: argparse.Namespace) -> int:
             print()
         name = code.name if code is not None else "UNKNOWN"
         print(f"pdserve generate: {name}: {details}", file=sys.stderr)
+        if code == grpc.StatusCode.UNAVAILABLE and _no_server(details or ""):
+            print(
+                f"pdserve generate: nothing answered at {args.addr}: is `pdserve up` running "
+                f"there? (it prints 'pdserve ready: HOST:PORT' once it serves)",
+                file=sys.stderr,
+            )
         return 1
     except KeyboardInterrupt:
         stream.close()  # cancels the call
         print("\npdserve generate: interrupted", file=sys.stderr)
         return 130
+    finally:
+        channel.close()
     return 0

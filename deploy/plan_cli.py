@@ -53,8 +53,8 @@ def add_profile_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     )
     p.add_argument("--model", required=True, help="HF model folder")
     p.add_argument("--out", required=True, help="profile JSON to write")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--chunk", type=int, default=256, help="prefill step budget (default 256)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--chunk", type=int, default=256, help="prefill step budget in tokens")
     p.add_argument("--max-prompt", type=int, default=512, help="longest prompt timed")
     p.add_argument("--max-batch", type=int, default=32, help="largest decode batch timed")
     p.add_argument("--max-context", type=int, default=640, help="longest decode context timed")
@@ -117,16 +117,24 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     w = p.add_mutually_exclusive_group(required=True)
     w.add_argument("--workload", help="chat | code | summarize | prefix | multiturn")
-    w.add_argument("--phases", help="shifting workload: WORKLOAD:RATE:SECONDS,... ")
+    w.add_argument(
+        "--phases",
+        metavar="W:RATE:S[,...]",
+        help="shifting workload, a comma list of WORKLOAD:RATE:SECONDS phases",
+    )
     w.add_argument("--trace", help="request trace (.csv/.jsonl) of the goodput bench")
-    p.add_argument("--rate", type=float, help="requests/s for --workload (required with it)")
+    p.add_argument(
+        "--rate", type=float, help="requests/s for --workload (required with it; no default)"
+    )
     p.add_argument("--num-requests", type=int, default=200, help="requests of --workload")
     p.add_argument("--context", type=int, default=1024, help="context budget of the lengths")
-    p.add_argument("--output-len", type=int, help="fixed output length")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, required=True)
-    p.add_argument("--slo-tpot-ms", type=float, required=True)
-    p.add_argument("--target", type=float, default=0.9, help="attainment target (default 0.9)")
+    p.add_argument(
+        "--output-len", type=int, help="fixed output length (default: the workload's draw)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths")
+    p.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT SLO in ms")
+    p.add_argument("--slo-tpot-ms", type=float, required=True, help="TPOT SLO in ms")
+    p.add_argument("--target", type=float, default=0.9, help="attainment target")
     p.add_argument("--workers", type=int, required=True, help="prefill + decode workers")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="cost profile JSON from `pdserve profile`")
@@ -138,10 +146,22 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         default=float(os.cpu_count() or 1),
         help="CPU cores the workers share (default: this machine's); 0 = one core each",
     )
-    p.add_argument("--chunk-tokens", type=_ints, default=(256,), help="prefill budgets")
-    p.add_argument("--max-num-seqs", type=_ints, default=(32,), help="decode batch limits")
-    p.add_argument("--num-kv-blocks", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--chunk-tokens",
+        type=_ints,
+        metavar="N[,N...]",
+        default=(256,),
+        help="prefill step budgets to try, a comma list, e.g. 128,256,512",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=_ints,
+        metavar="N[,N...]",
+        default=(32,),
+        help="decode batch limits to try, a comma list, e.g. 16,32,64",
+    )
+    p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks per worker")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-inflight", type=int, default=64, help="router's running limit")
     p.add_argument("--search-rate", action="store_true", help="also find each max rate")
     p.add_argument(
@@ -152,7 +172,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--window-s", type=float, default=8.0, help="controller window (--adaptive)")
     p.add_argument("--cooldown-s", type=float, default=6.0, help="controller cooldown")
     p.add_argument("--min-requests", type=int, default=6, help="controller min_requests")
-    p.add_argument("--json", help="write the rows and inputs as JSON here")
+    p.add_argument("--json", help="write the rows and inputs as JSON here (default: print only)")
     p.set_defaults(func=plan_main)
 
 

@@ -7,7 +7,8 @@ HF transformers (`AutoTokenizer`, `LlamaForCausalLM`).
 
 Folder contents: `config.json` (LlamaForCausalLM, float32), `model.safetensors` (HF parameter
 names), `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained on the fixed corpus
-in `corpus.py`, so the vocabulary is identical on every machine), `generation_config.json`.
+in `corpus.py`, so the vocabulary is identical on every machine; and `corpus.CHAT_TEMPLATE`),
+`generation_config.json`.
 
 A random model is a weak oracle unless it is made a strong one. Three choices make it strong:
 
@@ -217,9 +218,13 @@ def make_random_model(
         out / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
-    weights = {
+    weights = out / "model.safetensors"
+    tensors = {
         name: t.to(_CHECKPOINT_DTYPES[dtype]).contiguous()
         for name, t in random_weights(p, vocab_size, seed).items()
     }
-    save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
+    save_file(tensors, str(weights), {"format": "pt"})
+    # safetensors writes through a private (0600) temp file: give the weights the permissions
+    # of the files written beside them (0644 under the usual umask), so others can read them.
+    weights.chmod((out / "config.json").stat().st_mode & 0o777)
     return out

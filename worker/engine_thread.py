@@ -34,13 +34,15 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
+from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback
+from model_runtime.request import RequestOutput
 from model_runtime.scheduler_types import SchedulerOutput
 from worker.roles import Role, RoleContext
 from worker.sinks import Sink, UnarySink, WorkerError, delivered_together
@@ -76,6 +78,14 @@ class _Drain:
     aborted: bool = False
 
 
+class StepMetrics(Protocol):
+    """What the engine thread reports to the worker's metrics (`worker.metrics`)."""
+
+    def on_outputs(self, outputs: Sequence[RequestOutput]) -> None: ...
+
+    def on_transfers(self, results: Sequence[TransferResult]) -> None: ...
+
+
 def _nothing() -> None:
     """A command that only ends the wait (the transport's waker, between-layers RPCs)."""
 
@@ -97,11 +107,18 @@ class EngineThread:
     (`worker.server.ROLES`), so this module depends on the `Role` contract only.
     """
 
-    def __init__(self, ctx: RoleContext, roles: Mapping[str, type[Role]], role: str) -> None:
+    def __init__(
+        self,
+        ctx: RoleContext,
+        roles: Mapping[str, type[Role]],
+        role: str,
+        metrics: StepMetrics | None = None,
+    ) -> None:
         if role not in roles:
             raise ValueError(f"role must be one of {sorted(roles)}, got {role!r}")
         self.ctx = ctx
         self.engine = ctx.engine
+        self.metrics = metrics
         self.roles = dict(roles)
         self._served_by = {m: r.name for r in self.roles.values() for m in r.methods}
         self.role: Role = self.roles[role](ctx)
@@ -210,7 +227,7 @@ class EngineThread:
             self._step()
         results = self.ctx.transport.poll()
         if results:
-            self.role.on_transfer_results(results)
+            self._transfer_results(results)
         self._drain_progress()
         self.snapshot = self._make_snapshot()
 
@@ -267,9 +284,16 @@ class EngineThread:
         ended = time.monotonic()
         with delivered_together():  # one loop wake-up for the whole step's tokens
             self.role.on_outputs(outputs, started, ended)
+            if self.metrics is not None:
+                self.metrics.on_outputs(outputs)
         self._steps += 1  # wall and CPU both include handing the outputs to their sinks
         self._step_wall_s += time.monotonic() - started
         self._step_cpu_s += time.thread_time() - cpu
+
+    def _transfer_results(self, results: list[TransferResult]) -> None:
+        self.role.on_transfer_results(results)
+        if self.metrics is not None:
+            self.metrics.on_transfers(results)
 
     def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         """The role's layer callback, then any between-layers RPCs that have arrived (roles
@@ -354,7 +378,7 @@ class EngineThread:
         self.ctx.transport.close()
         results = self.ctx.transport.poll()
         if results:
-            self.role.on_transfer_results(results)
+            self._transfer_results(results)
         self.snapshot = self._make_snapshot()
         self._fail_queued()
 

@@ -26,17 +26,27 @@ from typing import Any
 import grpc
 
 from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1.trailers import FAILED_PEER
 
 log = logging.getLogger(__name__)
 
 
 class WorkerError(Exception):
-    """A request ended with a gRPC status other than OK; `message` says why, in words."""
+    """A request ended with a gRPC status other than OK; `message` says why, in words.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `failed_peer`: the id of the *other* worker whose failure this is (a KV transfer's peer);
+    it travels as trailing metadata (`proto.pdserve.v1.trailers.FAILED_PEER`) so the router
+    blames that worker, not this one."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, failed_peer: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.failed_peer = failed_peer
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What the handler sends with the status (empty unless a peer is blamed)."""
+        return ((FAILED_PEER, self.failed_peer),) if self.failed_peer else ()
 
 
 _Callback = tuple[Callable[..., None], tuple[Any, ...]]
@@ -121,7 +131,7 @@ class StreamSink:
     """The chunks of a streaming RPC. Engine thread: `put` / `fail`; loop: ``async for``.
 
     Iteration ends after a chunk with ``finished=True``; a `fail` raises its `WorkerError` in
-    the consumer after the chunks already put.
+    the consumer after the chunks already put (merged, see `__aiter__`).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -143,11 +153,26 @@ class StreamSink:
             _call_soon(self._loop, self._queue.put_nowait, error)
 
     async def __aiter__(self) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """The chunks in order. After the first, chunks that piled up while the consumer was
+        busy (the loop lagging behind the engine) go out merged into one message — their
+        tokens in order, the last one's end — so a loaded worker and router handle fewer,
+        larger messages instead of falling further behind."""
+        first = True
         while True:
             item = await self._queue.get()
             if isinstance(item, WorkerError):
                 raise item
+            error = None
+            while not first and not item.finished and not self._queue.empty():
+                more = self._queue.get_nowait()
+                if isinstance(more, WorkerError):
+                    error = more
+                    break
+                item.MergeFrom(more)  # repeated fields append; set scalars (the end) overwrite
+            first = False
             yield item
+            if error is not None:
+                raise error
             if item.finished:
                 return
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,18 @@ def test_same_seed_same_bytes_different_seed_different_weights(
     assert (other / "model.safetensors").read_bytes() != (again / "model.safetensors").read_bytes()
     # The tokenizer does not depend on the weight seed.
     assert (other / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+
+
+def test_every_file_gets_the_same_permissions(tmp_path: Path) -> None:
+    """The weights are readable like the other files (safetensors writes a 0600 temp file)."""
+    old = os.umask(0o022)
+    try:
+        out = make_random_model(tmp_path / "m", "tiny", seed=0)
+    finally:
+        os.umask(old)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes
+    assert "model.safetensors" in modes
 
 
 def test_tokenizer_training_is_independent_of_process_hashing() -> None:

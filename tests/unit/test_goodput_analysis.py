@@ -9,9 +9,9 @@ import pytest
 from tooling.goodput.analysis import (
     SLO,
     attainment,
-    goodput,
     latency_summary,
     max_goodput,
+    slo_goodput_rps,
     tightest_scale,
     ttft_breakdown,
 )
@@ -56,7 +56,7 @@ def test_empty_attainment() -> None:
 
 def test_goodput_is_good_requests_per_second_of_duration() -> None:
     run = RunResult("c", 1.0, "poisson", 0, 0, RECORDS, 12.0, 0.1, 0.5)
-    assert goodput(run, SLO_) == pytest.approx(3 / 12.0)
+    assert slo_goodput_rps(run, SLO_) == pytest.approx(3 / 12.0)
     assert run.valid
     assert not RunResult("c", 1.0, "poisson", 0, 0, RECORDS, 12.0, 0.1, 10.5).valid
 

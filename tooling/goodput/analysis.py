@@ -1,4 +1,4 @@
-"""Goodput maths on request records: SLO attainment, goodput, percentiles, max goodput.
+"""Goodput maths on request records: SLO attainment, SLO goodput, percentiles, max goodput.
 
 Pure (numpy only); runs in the orchestrator and in `pdserve report`. Definitions (DESIGN.md
 section 6, DistServe):
@@ -8,11 +8,13 @@ section 6, DistServe):
   succeeded and its TPOT <= `slo.tpot_ms` (a one-token request has no TPOT and meets it).
   Errors, timeouts and rejections miss both;
 - *attainment* = meeting requests / all requests of the run, for TTFT only, TPOT only, both;
-- a run's *goodput* = requests meeting both SLOs / the run's duration (t = 0 to the end of the
-  last request), in requests/s;
+- a run's *SLO goodput* = requests meeting both SLOs / the run's duration (t = 0 to the end of
+  the last request), in requests/s (`slo_goodput_rps`, the same name in JSON);
 - *max goodput* = the highest offered rate whose attainment (both) is >= the target (default
   0.9), taken over the tested rates below the lowest failing one, so one lucky run above a
-  failure does not count (`max_goodput`);
+  failure does not count (`max_goodput`; `max_goodput_rps` in JSON). Two different numbers: a
+  run at 2 req/s with 90% attainment has an SLO goodput of ~1.8 req/s and, if it is the highest
+  passing rate, makes the max goodput 2 req/s;
 - the *tightest SLO scale* of a run = the smallest `s` such that attainment under
   (s * ttft, s * tpot) is >= the target (`tightest_scale`); inf when errors make it impossible.
 """
@@ -82,8 +84,8 @@ def attainment(records: Sequence[RequestRecord], slo: SLO) -> Attainment:
     )
 
 
-def goodput(run: RunResult, slo: SLO) -> float:
-    """Requests meeting both SLOs per second of the run's duration."""
+def slo_goodput_rps(run: RunResult, slo: SLO) -> float:
+    """One run's SLO goodput: requests meeting both SLOs per second of its duration."""
     return attainment(run.records, slo).good / run.duration_s if run.duration_s > 0 else 0.0
 
 

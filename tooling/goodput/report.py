@@ -1,11 +1,14 @@
 """Goodput reports: Markdown + PNG plots from saved runs (`results.json`). Orchestrator and
 `pdserve report` process.
 
-`write_report(run_dir)` renders one run folder in place (`report.md`, `attainment.png`,
-`latency_cdf.png`, `ttft_breakdown.png`); `write_comparison(run_dirs, out)` puts several saved
-runs side by side (series labelled `<folder>:<configuration>`, each judged by its own SLOs).
-Both recompute everything from the raw request records, so a report can always be rebuilt.
-Both return a `Summary`: max goodput per series and the one-line headline.
+`write_report(run_dir)` renders one run folder in place (`report.md`, `summary.json`,
+`attainment.png`, `latency_cdf.png`, `ttft_breakdown.png`); `write_comparison(run_dirs, out)`
+puts several saved runs side by side (series labelled `<folder>:<configuration>`, each judged
+by its own SLOs). Both recompute everything from the raw request records, so a report can
+always be rebuilt. Both return a `Summary`: max goodput per series and the one-line headline.
+`summary.json` holds the same numbers for programs: per series `max_goodput_rps` (the sweep's
+answer) and per run `slo_goodput_rps` (SLO-meeting requests per second of that one run) — two
+different quantities, named apart everywhere (console, report, JSON).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from tooling.goodput.analysis import (
     SLO,
     MaxGoodput,
     attainment,
-    goodput,
     latency_summary,
     max_goodput,
+    slo_goodput_rps,
     tightest_scale,
     ttft_breakdown,
 )
@@ -187,6 +190,11 @@ def _setup(src: Source) -> list[str]:
                 f"chunked prefill {'on' if e['enable_chunked_prefill'] else 'off'}, step budget "
                 f"{e['max_num_batched_tokens']} tokens, {e['num_kv_blocks']} KV blocks"
             )
+        elif c.get("api") == "openai":
+            lines.append(
+                f"- `{name}`: OpenAI-compatible server at {c['address']}, model `{c['model']}` "
+                "(streaming /v1/completions; no server-side timings)"
+            )
         else:
             lines.append(f"- `{name}`: external cluster at {c['address']}")
     prio = sorted({str(r.meta.get("loadgen_priority", "?")) for r in src.runs})
@@ -206,7 +214,7 @@ def _setup(src: Source) -> list[str]:
 
 def _run_table(src: Source) -> list[str]:
     head = (
-        "| configuration | rate | n | both | TTFT ok | TPOT ok | errors | goodput "
+        "| configuration | rate | n | both | TTFT ok | TPOT ok | errors | SLO goodput "
         "| TTFT p50/p90/p99 | TPOT p50/p90/p99 | ITL p50/p99 | tightest SLO scale "
         "| send lag p99 |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -220,7 +228,7 @@ def _run_table(src: Source) -> list[str]:
             lag = _fmt(r.send_lag_p99_ms, 1) + ("" if r.valid else " INVALID")
             rows.append(
                 f"| {src.label(cfg)} | {r.rate:.3g} | {a.n} | {a.both:.0%} | {a.ttft:.0%} | "
-                f"{a.tpot:.0%} | {a.errors} | {goodput(r, src.slo):.3f} | "
+                f"{a.tpot:.0%} | {a.errors} | {slo_goodput_rps(r, src.slo):.3f} | "
                 f"{_fmt(t['p50'])}/{_fmt(t['p90'])}/{_fmt(t['p99'])} | "
                 f"{_fmt(p['p50'])}/{_fmt(p['p90'])}/{_fmt(p['p99'])} | "
                 f"{_fmt(i['p50'])}/{_fmt(i['p99'])} | "
@@ -234,6 +242,7 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
     out.mkdir(parents=True, exist_ok=True)
     series, cdfs, parts, scales = {}, {}, {}, {}
     mgs_all: dict[str, MaxGoodput] = {}
+    per_series: dict[str, dict[str, Any]] = {}  # summary.json
     heads = []
     for src in sources:
         mgs = {}
@@ -242,6 +251,7 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
             series[src.label(cfg)] = [(x, a.both, a.ttft, a.tpot) for x, a in pts]
             mgs[cfg] = max_goodput([(x, a.both) for x, a in pts], src.target)
             mgs_all[src.label(cfg)] = mgs[cfg]
+            per_series[src.label(cfg)] = _series_json(src, runs, mgs[cfg])
         heads.append(headline(src, mgs))
         rate = compare_rate(src)
         for cfg, runs in src.by_config().items():
@@ -272,7 +282,30 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
     lines += ["", _DEFINITIONS.format(lag=SEND_LAG_LIMIT_MS)]
     path = out / "report.md"
     path.write_text("\n".join(lines))
+    summary = {"title": title, "headline": " | ".join(heads), "series": per_series}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return Summary(mgs_all, " | ".join(heads), path)
+
+
+def _series_json(src: Source, runs: Sequence[RunResult], mg: MaxGoodput) -> dict[str, Any]:
+    """One series of summary.json: its max goodput (a sweep's answer) and each run's SLO
+    goodput (what that one run delivered), named apart on purpose."""
+    return {
+        "max_goodput_rps": mg.rate,
+        "first_failing_rate_rps": mg.first_fail,
+        "max_goodput_is_lower_bound": mg.lower_bound,
+        "slo": {"ttft_ms": src.slo.ttft_ms, "tpot_ms": src.slo.tpot_ms, "target": src.target},
+        "runs": [
+            {
+                "offered_rate_rps": r.rate,
+                "requests": len(r.records),
+                "attainment": attainment(r.records, src.slo).both,
+                "slo_goodput_rps": slo_goodput_rps(r, src.slo),
+                "valid": r.valid,
+            }
+            for r in runs
+        ],
+    }
 
 
 def _at_one_rate(parts: dict[str, dict[str, float]], scales: dict[str, float]) -> list[str]:
@@ -298,9 +331,12 @@ _DEFINITIONS = """## Definitions
 - TTFT: request sent -> first token received by the load generator; TPOT: (last token - first
   token) / (tokens - 1); ITL: gaps between consecutive streamed messages; all client-side.
 - Attainment: requests meeting the SLO / all requests sent (errors and timeouts are misses).
-  Goodput of a run: requests meeting both SLOs / run duration (first send to last response).
-- Max goodput: the highest tested rate whose attainment (both SLOs) reaches the target, below
-  the lowest failing rate (DistServe's definition), found by a sweep refined by bisection.
+- SLO goodput (of one run, req/s; `slo_goodput_rps` in summary.json): requests meeting both
+  SLOs / run duration (first send to last response).
+- Max goodput (of a configuration, req/s; `max_goodput_rps`): the highest tested offered rate
+  whose attainment (both SLOs) reaches the target, below the lowest failing rate (DistServe's
+  definition), found by a sweep refined by bisection. Not the same number as any run's SLO
+  goodput, which is at most its offered rate.
 - Tightest SLO scale: the smallest factor s such that the run would reach the target under
   (s x TTFT SLO, s x TPOT SLO).
 - TTFT breakdown: the router's server-side timings, means over successful requests;
