@@ -38,13 +38,14 @@ from tooling.machine import measure_machine
 REPEATS = 3  # timed rounds after a warm-up; the best time of each measurement counts
 
 
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
-def _weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every weight a decode step reads (the embedding table is only gathered)."""
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of every weight a decode step reads (the embedding table is only gathered), in
+    the engine's dtype."""
     from model_runtime.linear import Linear
 
     model = engine.runner.model
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument(
-        "--linear-kernel", default="auto", choices=["auto", "torch", "onednn"],
+        "--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "avx2"],
         help="the engine's GEMM (model_runtime.linear)",
     )  # fmt: skip
     ap.add_argument(
@@ -167,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
 
         hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         hf.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is untyped
-    weight_bytes = _weight_bytes(engine)
+    step_weight_bytes = weight_bytes(engine)
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     rows: list[dict[str, Any]] = []
     for b in batches:
-        pre = _prompts(b, args.prompt_len, cfg.vocab_size, seed=b)
-        dec = _prompts(b, args.decode_prompt_len, cfg.vocab_size, seed=100 + b)
+        pre = prompts_for(b, args.prompt_len, cfg.vocab_size, seed=b)
+        dec = prompts_for(b, args.decode_prompt_len, cfg.vocab_size, seed=100 + b)
         hf_pre = HFRunner(hf, pre) if hf is not None else None
         hf_dec = HFRunner(hf, dec) if hf is not None else None
         steps = args.decode_steps
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_step_ms": t_step * 1e3,
         }
         ctx = args.decode_prompt_len + args.decode_steps // 2
-        step_bytes = weight_bytes + b * ctx * kv_bytes_per_token
+        step_bytes = step_weight_bytes + b * ctx * kv_bytes_per_token
         row["_bytes_per_s"] = step_bytes / t_step
         flops = b * sum(_model_flops_per_token(cfg, c) for c in range(1, args.prompt_len + 1))
         row["_flops_per_s"] = flops / t_pre

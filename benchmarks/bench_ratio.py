@@ -275,7 +275,7 @@ async def main_async(args: argparse.Namespace) -> int:
         os.nice(-10)  # after the children started: the load generator's sends are not delayed
     try:
         roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
-        sc = Sidecar(roles)
+        sc = Sidecar(roles, internal=cluster.workers.internal)
         await sc.start()
         warm = shifting([(phases[0][0], 1.0, 4.0), ("summarize", 1.0, 2.0)], args.context, 99)
         await send_all(cluster.address, warm, args.vocab_size, 1, "warmup")

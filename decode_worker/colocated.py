@@ -17,7 +17,7 @@ from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import sampling_from_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto
 from worker.roles import Role, ms
 from worker.sinks import Sink, StreamSink, WorkerError
 
@@ -27,6 +27,7 @@ class _Job:
     sink: StreamSink
     deadline: float
     arrival: float
+    logprobs: bool  # the request asked for logprobs
     first_scheduled: float | None = None
 
 
@@ -48,10 +49,16 @@ class ColocatedRole(Role):
             raise self.duplicate(rid)
         try:
             params = sampling_from_proto(request.sampling, self.engine.model_config.vocab_size)
-            self.engine.add_request(rid, list(request.prompt_token_ids), params)
+            self.engine.add_request(
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                num_sampled=request.sampling.num_sampled,
+            )
         except ValueError as exc:
             raise self.invalid(exc) from exc
-        self._jobs[rid] = _Job(sink, self.deadline(timeout_s), sink.created)
+        job = _Job(sink, self.deadline(timeout_s), sink.created, params.logprobs is not None)
+        self._jobs[rid] = job
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         now = time.monotonic()
@@ -69,6 +76,8 @@ class ColocatedRole(Role):
                 finished=out.finished,
                 finish_reason=out.finish_reason or "",
             )
+            if job.logprobs:
+                chunk.logprobs.extend(logprobs_to_proto(out.new_logprobs()))
             if job.sink.num_chunks == 0:
                 first = job.first_scheduled if job.first_scheduled is not None else started
                 chunk.cached_tokens = out.num_cached_tokens

@@ -44,7 +44,7 @@ from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import sampling_from_proto, ticket_to_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_to_proto
 from worker.roles import Role, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
@@ -61,6 +61,7 @@ class _DecodeCall:
     prompt: list[int]
     first_token: int
     params: SamplingParams
+    num_sampled: int  # tokens sampled before the prompt's first_token, elsewhere (migration)
 
 
 @dataclass
@@ -186,7 +187,9 @@ class DecodeRole(Role):
         now = time.monotonic()
         deadline = now + timeout_s if timeout_s else self.deadline(None)
         prompt = list(req.prompt_token_ids)
-        res.decode = _DecodeCall(sink, deadline, sink.created, prompt, req.first_token, params)
+        res.decode = _DecodeCall(
+            sink, deadline, sink.created, prompt, req.first_token, params, req.sampling.num_sampled
+        )
         res.expires = math.inf  # the Decode deadline governs from now on
         if res.state == "ready":
             self._admit(res)
@@ -197,7 +200,7 @@ class DecodeRole(Role):
         rid = res.ticket.request_id
         try:
             out = self.engine.add_prefilled_request(
-                rid, d.prompt, d.first_token, d.params, res.block_ids
+                rid, d.prompt, d.first_token, d.params, res.block_ids, d.num_sampled
             )
         except ValueError as exc:  # nothing was taken over
             error = self.invalid(exc)
@@ -227,6 +230,8 @@ class DecodeRole(Role):
                 finished=out.finished,
                 finish_reason=out.finish_reason or "",
             )
+            if res.decode.params.logprobs is not None:
+                chunk.logprobs.extend(logprobs_to_proto(out.new_logprobs()))
             if res.decode.sink.num_chunks == 0:
                 chunk.admission_ms = ms(started - res.decode.arrival)
                 chunk.first_step_ms = ms(ended - started)
@@ -254,6 +259,7 @@ class DecodeRole(Role):
                     f"KV transfer {r.transfer_id} for request {rid!r} failed: {r.error}; its "
                     f"{len(res.block_ids)} reserved blocks on decode worker "
                     f"{self.ctx.worker_id} were freed",
+                    failed_peer=r.peer if r.peer != "?" else "",
                 )
                 if res.decode is not None:
                     res.decode.sink.fail(error)

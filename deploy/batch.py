@@ -329,14 +329,16 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     p.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "triton"],
-        help=f"auto = Triton on CUDA, else torch (default: {d['attention_backend']})",
+        choices=["auto", "torch", "cpu", "triton"],
+        help="auto = Triton on CUDA; on CPU the compiled decode attention ('cpu') where it "
+        f"builds, else torch (default: {d['attention_backend']})",
     )
     p.add_argument(
         "--linear-kernel",
-        choices=["auto", "torch", "onednn"],
-        help=f"GEMM for weight matmuls; auto = oneDNN prepacked weights on CPU where torch has "
-        f"oneDNN, else F.linear (default: {d['linear_kernel']})",
+        choices=["auto", "torch", "onednn", "avx2"],
+        help="GEMM for weight matmuls; auto = the compiled AVX2 kernel where it is the CPU's "
+        "best, else oneDNN prepacked weights where torch has oneDNN, else F.linear "
+        f"(default: {d['linear_kernel']})",
     )
     p.set_defaults(func=batch_main)
 

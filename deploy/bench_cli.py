@@ -1,6 +1,7 @@
 """`pdserve bench`, `pdserve report` and `pdserve demo` (the goodput demo). CLI process.
 
     pdserve bench [--configs colocated,colocated-nochunk,disagg | --addr HOST:PORT]
+                  [--openai-url URL [--openai-model NAME] [--vocab-size N]]
                   [--workload summarize|chat|code|prefix|multiturn | --trace FILE]
                   [--rates 0.5,1,2] [--ttft-slo-ms MS --tpot-slo-ms MS | --ttft-scale X ...]
                   [--out DIR] ...
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.cli_help import use_defaults_help
+from security.cli import add_client_security_args, client_security
 
 DEMO = {
     # The demo's experiment (see `demo_config`): summarize-style prompts within a 512-token
@@ -70,6 +72,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     a = p.add_argument
     a("--model", default="models/small", help="model folder to serve")
     a("--addr", help="bench this running router instead of launching clusters (default: launch)")
+    a("--openai-url", help="also bench this OpenAI-compatible server (http://host:port/v1) as "
+      "configuration 'openai'; alone, bench only it (default: none)")  # fmt: skip
+    a("--openai-model", help="model name at --openai-url (default: the server's first)")
+    a("--vocab-size", type=int, help="vocabulary of --openai-url's token-id prompts "
+      "(default: --model's)")  # fmt: skip
     a("--configs", type=_names, default=CONFIG_NAMES, metavar="NAME[,NAME...]",
       help=f"configurations to launch, a comma list from {','.join(CONFIG_NAMES)}")  # fmt: skip
     a("--workload", choices=sorted(WORKLOADS), default="summarize",
@@ -109,6 +116,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
       help="deadline of each request (default: 5 x its SLO budget, at least 30 s)")  # fmt: skip
     a("--title", default="pdserve goodput benchmark", help="report title")
     a("--out", help="run folder (default: runs/bench-YYYYmmdd-HHMMSS)")
+    add_client_security_args(p)  # for --addr
     p.set_defaults(func=bench_main)
 
 
@@ -120,8 +128,11 @@ def bench_config(args: argparse.Namespace) -> Any:
     configs = args.configs
     if args.addr and configs == _default_configs():
         configs = ("external",)  # one running cluster; --configs NAME names it
+    elif args.openai_url and configs == _default_configs():
+        configs = ()  # the OpenAI server alone; --configs adds local pdserve clusters
     return BenchConfig(
         out=Path(out), model=Path(args.model), address=args.addr, configs=configs,
+        openai_url=args.openai_url, openai_model=args.openai_model, vocab_size=args.vocab_size,
         workload=args.workload, trace=args.trace, context=args.context,
         output_len=args.output_len, arrival=args.arrival, cv=args.cv, seed=args.seed,
         rates=args.rates, rel_rates=args.rel_rates, duration_s=args.duration,
@@ -131,6 +142,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         threads=args.threads, chunk_tokens=args.chunk_tokens, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, device=args.device,
         request_timeout_s=args.request_timeout_s, title=args.title,
+        client_security=client_security(args).to_json(),
     )  # fmt: skip
 
 
@@ -163,7 +175,7 @@ def bench_main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
-    if cfg.address is None and not (cfg.model / "config.json").is_file():
+    if cfg.address is None and cfg.configs and not (cfg.model / "config.json").is_file():
         print(f"pdserve bench: --model {cfg.model} is not a model folder", file=sys.stderr)
         return 2
     return _run("bench", cfg)

@@ -3,13 +3,15 @@
 Runs in the CLI process (`pdserve ...` or `python -m deploy.cli ...`). Subcommands import their
 heavy dependencies (torch, the engine) only when they run, so `pdserve --help` is fast.
 
-    pdserve make-model --preset tiny|small --out DIR [--seed N]
+    pdserve make-model --preset tiny|small --out DIR [--seed N] [--dtype float32|bfloat16]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
     pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: the goodput demo)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
     pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
-               [--decode M] [--colocated K] [--port P] [--ray-address ADDR] [--no-ray]
+               [--decode M] [--colocated K] [--port P] [--http-port Q] [--ray-address ADDR]
+               [--no-ray]
     pdserve generate --addr HOST:PORT (--prompt TEXT | --token-ids 1,2,3) [sampling] [--json]
+    pdserve soak --model DIR --out DIR [--requests N] [--faults LIST] ...   (chaos soak)
 
 A subcommand module exposes `add_<name>_parser(subparsers)`, which registers its parser and sets
 `func` to a function `(argparse.Namespace) -> int` returning the exit code.
@@ -34,11 +36,15 @@ from deploy.client import add_generate_parser
 from deploy.plan_cli import add_plan_parser
 from deploy.profile_cli import add_profile_parser
 from deploy.simulate_cli import add_simulate_parser
+from deploy.soak_cli import add_soak_parser
+from security.cli import add_server_security_args, server_security_overrides
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
     from deploy.launcher import ProcessWorkers
     from deploy.ray_launcher import RayWorkers
+    from deploy.supervision import SupervisionEvent
+    from security.secret import ClusterSecret
 
 log = logging.getLogger("pdserve")
 
@@ -60,6 +66,12 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="checkpoint dtype (config.json torch_dtype; 'auto' engines run in it)",
+    )
+    p.add_argument(
         "--if-missing", action="store_true", help="do nothing if OUT already holds a config.json"
     )
     p.set_defaults(func=make_model_main)
@@ -72,12 +84,15 @@ def make_model_main(args: argparse.Namespace) -> int:
         print(f"model already present in {args.out}")
         return 0
     try:
-        out = make_random_model(args.out, args.preset, args.seed)
+        out = make_random_model(args.out, args.preset, args.seed, args.dtype)
     except ValueError as exc:
         print(f"pdserve make-model: {exc}", file=sys.stderr)
         return 2
     n = PRESETS[args.preset].num_parameters()
-    print(f"wrote {args.preset} model ({n / 1e6:.2f}M parameters, seed {args.seed}) to {out}")
+    print(
+        f"wrote {args.preset} model ({n / 1e6:.2f}M parameters, {args.dtype}, seed {args.seed}) "
+        f"to {out}"
+    )
     return 0
 
 
@@ -165,7 +180,8 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         help="start a serving cluster: workers + the router (until Ctrl-C / SIGTERM)",
         description="Start the workers of a cluster (Ray actors, or local processes with "
         "--no-ray), then run the public router in this process. Prints 'pdserve ready: "
-        "HOST:PORT (...)' once it serves; Ctrl-C or SIGTERM stops everything it started. "
+        "HOST:PORT (...)' once it serves (plus ' http URL' with --http-port); Ctrl-C or "
+        "SIGTERM stops everything it started. "
         "Flags override the --config file. --mode alone also zeroes the counts of roles that "
         "mode does not use; --ray-address drops the file's ray.num_cpus (local clusters only).",
     )
@@ -185,6 +201,12 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--port", type=int, help="router port, 0 picks a free one (default: the file's, else 50051)"
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the OpenAI-compatible HTTP API and /metrics on this port, 0 picks a free "
+        "one (default: the file's, else none)",
+    )
     p.add_argument("--host", help="router interface (default: the file's, else 127.0.0.1)")
     p.add_argument(
         "--torch-threads", type=int, help="torch threads per worker (default: the file's, else 1)"
@@ -201,6 +223,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         "in-memory index in the router)",
     )
     p.add_argument("--log-dir", help="worker logs with --no-ray (default: a temp folder)")
+    add_server_security_args(p)
     p.set_defaults(func=up_main, default_log_level="INFO")
 
 
@@ -215,12 +238,14 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "workers.decode": args.decode,
         "workers.colocated": args.colocated,
         "router.port": args.port,
+        "router.http_port": args.http_port,
         "router.host": args.host,
         "router.prefix_index.kind": "redis" if args.redis_url else None,
         "router.prefix_index.url": args.redis_url,
         "torch_threads": args.torch_threads,
         "ray.address": args.ray_address,
         "launcher": "process" if args.no_ray else None,
+        **server_security_overrides(args),
     }
     if args.ray_address:  # a local cluster's size means nothing on an external one
         out["ray.num_cpus"] = UNSET
@@ -246,12 +271,17 @@ def up_main(args: argparse.Namespace) -> int:
         print(f"pdserve up: bad config: {exc}", file=sys.stderr)
         return 2
     log.debug("effective config: %s", config.model_dump_json())
+    try:
+        secret = up_secret(config)
+    except ValueError as exc:
+        print(f"pdserve up: bad config: {exc}", file=sys.stderr)
+        return 2
     # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     workers: ProcessWorkers | RayWorkers | None = None
     try:
         try:
-            workers = _launch_workers(config, args.log_dir)
+            workers = _launch_workers(config, args.log_dir, secret)
         except (RuntimeError, TimeoutError, ValueError) as exc:
             print(f"pdserve up: workers failed to start: {exc}", file=sys.stderr)
             return 1
@@ -264,43 +294,61 @@ def up_main(args: argparse.Namespace) -> int:
             workers.stop()
 
 
-def _launch_workers(config: ClusterConfig, log_dir: str | None) -> ProcessWorkers | RayWorkers:
+def _say(event: SupervisionEvent) -> None:
+    """Tell the operator (stderr) what needs them: a worker given up, a role with no live
+    worker left, a role back. Deaths and restarts are logged by the supervisor itself."""
+    if event.kind in ("gave_up", "role_down", "role_up"):
+        what = event.kind.replace("_", " ")
+        print(f"pdserve up: {event.worker_id}: {what}: {event.detail}", file=sys.stderr, flush=True)
+
+
+def up_secret(config: ClusterConfig) -> ClusterSecret:
+    """The cluster secret of `pdserve up`: `security.cluster_secret_file`, else
+    PDSERVE_CLUSTER_SECRET (then removed from this process's environment, which Ray's and
+    every other child's would inherit), else a fresh one."""
+    from security.secret import ClusterSecret
+
+    from_env = ClusterSecret.from_env(remove=True)
+    if config.security.cluster_secret_file is not None:
+        return ClusterSecret.from_file(config.security.cluster_secret_file)
+    return from_env or ClusterSecret.generate()
+
+
+def _launch_workers(
+    config: ClusterConfig, log_dir: str | None, secret: ClusterSecret
+) -> ProcessWorkers | RayWorkers:
     if config.launcher == "process":
         from deploy.launcher import launch_workers
 
-        return launch_workers(config, log_dir)
+        return launch_workers(config, log_dir, on_event=_say, cluster_secret=secret)
     from deploy.ray_launcher import launch_ray_workers
 
-    return launch_ray_workers(config)
+    return launch_ray_workers(config, on_event=_say, cluster_secret=secret)
 
 
 async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:
     """Run the router in this process until SIGINT/SIGTERM; 1 if it never became healthy."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from router.app import start_router
+    from router.app import has_usable_route, start_router
 
     rc = config.router_config(workers.addresses())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    handle = await start_router(rc)
+    handle = await start_router(rc, cluster_secret=workers.internal.secret)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
-            check = health_pb2_grpc.HealthStub(ch).Check
-            req = health_pb2.HealthCheckRequest()
-            deadline = loop.time() + 30.0
-            while (await check(req, timeout=5.0)).status != health_pb2.HealthCheckResponse.SERVING:
-                if loop.time() > deadline or stop.is_set():
-                    print("pdserve up: router never became healthy", file=sys.stderr)
-                    return 1
-                await asyncio.sleep(0.1)
+        deadline = loop.time() + 30.0  # healthy = a usable route, what its health service says
+        while not has_usable_route(rc.mode, handle.pool.views()):
+            if loop.time() > deadline or stop.is_set():
+                print("pdserve up: router never became healthy", file=sys.stderr)
+                return 1
+            await asyncio.sleep(0.1)
+            await handle.pool.poll_once()
         roles = ", ".join(
             f"{len(a)} {role}: {' '.join(a)}" for role, a in workers.addresses().items() if a
         )
-        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles})", flush=True)
+        http = f" http {handle.http.url}" if handle.http is not None else ""
+        print(f"pdserve ready: {rc.host}:{handle.port} ({config.mode}, {roles}){http}", flush=True)
         await stop.wait()
         print("pdserve up: stopping", file=sys.stderr, flush=True)
         return 0
@@ -330,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_simulate_parser(sub)
+    add_soak_parser(sub)
     for sp in sub.choices.values():
         # SUPPRESS: unless given here, the value before the subcommand (or None) stands.
         sp.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)

@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from security.cli import add_client_security_args, client_security
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
@@ -148,6 +149,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
         "--timeout", type=float, help="deadline in seconds (default: the router's default)"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per response")
+    add_client_security_args(p)
     p.set_defaults(func=generate_main)
 
 
@@ -174,7 +176,12 @@ def generate_main(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         request_id=args.request_id,
     )
-    stream = stream_generate(args.addr, req, timeout=args.timeout)
+    try:
+        channel = client_security(args).channel(args.addr, CHANNEL_OPTIONS)
+    except ValueError as exc:  # an unreadable certificate or token file
+        print(f"pdserve generate: {exc}", file=sys.stderr)
+        return 2
+    stream = stream_generate(args.addr, req, timeout=args.timeout, channel=channel)
     try:
         for resp in stream:
             if args.json:
@@ -209,4 +216,6 @@ def generate_main(args: argparse.Namespace) -> int:
         stream.close()  # cancels the call
         print("\npdserve generate: interrupted", file=sys.stderr)
         return 130
+    finally:
+        channel.close()
     return 0

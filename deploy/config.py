@@ -15,12 +15,17 @@ sub-model per TOML table; every field is described and defaulted where a default
     decode = 1
 
     [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
-    [router]   host = "127.0.0.1"  port = 50051  policy = "prefix_aware"  max_queued = 256 ...
+    [router]   host = "127.0.0.1"  port = 50051  http_port = 8000  policy = "prefix_aware" ...
     [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6380/0"   (default: memory)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
     [transfer] timeout_s = 30  kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
                (a `router.ratio` RatioConfig; default mode "fixed": the ratio never changes)
+    [supervision]  max_restarts = 5  backoff_s = 0.5 ...   (process launcher's restarts)
+    [security] tls_cert = "server.pem"  tls_key = "server.key"  auth_token_file = "tokens.txt"
+               tls_client_ca = ...  metrics_public = false  insecure = false
+               cluster_secret_file = ...   (a `security.config` SecurityConfig: file paths)
+    [security.internal]  tls_cert = ...  tls_key = ...  tls_ca = ...   (router<->worker mTLS)
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
@@ -40,11 +45,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
 from router.config import RouterConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
 from router.ratio.config import RatioConfig
+from security.config import SecurityConfig
 
 Mode = Literal["disagg", "colocated"]
 Role = Literal["prefill", "decode", "colocated"]
@@ -106,6 +113,13 @@ class RouterSection(_Frozen):
 
     host: str = Field(default="127.0.0.1", description="Interface the public API binds.")
     port: int = Field(default=50051, ge=0, le=65535, description="Public port; 0 picks one.")
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible HTTP API (and /metrics) on this port; 0 picks one; "
+        "unset: gRPC only.",
+    )
     policy: str = Field(
         default=RouterConfig.model_fields["policy"].default,
         description=f"Routing policy, one of {sorted(POLICIES)}.",
@@ -126,6 +140,16 @@ class RouterSection(_Frozen):
     )
     status_poll_interval_s: float = Field(
         default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
+    )
+    max_migrations: int = Field(
+        default=RouterConfig.model_fields["max_migrations"].default,
+        ge=0,
+        description="Times a request moves off a decode worker that failed mid-stream.",
+    )
+    shutdown_grace_s: float = Field(
+        default=RouterConfig.model_fields["shutdown_grace_s"].default,
+        ge=0,
+        description="On SIGTERM: how long running streams may finish before they are aborted.",
     )
 
 
@@ -161,6 +185,12 @@ class ClusterConfig(_Frozen):
         default_factory=WorkerCounts, description="Worker processes per role."
     )
     torch_threads: int = Field(default=1, ge=1, description="torch threads per worker process.")
+    drain_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM a worker says NOT_SERVING and lets its requests run this long "
+        "(the rest are moved to another worker), then exits.",
+    )
     worker_nice: int = Field(
         default=0,
         ge=0,
@@ -191,6 +221,16 @@ class ClusterConfig(_Frozen):
         default_factory=RatioConfig,
         description="Prefill:decode ratio controller run by the router (default mode 'fixed': "
         "off). Its bounds must contain workers.prefill / workers.decode.",
+    )
+    supervision: SupervisionConfig = Field(
+        default_factory=SupervisionConfig,
+        description="How the process launcher restarts dead workers (backoff, limits); Ray "
+        "restarts its actors itself (ray.max_restarts).",
+    )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="TLS / mutual TLS / bearer tokens on the public API, the cluster secret "
+        "file and router<->worker mutual TLS (docs/security.md).",
     )
 
     @model_validator(mode="before")
@@ -234,6 +274,7 @@ class ClusterConfig(_Frozen):
                 f"router.policy must be one of {sorted(POLICIES)}, got {self.router.policy!r}"
             )
         self._check_ratio()
+        self.security.check_bind(self.router.host, "router.host")
         r = self.ray
         if r.address and r.num_cpus is not None:
             raise ValueError(
@@ -319,11 +360,15 @@ class ClusterConfig(_Frozen):
             "colocated_addrs": tuple(addresses.get("colocated", ())),
             "host": r.host,
             "port": r.port,
+            "http_port": r.http_port,
             "max_inflight": r.max_inflight,
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
+            "max_migrations": r.max_migrations,
+            "shutdown_grace_s": r.shutdown_grace_s,
             "ratio": self.ratio,
+            "security": self.security,
         }
         return RouterConfig(**{**fields, **overrides})
 

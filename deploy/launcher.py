@@ -13,6 +13,12 @@ clean-up); a cluster stops in order: router first, then workers.
 Readiness is each process's own announcement (`PDSERVE_WORKER_READY host:port`, printed once
 the worker's gRPC health service says SERVING; `pdserve-router ready host=H port=P`) followed by
 a `grpc.health.v1` check; never a sleep.
+
+Security: `launch_workers` takes the cluster secret (`security.cluster_secret_file`, else
+``PDSERVE_CLUSTER_SECRET``, else a fresh one) and hands it to every child through its
+environment, never its command line; `ProcessWorkers.internal` is what a process needs to call
+those workers (their token, the cluster certificate). A Redis password reaches a router child
+through ``PDSERVE_REDIS_PASSWORD``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,17 +41,29 @@ from deploy.processes import (
     wait_for_lines,
     wait_serving,
 )
+from deploy.supervision import (
+    EventLog,
+    ProcessSupervisor,
+    Supervised,
+    SupervisionEvent,
+)
 from router.config import RouterConfig
+from router.prefix_index.config import REDIS_PASSWORD_ENV, RedisIndexConfig, strip_password
 from router.ratio.config import RatioConfig
+from security.channels import ClientSecurity, InternalAuth
+from security.secret import ClusterSecret, resolve_cluster_secret
 
 log = logging.getLogger(__name__)
 
 WORKER_READY = re.compile(r"^PDSERVE_WORKER_READY (\S+:\d+)\s*$", re.M)
-ROUTER_READY = re.compile(r"^pdserve-router ready host=(\S+) port=(\d+)\s*$", re.M)
+ROUTER_READY = re.compile(
+    r"^pdserve-router ready host=(\S+) port=(\d+)(?: http_port=(\d+))?\s*$", re.M
+)
 
 
-def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
-    """The command line of one worker process (`python -m worker ...`)."""
+def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0) -> list[str]:
+    """The command line of one worker process (`python -m worker ...`); `port` 0 picks one (a
+    restart passes the worker's old port, so the router's address list stays valid)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     argv = [
@@ -61,11 +79,13 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         "--host",
         host,
         "--port",
-        "0",
+        str(port),
         "--kv-host",
         kv_host,
         "--transfer-timeout-s",
         str(config.transfer.timeout_s),
+        "--stop-grace-s",
+        str(config.drain_timeout_s),
         "--torch-threads",
         str(config.torch_threads),
         "--nice",
@@ -74,6 +94,10 @@ def worker_argv(config: ClusterConfig, worker_id: str, role: Role) -> list[str]:
         config.engine.model_dump_json(),
         "--kv-shared-memory" if config.transfer.shared_memory else "--no-kv-shared-memory",
     ]
+    if config.security.internal is not None:
+        argv += ["--internal-tls-json", config.security.internal.model_dump_json()]
+    if config.security.insecure:
+        argv.append("--insecure")
     return [*argv, "--sched-idle"] if config.worker_sched_idle else argv
 
 
@@ -89,10 +113,21 @@ class WorkerProcess:
 
 @dataclass
 class ProcessWorkers:
-    """The worker processes of one cluster; `stop()` ends them all (idempotent)."""
+    """The worker processes of one cluster, watched by a `ProcessSupervisor` (a dead worker is
+    reaped, logged and restarted on its address; `events` says what happened); `stop()` ends
+    them all (idempotent). `internal`: how to call them (the cluster secret's token, the
+    cluster certificate)."""
 
     workers: list[WorkerProcess]
     log_dir: Path
+    supervisor: ProcessSupervisor | None = None
+    drain_timeout_s: float = 30.0
+    internal: InternalAuth = field(default_factory=InternalAuth)
+
+    @property
+    def events(self) -> list[SupervisionEvent]:
+        """Deaths, restarts and role changes seen so far (empty without a supervisor)."""
+        return self.supervisor.events.events if self.supervisor is not None else []
 
     def addresses(self) -> dict[str, list[str]]:
         """role -> worker addresses, as launched (roles can change later via SetRole)."""
@@ -102,12 +137,16 @@ class ProcessWorkers:
         return out
 
     def pids(self) -> list[int]:
+        """The workers' current pids (a restarted worker has a new one)."""
         return [w.process.pid for w in self.workers]
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every worker (each drains for up to its own --stop-grace-s, 5 s), SIGKILL
-        those still running after `grace_s`."""
-        stop_processes([w.process for w in self.workers], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop supervising, SIGTERM every worker (each drains for up to its own
+        --stop-grace-s, `drain_timeout_s`), SIGKILL those still running after `grace_s`
+        (default: the drain timeout + 10 s)."""
+        starting = self.supervisor.stop() if self.supervisor is not None else []
+        wait = self.drain_timeout_s + 10.0 if grace_s is None else grace_s
+        stop_processes([*starting, *(w.process for w in self.workers)], wait)
 
 
 def _log_dir(log_dir: str | Path | None) -> Path:
@@ -117,14 +156,28 @@ def _log_dir(log_dir: str | Path | None) -> Path:
 
 
 def launch_workers(
-    config: ClusterConfig, log_dir: str | Path | None = None, timeout_s: float = 120.0
+    config: ClusterConfig,
+    log_dir: str | Path | None = None,
+    timeout_s: float = 120.0,
+    on_event: Callable[[SupervisionEvent], None] | None = None,
+    cluster_secret: ClusterSecret | None = None,
 ) -> ProcessWorkers:
     """Start every worker of `config` at once (they load the model in parallel) and return
-    when each one announced READY and answers SERVING. On any failure every process started
-    here is stopped and the error (RuntimeError / TimeoutError / ValueError) propagates."""
+    when each one announced READY and answers SERVING; from then on a `ProcessSupervisor`
+    (`config.supervision`) restarts workers that die, telling `on_event` what it sees.
+    `cluster_secret` None: the one of `security.cluster_secret_file` /
+    ``PDSERVE_CLUSTER_SECRET``, else a fresh one. On any
+    failure every process started here is stopped and the error (RuntimeError / TimeoutError
+    / ValueError) propagates."""
     check_model_dir(config)
+    config.security.check_files()
+    secret = cluster_secret or resolve_cluster_secret(
+        config.security.cluster_secret_file, generate=True
+    )
+    assert secret is not None, "generate=True always gives a secret"
+    internal = InternalAuth(secret, config.security.internal)
     logs = _log_dir(log_dir)
-    env = child_env(config.torch_threads)
+    env = {**child_env(config.torch_threads), **secret.env()}
     started: list[tuple[str, Role, ManagedProcess]] = []
     try:
         for worker_id, role in config.worker_roles():
@@ -136,12 +189,25 @@ def launch_workers(
             for (wid, role, proc), m in zip(started, matches, strict=True)
         ]
         for w in workers:
-            wait_serving(w.address, timeout_s=10.0)
+            wait_serving(w.address, timeout_s=10.0, open_channel=internal.channel)
     except BaseException:
         stop_processes([p for _, _, p in started], grace_s=2.0)
         raise
-    log.info("workers ready: %s", {w.worker_id: w.address for w in workers})
-    return ProcessWorkers(workers, logs)
+    log.info(
+        "workers ready: %s", {w.worker_id: f"{w.address} pid {w.process.pid}" for w in workers}
+    )
+
+    by_id = {w.worker_id: w for w in workers}
+
+    def respawn(dead: Supervised, n: int) -> ManagedProcess:
+        w = by_id[dead.worker_id]
+        argv = worker_argv(config, w.worker_id, w.role, int(w.address.rpartition(":")[2]))
+        return spawn(f"worker-{w.worker_id}-restart{n}", argv, logs, env)
+
+    events = EventLog((w.role for w in workers), on_event)
+    supervisor = ProcessSupervisor(workers, config.supervision, respawn, WORKER_READY, events)
+    supervisor.start()
+    return ProcessWorkers(workers, logs, supervisor, config.drain_timeout_s, internal)
 
 
 # ---------------------------------------------------------------------- router
@@ -151,6 +217,8 @@ def router_argv(rc: RouterConfig) -> list[str]:
     """The command line of `python -m router` for `rc` (the fields its flags cover)."""
     argv = [sys.executable, "-m", "router", "--model", str(Path(rc.model_dir).resolve())]
     argv += ["--mode", rc.mode, "--policy", rc.policy, "--host", rc.host, "--port", str(rc.port)]
+    if rc.http_port is not None:
+        argv += ["--http-port", str(rc.http_port)]
     for flag, addrs in (
         ("--prefill-addr", rc.prefill_addrs),
         ("--decode-addr", rc.decode_addrs),
@@ -161,10 +229,17 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
+    argv += ["--max-migrations", str(rc.max_migrations)]
+    argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]
-    if rc.prefix_index.kind == "redis":  # only the URL has a flag; other index knobs default
-        argv += ["--redis-url", rc.prefix_index.url]
+    if isinstance(rc.prefix_index, RedisIndexConfig):  # its password goes by `router_env`
+        index = rc.prefix_index.model_copy(
+            update={"url": strip_password(rc.prefix_index.url), "password": None}
+        )
+        argv += ["--prefix-index-json", index.model_dump_json()]
+    if rc.security != type(rc.security)():  # file paths only
+        argv += ["--security-json", rc.security.model_dump_json(exclude_defaults=True)]
     if rc.ratio.enabled:  # a relative decisions_path means this process's directory
         path = rc.ratio.decisions_path
         ratio = rc.ratio.model_copy(update={"decisions_path": path and path.resolve()})
@@ -172,35 +247,65 @@ def router_argv(rc: RouterConfig) -> list[str]:
     return argv
 
 
+def router_env(rc: RouterConfig, cluster_secret: ClusterSecret | None) -> dict[str, str]:
+    """The secrets a router child gets through its environment: the cluster secret and the
+    Redis password (URL, `password` or `password_file`)."""
+    env = {} if cluster_secret is None else cluster_secret.env()
+    if isinstance(rc.prefix_index, RedisIndexConfig):
+        password = rc.prefix_index.resolved_password()
+        if password:
+            env[REDIS_PASSWORD_ENV] = password
+    return env
+
+
 @dataclass
 class RouterProcess:
-    """A `python -m router` child; `address` is what clients dial."""
+    """A `python -m router` child; `address` is what gRPC clients dial, `http_url` the base
+    URL of its OpenAI API (None without an HTTP port)."""
 
     config: RouterConfig
     address: str
     process: ManagedProcess
+    http_url: str | None = None
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        stop_processes([self.process], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM (running streams get the router's shutdown grace), SIGKILL after `grace_s`
+        (default: that grace + 10 s)."""
+        wait = self.config.shutdown_grace_s + 10.0 if grace_s is None else grace_s
+        stop_processes([self.process], wait)
 
 
 def launch_router_process(
-    rc: RouterConfig, log_dir: str | Path | None = None, timeout_s: float = 30.0, name: str = ""
+    rc: RouterConfig,
+    log_dir: str | Path | None = None,
+    timeout_s: float = 30.0,
+    name: str = "",
+    cluster_secret: ClusterSecret | None = None,
+    client: ClientSecurity | None = None,
 ) -> RouterProcess:
     """Start a router process for `rc`; return once it announced its port and its health
-    service says SERVING (its workers are reachable). Stops it again on failure."""
+    service says SERVING (its workers are reachable). Stops it again on failure.
+
+    `cluster_secret`: what its calls to workers carry. `client`: how to dial it for the
+    health check, required when `rc` serves TLS (e.g. the CA and, for mutual TLS, a client
+    certificate)."""
+    if rc.security.tls and client is None:
+        raise ValueError("a TLS router's readiness check needs client= (a ClientSecurity)")
     logs = _log_dir(log_dir)
+    env = {**child_env(1), **router_env(rc, cluster_secret)}
     proc = spawn(
-        name or f"router-{len(list(logs.glob('router*.log')))}", router_argv(rc), logs, child_env(1)
+        name or f"router-{len(list(logs.glob('router*.log')))}", router_argv(rc), logs, env
     )
     try:
         (m,) = wait_for_lines([proc], ROUTER_READY, timeout_s)
         address = f"{m.group(1)}:{m.group(2)}"
-        wait_serving(address, timeout_s)
+        scheme = "https" if rc.security.tls_cert is not None else "http"
+        http_url = f"{scheme}://{m.group(1)}:{m.group(3)}/v1" if m.group(3) else None
+        wait_serving(address, timeout_s, open_channel=None if client is None else client.channel)
     except BaseException:
         stop_processes([proc], grace_s=2.0)
         raise
-    return RouterProcess(rc, address, proc)
+    return RouterProcess(rc, address, proc, http_url)
 
 
 # ---------------------------------------------------------------------- whole cluster
@@ -219,6 +324,11 @@ class LocalCluster:
     def address(self) -> str:
         return self.router.address
 
+    @property
+    def secret(self) -> ClusterSecret | None:
+        """The cluster secret its processes share."""
+        return self.workers.internal.secret
+
     def pids(self) -> list[int]:
         routers = [self.router, *self.extra_routers]
         return [r.process.pid for r in routers] + self.workers.pids()
@@ -228,12 +338,16 @@ class LocalCluster:
         cluster; no ratio controller unless `ratio=` is given (one controller per cluster)."""
         overrides.setdefault("ratio", RatioConfig())
         rc = self.config.router_config(self.workers.addresses(), port=0, **overrides)
-        r = launch_router_process(rc, self.workers.log_dir)
+        r = launch_router_process(rc, self.workers.log_dir, cluster_secret=self.secret)
         self.extra_routers.append(r)
         return r
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        stop_processes([r.process for r in (*self.extra_routers, self.router)], grace_s)
+    def stop(self, grace_s: float | None = None) -> None:
+        """Routers first (their streams finish within their shutdown grace), then workers;
+        `grace_s` overrides how long each group may take before SIGKILL."""
+        routers = [r.process for r in (*self.extra_routers, self.router)]
+        wait = self.router.config.shutdown_grace_s + 10.0 if grace_s is None else grace_s
+        stop_processes(routers, wait)
         self.workers.stop(grace_s)
 
 
@@ -241,14 +355,19 @@ def launch_local_cluster(
     config: ClusterConfig,
     log_dir: str | Path | None = None,
     timeout_s: float = 120.0,
+    client: ClientSecurity | None = None,
     **router_overrides: object,
 ) -> LocalCluster:
     """Workers (`launch_workers`) and a router process in front of them (port from
-    `config.router.port` unless overridden, e.g. `port=0`)."""
+    `config.router.port` unless overridden, e.g. `port=0`). `client`: how to dial a TLS
+    router (`launch_router_process`)."""
     workers = launch_workers(config, log_dir, timeout_s)
     try:
         rc = config.router_config(workers.addresses(), **router_overrides)
-        router = launch_router_process(rc, workers.log_dir, name="router-0")
+        router = launch_router_process(
+            rc, workers.log_dir, name="router-0", cluster_secret=workers.internal.secret,
+            client=client,
+        )  # fmt: skip
     except BaseException:
         workers.stop(grace_s=2.0)
         raise

@@ -16,7 +16,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,13 +143,21 @@ def wait_for_lines(
     return [found[i] for i in range(len(procs))]
 
 
-def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
+def wait_serving(
+    address: str,
+    timeout_s: float,
+    service: str = "",
+    open_channel: Callable[[str, list[tuple[str, int]]], grpc.Channel] | None = None,
+) -> None:
     """Block until `address`'s grpc.health.v1 service `service` answers SERVING.
 
+    `open_channel(address, options)` dials it (TLS servers; default: a plaintext channel).
     Raises TimeoutError with the last status or error seen."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with grpc.insecure_channel(address, [("grpc.enable_http_proxy", 0)]) as channel:
+    options = [("grpc.enable_http_proxy", 0)]
+    dial = open_channel or (lambda a, o: grpc.insecure_channel(a, o))
+    with dial(address, options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             left = deadline - time.monotonic()

@@ -26,6 +26,9 @@ Steps of `launch_ray_workers`:
 5. start the supervisor thread, which pings every actor each `interval_s` and records deaths
    and restarts. A restarted actor (Ray's `max_restarts`) rebinds the same port on the same
    node (the port is kept in a file on that node), so the router's address list stays valid.
+
+The cluster secret reaches each actor as a constructor argument (kept by Ray for restarts,
+never printed, not in the runtime env, which Ray shows in its state API and dashboard).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ import logging
 import os
 import tempfile
 import threading
-import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deploy.config import ClusterConfig, Role, check_model_dir
 from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_collision
 from deploy.processes import wait_serving
+from deploy.supervision import EventLog, SupervisionEvent
+from security.channels import InternalAuth
+from security.secret import ClusterSecret, resolve_cluster_secret
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +66,18 @@ class WorkerActor:
     Ray). The constructor starts the server, so a Ray restart restarts the worker.
 
     `worker_config_json` is a `WorkerConfig` as JSON; its host "auto" becomes this node's IP.
-    `port_file` (on this node) remembers the bound port across restarts of this actor."""
+    `port_file` (on this node) remembers the bound port across restarts of this actor.
+    `cluster_secret` is the cluster secret's hex form (None: an unauthenticated worker)."""
 
-    def __init__(self, worker_config_json: str, port_file: str) -> None:
+    def __init__(
+        self, worker_config_json: str, port_file: str, cluster_secret: str | None = None
+    ) -> None:
         from worker.config import WorkerConfig
         from worker.server import WorkerServer
 
+        secret = (
+            None if cluster_secret is None else ClusterSecret.from_text(cluster_secret, "actor")
+        )
         config = WorkerConfig.model_validate_json(worker_config_json)
         update: dict[str, Any] = {}
         if config.host == "auto":
@@ -77,7 +89,7 @@ class WorkerActor:
         path = Path(port_file)
         if path.is_file():  # a restart: take the port the router already knows
             update["port"] = int(path.read_text())
-        self._server = WorkerServer(config.model_copy(update=update))
+        self._server = WorkerServer(config.model_copy(update=update), secret)
         self._address = self._server.start()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self._address.rpartition(":")[2])
@@ -103,16 +115,6 @@ class WorkerActor:
         self._server.stop(grace_s)
 
 
-@dataclass(frozen=True)
-class SupervisionEvent:
-    """Something the supervisor saw: kind is 'died', 'restarting' or 'restarted'."""
-
-    worker_id: str
-    kind: str
-    detail: str
-    at: float = field(default_factory=time.time)
-
-
 @dataclass
 class RayWorker:
     """One worker actor: id, role at launch, address, the actor (named `actor_name` in the
@@ -129,15 +131,28 @@ class RayWorker:
 
 
 class RayWorkers:
-    """Handle to launched worker actors; `stop()` is idempotent."""
+    """Handle to launched worker actors; `stop()` is idempotent. `events` (the shared
+    `deploy.supervision` vocabulary) says which workers died, restarted or were given up once
+    Ray's `max_restarts` were spent, and which roles have no live worker left."""
 
     def __init__(
-        self, workers: list[RayWorker], pg: PlacementGroup, owns_ray: bool, interval_s: float
+        self,
+        workers: list[RayWorker],
+        pg: PlacementGroup,
+        owns_ray: bool,
+        interval_s: float,
+        max_restarts: int = 0,
+        on_event: Callable[[SupervisionEvent], None] | None = None,
+        drain_timeout_s: float = 5.0,
+        internal: InternalAuth | None = None,
     ) -> None:
         self.workers = workers
+        self.internal = internal or InternalAuth()
         self.placement_group = pg
         self.owns_ray = owns_ray
-        self.events: list[SupervisionEvent] = []
+        self.max_restarts = max_restarts
+        self.drain_timeout_s = drain_timeout_s
+        self._log = EventLog((w.role for w in workers), on_event)
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._supervise, args=(interval_s,), name="pdserve-supervisor", daemon=True
@@ -154,43 +169,67 @@ class RayWorkers:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers]
 
+    @property
+    def events(self) -> list[SupervisionEvent]:
+        """Deaths, restarts, given-up workers and role changes seen so far."""
+        return self._log.events
+
     def _event(self, w: RayWorker, kind: str, detail: str) -> None:
-        self.events.append(SupervisionEvent(w.worker_id, kind, detail))
-        log.warning("worker %s (%s) %s: %s", w.worker_id, w.address, kind, detail)
+        self._log.record(w.worker_id, kind, f"{detail} ({w.address})")
 
     def _supervise(self, interval_s: float) -> None:
-        """Ping each actor every `interval_s`; record deaths and restarts (pid changes)."""
+        """Ping each actor every `interval_s`; record deaths, restarts (pid changes), actors
+        out of restarts, and roles left without a live worker."""
         while not self._stopped.wait(interval_s):
             for w in self.workers:
                 if not w.alive or self._stopped.is_set():
                     continue
-                ref = w.actor.pid.remote()
-                try:
-                    pid = ray.get(ref, timeout=max(5.0, interval_s))
-                except GetTimeoutError:
-                    if not w.restarting:
-                        self._event(w, "restarting", "no answer to a ping (restarting or stuck)")
-                    w.restarting = True
-                    continue
-                except ActorUnavailableError as exc:  # Ray is restarting it
-                    if not w.restarting:
-                        self._event(w, "restarting", str(exc).splitlines()[0])
-                    w.restarting = True
-                    continue
-                except RayActorError as exc:
-                    if self._stopped.is_set():
-                        return
-                    w.alive = False
-                    self._event(w, "died", f"out of restarts: {exc}".splitlines()[0])
-                    continue
-                w.restarting = False
-                if pid != w.pid:
-                    self._event(w, "restarted", f"pid {w.pid} -> {pid}")
-                    w.pid = pid
+                self._ping(w, interval_s)
+            live: dict[str, int] = {}
+            for w in self.workers:
+                live[w.role] = live.get(w.role, 0) + int(w.alive and not w.restarting)
+            if not self._stopped.is_set():
+                self._log.roles_now(live)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every worker (graceful, then `ray.kill`), remove the placement group, and shut
-        Ray down if `launch_ray_workers` started or joined it (an external cluster lives on)."""
+    def _ping(self, w: RayWorker, interval_s: float) -> None:
+        ref = w.actor.pid.remote()
+        try:
+            pid = ray.get(ref, timeout=max(5.0, interval_s))
+        except GetTimeoutError:
+            if not w.restarting:
+                self._event(w, "restarting", "no answer to a ping (restarting or stuck)")
+            w.restarting = True
+            return
+        except ActorUnavailableError as exc:  # Ray is restarting it
+            if not w.restarting:
+                self._event(w, "died", f"pid {w.pid}: {str(exc).splitlines()[0]}")
+                self._event(w, "restarting", "Ray restarts the actor")
+            w.restarting = True
+            return
+        except RayActorError as exc:
+            if self._stopped.is_set():
+                return
+            w.alive = False
+            if not w.restarting:  # else its death was recorded when Ray began restarting it
+                self._event(w, "died", f"pid {w.pid}: {str(exc).splitlines()[0]}")
+            self._event(
+                w,
+                "gave_up",
+                f"ray.max_restarts={self.max_restarts} spent; Ray will not restart it and it "
+                "stays down",
+            )
+            return
+        w.restarting = False
+        if pid != w.pid:
+            self._event(w, "restarted", f"pid {w.pid} -> {pid}")
+            w.pid = pid
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every worker (graceful: each drains for `grace_s`, default `drain_timeout_s`;
+        then `ray.kill`), remove the placement group, and shut Ray down if
+        `launch_ray_workers` started or joined it (an external cluster lives on)."""
+        if grace_s is None:
+            grace_s = self.drain_timeout_s
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -230,6 +269,8 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
         kv_host=kv_host,
         kv_shared_memory=config.transfer.shared_memory,
         node="auto",
+        internal_tls=config.security.internal,
+        insecure=config.security.insecure,
     )
     return wc.model_dump_json()
 
@@ -299,13 +340,26 @@ def _strategy(config: ClusterConfig) -> str:
     return "PACK" if len(nodes) <= 1 else "SPREAD"
 
 
-def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWorkers:
+def launch_ray_workers(
+    config: ClusterConfig,
+    interval_s: float = 1.0,
+    on_event: Callable[[SupervisionEvent], None] | None = None,
+    cluster_secret: ClusterSecret | None = None,
+) -> RayWorkers:
     """Start the workers of `config` as Ray actors (see the module docstring for the steps)
-    and return once each one serves. On failure everything started here is torn down and the
-    error propagates: TimeoutError (no placement / not serving in `ray.start_timeout_s`),
-    RuntimeError (an actor died while starting), ValueError (bad model folder, workers that can
-    never be placed, a Redis URL on Ray's GCS port)."""
+    and return once each one serves. `cluster_secret` None: `security.cluster_secret_file`,
+    else ``PDSERVE_CLUSTER_SECRET``, else a fresh one. On failure everything started here is
+    torn down and the error propagates: TimeoutError (no placement / not serving in
+    `ray.start_timeout_s`), RuntimeError (an actor died while starting), ValueError (bad model
+    folder or security file, workers that can never be placed, a Redis URL on Ray's GCS
+    port)."""
     check_model_dir(config)
+    config.security.check_files()
+    secret = cluster_secret or resolve_cluster_secret(
+        config.security.cluster_secret_file, generate=True
+    )
+    assert secret is not None, "generate=True always gives a secret"
+    internal = InternalAuth(secret, config.security.internal)
     owns_ray = _join_ray(config)
     host = config.worker_host
     if host == "auto" and not config.ray.address:  # a local cluster: one node
@@ -346,7 +400,11 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
                     pg, placement_group_bundle_index=i
                 ),
                 runtime_env={"env_vars": env},
-            ).remote(worker_config_json(config, worker_id, role, host), str(port_dir / worker_id))
+            ).remote(
+                worker_config_json(config, worker_id, role, host),
+                str(port_dir / worker_id),
+                secret.to_text(),
+            )
             actors.append(actor)
         try:
             addrs = ray.get([a.address.remote() for a in actors], timeout=r.start_timeout_s)
@@ -356,7 +414,7 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
         except RayActorError as exc:
             raise RuntimeError(f"a worker actor died while starting: {exc}") from exc
         for a in addrs:
-            wait_serving(a, timeout_s=30.0)
+            wait_serving(a, timeout_s=30.0, open_channel=internal.channel)
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -369,4 +427,13 @@ def launch_ray_workers(config: ClusterConfig, interval_s: float = 1.0) -> RayWor
         for (wid, role), addr, actor, pid in zip(roles, addrs, actors, pids, strict=True)
     ]
     log.info("ray workers ready: %s", {w.worker_id: w.address for w in workers})
-    return RayWorkers(workers, pg, owns_ray, interval_s)
+    return RayWorkers(
+        workers,
+        pg,
+        owns_ray,
+        interval_s,
+        r.max_restarts,
+        on_event,
+        config.drain_timeout_s,
+        internal,
+    )

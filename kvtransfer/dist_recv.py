@@ -20,11 +20,11 @@ connection, which is what makes the other side fail too.
 Writing from a helper thread is the one exception to "the engine thread owns the cache", and it
 is safe by the ownership rules: destination blocks are reserved for this transfer and nobody
 else touches them until its result is out. `RecvTransfer.lock` makes the cut-off exact: a
-staged layer is written under the lock only while the transfer is unfinished, and the engine
-marks it finished under the same lock; a direct transfer's result waits until none of its
-receives can land (`RecvTransfer.receiving`). So once ``poll()`` has reported a result
-(success, failure, deadline or cancel) nothing writes into those blocks, and the caller may
-free or reuse them at once.
+staged layer is written under the lock only while the transfer is undecided, and the engine
+decides (or cancels) under the same lock; a direct transfer's result waits until none of its
+receives can land (state LANDING until they settle: `kvtransfer.recv_state`). So once
+``poll()`` has reported a result (success, failure, deadline or cancel) nothing writes into
+those blocks, and the caller may free or reuse them at once.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from kvtransfer.wire import (
     td,
 )
 from model_runtime.kv_cache import KVCache
+from security.kvseal import RecordSeal
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,12 @@ class Receiver:
         staging: StagingPool,
         shared_memory: bool = False,
         node: str = "",
+        seal: RecordSeal | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._node = node
+        self._seal = seal  # with it, only records signed with the cluster secret count
+        self.refusals = rdv.Refusals(worker_id)
         self._shared_memory = shared_memory and cache.device.type == "cpu"
         self._cache = cache
         self._layout = cache.layout
@@ -126,13 +130,12 @@ class Receiver:
         """Record the engine's verdict; no write by this worker into the blocks follows. The
         transfer thread acknowledges it to the sender, unless it already acknowledged a
         complete transfer. True when receives posted straight into the blocks may still land
-        (`RecvTransfer.receiving`): the result waits until that is False."""
+        (state LANDING): the result waits until they settle."""
         with self._lock:
             if self._live.get(tr.ticket.transfer_id) is tr:
                 del self._live[tr.ticket.transfer_id]
         with tr.lock:  # waits for a write in progress (a memcpy), never for the network
-            tr.finished = True
-            landing = tr.receiving
+            landing = tr.decide()
         tr.final_code = code
         tr.decided.set()
         return landing
@@ -157,7 +160,7 @@ class Receiver:
             self._pairs.clear()
             self._live.clear()
         try:
-            self._quick.queue_push(rdv.CTL_QUEUE, rdv.stop_record())
+            self._quick.queue_push(rdv.CTL_QUEUE, rdv.stop_record(self._seal))
         except RuntimeError as exc:
             log.warning("kvtransfer: could not stop the control thread: %s", exc)
         self._thread.join(timeout=CLOSE_WAIT_S)
@@ -175,7 +178,7 @@ class Receiver:
                 log.warning("kvtransfer: control queue of %s closed: %s", self._worker_id, exc)
                 return
             try:
-                rec = rdv.decode(raw)
+                rec = rdv.decode(raw, self._seal)
                 if rec["kind"] == "stop":
                     return
                 if rec["kind"] == "join":
@@ -186,11 +189,16 @@ class Receiver:
                     self._on_cancel(rec)
                 else:
                     log.warning("kvtransfer: unknown control record kind %r", rec["kind"])
+            except rdv.RecordRejected as exc:
+                self.refusals.note(exc, self._ctl)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("kvtransfer: bad control record %r: %s", raw[:200], exc)
 
     def _on_join(self, rec: dict[str, Any]) -> None:
         sender, gen = str(rec["sender"]), int(rec["gen"])
+        if gen < int(self._ctl.add(rdv.gen_key(sender), 0)):  # an old join, replayed
+            self._answer(sender, gen, f"reject:generation {gen} is not the newest")
+            return
         try:
             check_layout(
                 self._layout,
@@ -199,20 +207,22 @@ class Receiver:
                 f"prefill {sender}",
             )
         except LayoutMismatchError as exc:
-            self._ctl.set(rdv.join_key(sender, gen), f"reject:{exc}")
+            self._answer(sender, gen, f"reject:{exc}")
             return
         pair = RecvPair(sender, gen, peer_cache=self._map_peer_cache(sender, rec.get("shm")))
         with self._lock:
             old = self._pairs.get(sender)
             if old is not None and old.gen >= gen:
-                stale = f"reject:generation {gen} of {sender} is older than {old.gen}"
-                self._ctl.set(rdv.join_key(sender, gen), stale)
+                self._answer(sender, gen, f"reject:generation {gen} is older than {old.gen}")
                 return
             self._pairs[sender] = pair
         self._ctl.set(rdv.cur_key(sender), str(gen))
-        verdict = rdv.JOIN_OK_SHM if pair.peer_cache is not None else rdv.JOIN_OK
-        self._ctl.set(rdv.join_key(sender, gen), verdict)
+        self._answer(sender, gen, rdv.JOIN_OK_SHM if pair.peer_cache is not None else rdv.JOIN_OK)
         self._helpers.start(f"kvx-join-{sender}-{gen}", self._build_pair, pair)
+
+    def _answer(self, sender: str, gen: int, verdict: str) -> None:
+        """Store the verdict on a join (signed with the cluster secret's seal, if any)."""
+        self._ctl.set(rdv.join_key(sender, gen), rdv.verdict_text(verdict, sender, gen, self._seal))
 
     def _map_peer_cache(self, sender: str, shm: Any) -> PeerCache | None:
         """The sender's cache mapped read-only, when both sides want shared memory and the
@@ -236,6 +246,7 @@ class Receiver:
                 self._backend,
                 self._host,
                 self._connect_timeout_s,
+                self._seal,
             )
         except RuntimeError as exc:
             pair.error = f"building the group with {pair.sender} (gen {pair.gen}) failed: {exc}"
@@ -343,7 +354,7 @@ class Receiver:
         if broken:
             return  # no acknowledgement gets through a broken pair
         with tr.lock:
-            complete = not tr.finished and tr.layers_written == tr.ticket.layout.num_layers
+            complete = tr.undecided and tr.layers_written == tr.ticket.layout.num_layers
         if complete:
             # Every layer is in the blocks, before the deadline: that is what OK means, so the
             # sender hears it now, not after this worker's engine finishes its current step.
@@ -379,7 +390,7 @@ class Receiver:
                     # Never complete with bytes that arrived late: past the sender's own
                     # deadline (later than ours) it may have reused the blocks it sends from.
                     raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
-                if tr.finished:
+                if not tr.undecided:  # the engine decided (or cancelled): write nothing
                     continue
                 if posted.mode == "notified":  # one copy, from the sender's cache
                     assert pair.peer_cache is not None and tr.src_ids is not None

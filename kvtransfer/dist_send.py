@@ -17,14 +17,15 @@ bytes: the cache itself when the source blocks are consecutive
 (`kvtransfer.staging.read_layer`) into a buffer from the sender's `StagingPool` — reused memory:
 a fresh multi-megabyte buffer faults in page by page, which costs more than the copy. Buffers go
 back to the pool once every send of the transfer completed (dropped if one failed: gloo may
-still read them). A send in flight may therefore read the source blocks until it completes; the
-thread sets `SendTransfer.sends_done` once no send it posted can read them any more, and the
+still read them). A send in flight may therefore read the source blocks until it completes:
+`SendTransfer.source_released` says when no send it posted can read them any more, and the
 transport holds a cancelled transfer's result (so its blocks) until then
 (`kvtransfer.torch_dist`).
 
-`SendTransfer.cond` guards the fields the two threads share (pending, works, announced, the
-flags). With NCCL (no message tags) a pair carries one transfer at a time (`SendPair.serial`);
-gloo multiplexes concurrent transfers on one pair by tag.
+The transfer's lifecycle is the state machine of `kvtransfer.send_state` (JOINING, STREAMING,
+GIVEN_UP, FILLING, POST_FAILED, SENT, DONE); `SendTransfer.cond` guards it and the fields the
+two threads share. With NCCL (no message tags) a pair carries one transfer at a time
+(`SendPair.serial`); gloo multiplexes concurrent transfers on one pair by tag.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
-from torch._C._distributed_c10d import TCPStore, Work
+from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
+from kvtransfer.lifecycle import Mover
+from kvtransfer.send_state import SendPair, SendState, SendTransfer
 from kvtransfer.shm import SegmentInfo
 from kvtransfer.staging import StagingPool, read_layer
-from kvtransfer.types import Code, PeerEndpoint, TransferError, TransferTicket
+from kvtransfer.types import Code, PeerEndpoint, TransferError
 from kvtransfer.wire import (
     CLOSE_WAIT_S,
     Event,
@@ -54,61 +56,9 @@ from kvtransfer.wire import (
     td,
 )
 from model_runtime.kv_cache import KVCache
+from security.kvseal import RecordSeal
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SendPair:
-    """The prefill side of the pair with one receiver; replaced (never revived) once broken."""
-
-    endpoint: PeerEndpoint
-    lock: threading.Lock = field(default_factory=threading.Lock)  # connect + tag counter
-    serial: threading.Lock = field(default_factory=threading.Lock)  # NCCL: one at a time
-    store: TCPStore | None = None  # client of the receiver's store, once connected
-    group: rdv.PairGroup | None = None
-    gen: int = 0
-    broken: bool = False
-    next_tag: int = 0
-    shm: bool = False  # the receiver reads this worker's cache in place (`kvtransfer.shm`)
-
-    def connected(self) -> tuple[TCPStore, rdv.PairGroup]:
-        assert self.store is not None and self.group is not None, "pair used before connecting"
-        return self.store, self.group
-
-    def take_tag(self) -> int:
-        with self.lock:
-            self.next_tag += 1
-            return self.next_tag
-
-
-@dataclass
-class SendTransfer:
-    """One open transfer, shared by the engine thread and its transfer thread."""
-
-    ticket: TransferTicket
-    src: tuple[int, ...]
-    started: float
-    deadline: float
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    pending: list[int] = field(default_factory=list)  # layers done before announcing
-    works: list[Work] = field(default_factory=list)  # posted sends, in layer order
-    keep: list[torch.Tensor] = field(default_factory=list)  # their buffers, kept alive
-    pooled: list[torch.Tensor] = field(default_factory=list)  # copies' buffers, from the pool
-    sends_completed: bool = False  # every send completed without error (thread only)
-    announced: bool = False
-    shm: bool = False  # announced on a shared-memory pair: the receiver reads the cache
-    group: rdv.PairGroup | None = None
-    tag: int = 0
-    stop_posting: bool = False
-    post_error: str | None = None
-    cancelled: bool = False
-    pair: SendPair | None = None
-    sends_done: bool = False  # set by the thread past its sends (each done, or the pair failed)
-    run_start: int | None = None  # source blocks are one run from here: sent zero-copy
-    next_layer: int = 0  # engine thread only
-    nbytes: int = 0  # engine thread only
-    finished: bool = False  # engine thread only
 
 
 class Sender:
@@ -123,8 +73,10 @@ class Sender:
         events: EventQueue,
         staging: StagingPool,
         segment: SegmentInfo | None = None,
+        seal: RecordSeal | None = None,
     ) -> None:
         self._worker_id = worker_id
+        self._seal = seal  # the cluster secret's seal on every record (None: open cluster)
         self._cache = cache
         self._segment = segment  # this worker's cache in shared memory, offered at join
         self._layout = cache.layout
@@ -149,19 +101,19 @@ class Sender:
     def post_layer(self, tr: SendTransfer, layer: int) -> None:
         """Layer `layer` of the transfer's source blocks is final: send it (or queue it)."""
         with tr.cond:
-            if tr.stop_posting:
-                return
-            if tr.announced:
-                self._post_layer(tr, layer)
-            else:
+            if tr.state is SendState.STREAMING:
+                self._post_layer(tr, layer, "engine")
+            elif tr.state is SendState.JOINING:
                 tr.pending.append(layer)
+            else:  # given up, filling, failed, or the thread is done: nobody waits for it
+                return
             tr.cond.notify_all()
 
-    def _post_layer(self, tr: SendTransfer, layer: int) -> None:
+    def _post_layer(self, tr: SendTransfer, layer: int, by: Mover) -> None:
         """Post layer `layer`, and after the last one the OK trailer (caller holds `tr.cond`)."""
-        self._post(tr, self._message(tr, layer))
-        if layer == tr.ticket.layout.num_layers - 1 and tr.post_error is None:
-            self._post(tr, control_tensor(Code.OK, self._device))
+        self._post(tr, self._message(tr, layer), by)
+        if layer == tr.ticket.layout.num_layers - 1 and tr.state is not SendState.POST_FAILED:
+            self._post(tr, control_tensor(Code.OK, self._device), by)
 
     def _message(self, tr: SendTransfer, layer: int) -> torch.Tensor:
         """What goes over the group for one layer (caller holds `tr.cond`, after announcing)."""
@@ -175,11 +127,13 @@ class Sender:
         return read_layer(self._cache, layer, tr.src, StagingPool.view(buf, shape))
 
     def stop(self, tr: SendTransfer, cancelled: bool) -> None:
-        """The engine gave up (deadline, close) or cancelled; the thread winds down."""
+        """The engine gave up (deadline, close, a failed result) or cancelled; the thread winds
+        down. Giving up stops the engine's posts (a no-op once they stopped anyway)."""
         with tr.cond:
-            tr.cancelled = tr.cancelled or cancelled
-            if not cancelled:
-                tr.stop_posting = True
+            if cancelled:
+                tr.cancelled = True
+            elif tr.state in (SendState.JOINING, SendState.STREAMING):
+                tr.move(SendState.GIVEN_UP, by="engine")
             tr.cond.notify_all()
 
     def shm_receivers(self) -> list[str]:
@@ -212,13 +166,16 @@ class Sender:
             event = Event("send_done", tid, epoch, error=f"send failed: {exc}", pair_broken=True)
         else:
             event = Event("send_done", tid, epoch)
-        tr.sends_done = True
-        self._recycle(tr)
+        with tr.cond:
+            completed = tr.state is SendState.SENT  # every send completed without error
+            tr.move(SendState.DONE, by="helper")
+        self._recycle(tr, completed)
         self._events.put(event)
 
-    def _recycle(self, tr: SendTransfer) -> None:
-        """Return the transfer's copy buffers to the pool when no send can read them now."""
-        if tr.sends_completed and tr.pooled:
+    def _recycle(self, tr: SendTransfer, completed: bool) -> None:
+        """Return the transfer's copy buffers to the pool when no send can read them now
+        (`completed`: every send completed; after a failed one gloo may still read them)."""
+        if completed and tr.pooled:
             self.staging.give(tr.pooled)
         tr.pooled = []
 
@@ -230,7 +187,7 @@ class Sender:
             # doomed join would break the pair that live transfers share.
             if time.monotonic() >= tr.deadline:
                 raise TimeoutError("the deadline passed before the pair was ready")
-            if attempt and (tr.cancelled or tr.stop_posting):
+            if attempt and (tr.cancelled or tr.state is SendState.GIVEN_UP):
                 raise TransferError("cancelled by sender" if tr.cancelled else "given up")
             pair = self._pair_for(tr.ticket.receiver)
             fresh = self._connect(pair, tr.deadline)
@@ -273,10 +230,11 @@ class Sender:
             store = rdv.connect_store(ep.host, ep.port, limit)
             gen = int(store.add(rdv.gen_key(me), 1))
             shm = self._segment.to_dict() if self._segment is not None else None
-            store.queue_push(rdv.CTL_QUEUE, rdv.join_record(me, gen, self._layout, shm))
+            record = rdv.join_record(me, gen, self._layout, shm, self._seal)
+            store.queue_push(rdv.CTL_QUEUE, record)
             key = rdv.join_key(me, gen)
             store.wait([key], td(min(self._connect_timeout_s, remaining(deadline))))
-            verdict = store.get(key).decode()
+            verdict = rdv.read_verdict(store.get(key), me, gen, self._seal)
             store.delete_key(key)
             if verdict not in (rdv.JOIN_OK, rdv.JOIN_OK_SHM):
                 pair.broken = True
@@ -290,6 +248,7 @@ class Sender:
                 self._backend,
                 self._host,
                 min(self._connect_timeout_s, remaining(deadline)),
+                self._seal,
             )
             pair.store, pair.gen, pair.shm = store, gen, verdict == rdv.JOIN_OK_SHM
             return True
@@ -314,34 +273,36 @@ class Sender:
         tag = pair.take_tag()
         if tr.cancelled:  # not announced yet: tell the receiver so it fails it now
             store.queue_push(
-                rdv.CTL_QUEUE, rdv.cancel_record(self._worker_id, t.transfer_id, t.epoch)
+                rdv.CTL_QUEUE,
+                rdv.cancel_record(self._worker_id, t.transfer_id, t.epoch, self._seal),
             )
             raise TransferError("cancelled by sender")
         left_ms = max(1, round((deadline - time.monotonic()) * 1000))
         src = list(tr.src) if pair.shm else None
-        store.queue_push(
-            rdv.CTL_QUEUE,
-            rdv.xfer_record(
-                self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms, src
-            ),
-        )
+        header = rdv.xfer_record(
+            self._worker_id, pair.gen, t.transfer_id, t.epoch, tag, t.num_tokens, left_ms, src,
+            self._seal,
+        )  # fmt: skip
+        store.queue_push(rdv.CTL_QUEUE, header)
         if verify and store.get(rdv.cur_key(self._worker_id)).decode() != str(pair.gen):
             return False
         with tr.cond:  # from here on the engine thread posts each layer as it comes
-            tr.group, tr.tag, tr.announced, tr.shm = group, tag, True, pair.shm
+            tr.group, tr.tag, tr.shm = group, tag, pair.shm
+            if tr.state is SendState.JOINING:  # else it gave up: only the queued layers go
+                tr.move(SendState.STREAMING, by="helper")
             for layer in tr.pending:
-                self._post_layer(tr, layer)
+                self._post_layer(tr, layer, "helper")
             tr.pending.clear()
         for i in range(t.layout.num_layers):
             self._wait_layer(tr, i).wait(td(remaining(deadline)))
         with tr.cond:  # the trailer went out with the last layer (or the last filler)
-            if tr.post_error is not None:
+            if tr.state is SendState.POST_FAILED:
                 raise RuntimeError(tr.post_error)
             trailer = tr.works[t.layout.num_layers]
         trailer.wait(td(remaining(deadline)))
-        tr.sends_completed = True
-        if not tr.shm:  # the sends are done reading the cache; a shared-memory receiver is not
-            tr.sends_done = True
+        # The sends are done reading the cache (a shared-memory receiver is not: see
+        # `SendTransfer.source_released`).
+        tr.move(SendState.SENT, by="helper")
         ack = empty_control(self._device)
         group.recv([ack], 0, tag).wait(td(remaining(deadline)))
         code = read_code(ack)
@@ -354,16 +315,17 @@ class Sender:
     def _wait_layer(self, tr: SendTransfer, i: int) -> Work:
         """The posted send of layer `i`; after a cancel, filler sends complete the stream and
         a SENDER_CANCELLED trailer tells the receiver not to complete it."""
+        failed = SendState.POST_FAILED
         with tr.cond:
-            while len(tr.works) <= i and not tr.cancelled and tr.post_error is None:
-                if tr.stop_posting or time.monotonic() >= tr.deadline:
+            while len(tr.works) <= i and not tr.cancelled and tr.state is not failed:
+                if tr.state is SendState.GIVEN_UP or time.monotonic() >= tr.deadline:
                     raise TimeoutError(f"layer {i} was not produced (deadline or close)")
                 tr.cond.wait(remaining(tr.deadline))
-            if tr.post_error is not None:
+            if tr.state is failed:
                 raise RuntimeError(tr.post_error)
             if len(tr.works) > i:
                 return tr.works[i]
-            tr.stop_posting = True  # cancelled: the engine posts nothing more
+            tr.move(SendState.FILLING, by="helper")  # cancelled: the engine posts nothing more
         filler = (
             empty_control(self._device)
             if tr.shm
@@ -372,22 +334,24 @@ class Sender:
             )
         )
         with tr.cond:
-            while len(tr.works) < tr.ticket.layout.num_layers and tr.post_error is None:
-                self._post(tr, filler)
-            if tr.post_error is None:  # the receiver checks it before completing
-                self._post(tr, control_tensor(Code.SENDER_CANCELLED, self._device))
-            if tr.post_error is not None:
+            while len(tr.works) < tr.ticket.layout.num_layers and tr.state is not failed:
+                self._post(tr, filler, "helper")
+            if tr.state is not failed:  # the receiver checks it before completing
+                self._post(tr, control_tensor(Code.SENDER_CANCELLED, self._device), "helper")
+            if tr.state is failed:
                 raise RuntimeError(tr.post_error)
             return tr.works[i]
 
     @staticmethod
-    def _post(tr: SendTransfer, data: torch.Tensor) -> None:
-        """Post one layer's send (caller holds `tr.cond`)."""
+    def _post(tr: SendTransfer, data: torch.Tensor, by: Mover) -> None:
+        """Post one send (caller, `by`, holds `tr.cond`)."""
         assert tr.group is not None, "posting needs the pair's group"
         try:
             work = tr.group.send([data], 0, tr.tag)
         except RuntimeError as exc:
-            tr.post_error, tr.stop_posting = f"posting a send failed: {exc}", True
+            tr.post_error = f"posting a send failed: {exc}"
+            if tr.state is not SendState.POST_FAILED:  # announcing goes on through `pending`
+                tr.move(SendState.POST_FAILED, by)
             return
         tr.works.append(work)
         tr.keep.append(data)

@@ -7,9 +7,10 @@ Three ways, chosen once per transfer (`post_receives`):
 - **direct** (gloo, destination blocks consecutive): each layer is received straight into
   the destination blocks (`KVCache.layer_slice`, a view): no staging buffer, no copy. gloo
   writes those bytes whenever they arrive, so the transfer's result waits until no receive can
-  write any more (`RecvTransfer.receiving`, cleared by `settle`): each posted receive has
-  completed, or a wait on the pair failed — a gloo wait that fails or times out closes the
-  pair's connection, after which nothing lands in any of its buffers;
+  write any more (the transfer is RECEIVING from `_claim_blocks` until `settle`, see
+  `kvtransfer.recv_state`): each posted receive has completed, or a wait on the pair failed —
+  a gloo wait that fails or times out closes the pair's connection, after which nothing lands
+  in any of its buffers;
 - **staged** (scattered destination blocks, or NCCL): into pooled staging buffers, which the
   thread writes into the blocks itself (`kvtransfer.staging.write_layer`) under the
   transfer's lock, so nothing is written after the result;
@@ -31,7 +32,7 @@ import torch
 from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.recv_state import RecvTransfer
+from kvtransfer.recv_state import RecvState, RecvTransfer
 from kvtransfer.staging import StagingPool
 from kvtransfer.types import Code
 from kvtransfer.wire import control_tensor, empty_control, remaining, td
@@ -78,9 +79,9 @@ def post_receives(
     once its receive is posted, so receiving a few layers ahead would cost a round trip per
     layer. `direct_ok`: the pair's backend may receive into the cache (gloo).
 
-    A transfer the engine already finished is never received directly. If posting fails, the
-    pair's connection is closed (gloo refuses new operations only then), so nothing already
-    posted can land either, and `tr.receiving` is cleared before the error propagates.
+    A transfer the engine already decided (or cancelled) is never received directly. If posting
+    fails, the pair's connection is closed (gloo refuses new operations only then), so nothing
+    already posted can land either, and the transfer settles before the error propagates.
     """
     t = tr.ticket
     device, layers = cache.device, t.layout.num_layers
@@ -98,7 +99,7 @@ def post_receives(
             return Posted("direct", [], works, trailer)
         except RuntimeError:
             with tr.lock:
-                tr.receiving = False
+                tr.settle()
             raise
     shape = cache.message_shape(t.num_blocks)
     bufs = staging.take_many(math.prod(shape), cache.dtype, device, layers)
@@ -108,19 +109,20 @@ def post_receives(
 
 
 def _claim_blocks(tr: RecvTransfer) -> bool:
-    """Mark `tr` as receiving into its blocks, unless the engine already decided its result
-    (`Receiver.finish` reads the mark under the same lock)."""
+    """Move `tr` to RECEIVING (into its blocks), unless the engine already decided its result
+    or cancelled (`Receiver.finish` reads the state under the same lock)."""
     with tr.lock:
-        if tr.finished:
+        if tr.state is not RecvState.OPEN:
             return False
-        tr.receiving = True
+        tr.move(RecvState.RECEIVING, "helper")
         return True
 
 
 def settle(tr: RecvTransfer, posted: Posted) -> None:
     """Return once none of a direct transfer's receives can write into its blocks any more,
-    and clear `tr.receiving`. Waits each receive at most until the ticket's deadline: past it,
-    a wait times out, which closes the pair and kills the others. No-op for other modes."""
+    and settle `tr` (out of RECEIVING, CANCELLED_LANDING or LANDING). Waits each receive at
+    most until the ticket's deadline: past it, a wait times out, which closes the pair and
+    kills the others. No-op for other modes."""
     if posted.mode != "direct":
         return
     while posted.waited < len(posted.works):
@@ -128,7 +130,7 @@ def settle(tr: RecvTransfer, posted: Posted) -> None:
         with contextlib.suppress(RuntimeError):
             posted.wait_next(tr.deadline)
     with tr.lock:
-        tr.receiving = False
+        tr.settle()
 
 
 def drain_and_answer(

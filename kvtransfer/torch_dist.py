@@ -33,13 +33,15 @@ from collections.abc import Callable, Sequence
 
 from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver
-from kvtransfer.dist_send import Sender, SendTransfer
-from kvtransfer.recv_state import RecvTransfer
+from kvtransfer.dist_send import Sender
+from kvtransfer.recv_state import RecvState, RecvTransfer
+from kvtransfer.send_state import SendTransfer
 from kvtransfer.shm import SegmentInfo, SharedCacheSegment, ShmUnavailable
 from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
 from kvtransfer.wire import Event, EventQueue
 from model_runtime.kv_cache import KVCache, KVLayout
+from security.kvseal import RecordSeal
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,9 @@ class TorchDistTransport:
     sender's cache; other peers still get the bytes over gloo. `node`: this worker's node
     label; the shared-memory plane is used only between equal labels (workers placed on
     different nodes move bytes over gloo even when they share a host). Build the transport
-    before the cache serves a step (it moves the cache's tensor).
+    before the cache serves a step (it moves the cache's tensor). `seal` (`security.kvseal`,
+    from the cluster secret): sign every control record, seal the shared-memory offer, and act
+    only on records that carry the secret's MAC (`rendezvous`); None: an open rendezvous.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class TorchDistTransport:
         staging_pool_bytes: int = STAGING_POOL_BYTES,
         shared_memory: bool = False,
         node: str = "",
+        seal: RecordSeal | None = None,
     ) -> None:
         if not worker_id or "/" in worker_id or "@" in worker_id:
             raise ValueError(f"worker_id must be non-empty without '/' or '@', got {worker_id!r}")
@@ -96,12 +101,13 @@ class TorchDistTransport:
                 pool,
                 shared_memory=self.shared_memory,
                 node=node,
+                seal=seal,
             )
             if serve
             else None
         )
         self._sender = Sender(
-            worker_id, cache, host, connect_timeout_s, self._events, pool, segment
+            worker_id, cache, host, connect_timeout_s, self._events, pool, segment, seal
         )
         port_used = self._receiver.port if self._receiver is not None else 0
         self._endpoint = PeerEndpoint(worker_id, host, port_used)
@@ -118,6 +124,11 @@ class TorchDistTransport:
     @property
     def layout(self) -> KVLayout:
         return self._cache.layout
+
+    @property
+    def rejected_records(self) -> int:
+        """Rendezvous records this worker refused for want of the cluster secret's MAC."""
+        return 0 if self._receiver is None else self._receiver.refusals.count
 
     def shared_memory_peers(self) -> list[str]:
         """Receivers this worker sends to through shared memory now (the rest get gloo bytes)."""
@@ -159,7 +170,7 @@ class TorchDistTransport:
                 f"{tr.ticket.layout.num_layers - 1}, expected {tr.next_layer}"
             )
         tr.next_layer += 1
-        if tr.cancelled or tr.stop_posting:
+        if not tr.takes_layers():  # cancelled, given up, failed, or its thread is done
             return
         tr.nbytes += math.prod(self._cache.message_shape(len(tr.src))) * self._cache.kv.itemsize
         self._sender.post_layer(tr, layer)
@@ -169,9 +180,8 @@ class TorchDistTransport:
             self._sender.stop(self._sends[transfer_id], cancelled=True)
         elif transfer_id in self._recvs:
             rcv = self._recvs[transfer_id]
-            rcv.cancelled = True  # its result goes out at the next poll
             with rcv.lock:  # decided now: the receiving thread neither writes nor acks OK
-                rcv.finished = True
+                rcv.cancel()  # its result goes out at the next poll
         else:
             raise ValueError(f"cancel: unknown transfer id {transfer_id!r}")
 
@@ -224,7 +234,7 @@ class TorchDistTransport:
             # source blocks: the result (which frees them) waits until the thread is past its
             # sends (shared memory: the acknowledgement) or the deadline.
             copied = snd.run_start is None and not self.shared_memory
-            if why or (snd.cancelled and (snd.sends_done or copied)):
+            if why or (snd.cancelled and (snd.source_released() or copied)):
                 self._finish_send(snd, why or "cancelled by sender", out)
 
     def _on_event(self, ev: Event, out: list[TransferResult]) -> None:
@@ -263,7 +273,7 @@ class TorchDistTransport:
         still: list[tuple[RecvTransfer, str | None]] = []
         for tr, error in self._landing:
             with tr.lock:
-                landing = tr.receiving
+                landing = tr.state is RecvState.LANDING
             if landing and not self._closed:
                 still.append((tr, error))
                 continue
@@ -273,7 +283,6 @@ class TorchDistTransport:
 
     def _finish_send(self, tr: SendTransfer, error: str | None, out: list[TransferResult]) -> None:
         del self._sends[tr.ticket.transfer_id]
-        tr.finished = True
         if error is not None:
             self._sender.stop(tr, cancelled=False)
         peer = tr.ticket.receiver.worker_id

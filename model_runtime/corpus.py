@@ -174,8 +174,20 @@ def train_tokenizer(vocab_size: int, corpus_words: int) -> Tokenizer:
     return tok
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+"""The chat template written into every model folder (HF `chat_template` syntax): BOS, then
+each message as ``<|role|>\ncontent</s>\n``, then ``<|assistant|>\n`` to prompt a reply."""
+
+
 def write_tokenizer_files(out_dir: str | Path, tok: Tokenizer, model_max_length: int) -> None:
-    """Write `tokenizer.json` and a `tokenizer_config.json` that HF `AutoTokenizer` loads."""
+    """Write `tokenizer.json` and a `tokenizer_config.json` that HF `AutoTokenizer` loads
+    (with `CHAT_TEMPLATE` as its `chat_template`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -188,5 +200,6 @@ def write_tokenizer_files(out_dir: str | Path, tok: Tokenizer, model_max_length:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -34,8 +34,8 @@ from model_runtime.engine_config import EngineConfig
 from model_runtime.kv_cache import KVCache
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
-from model_runtime.sampler import Sampler
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampler import Sampler, skip_draws
+from model_runtime.sampling_params import SamplingParams, TopLogprobs
 from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 LayerCallback = Callable[[int], None]
@@ -44,6 +44,16 @@ BeforeForward = Callable[[SchedulerOutput], LayerCallback | None]
 `on_layer_done(layer)` callback (see `ModelRunner.execute`)."""
 
 logger = logging.getLogger(__name__)
+
+
+def _banned(request: Request) -> tuple[int, ...]:
+    """Token ids `request` may not sample now: its stop ids (and EOS unless `ignore_eos`)
+    while it has fewer than `min_tokens` output tokens."""
+    p = request.params
+    if request.num_output_tokens >= p.min_tokens:
+        return ()
+    eos = () if p.ignore_eos else request.eos_token_ids
+    return (*eos, *p.stop_token_ids)
 
 
 def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -145,14 +155,18 @@ class LLMEngine:
         params: SamplingParams,
         *,
         hold_blocks: bool = False,
+        num_sampled: int = 0,
     ) -> None:
         """Queue a request. Raise ValueError for a duplicate id, bad params, token ids outside
         the vocabulary, or a request that can never fit (context length, KV capacity).
 
         `hold_blocks=True`: when the request finishes its blocks stay allocated (and unchanged)
         until `release_held(request_id)`; an abort still frees them at once.
+        `num_sampled`: tokens of this request already sampled elsewhere (its prompt ends with
+        them); a sampled request's generator skips their draws, so a seeded one continues its
+        seed's stream.
         """
-        request = self._make_request(request_id, prompt_token_ids, params)
+        request = self._make_request(request_id, prompt_token_ids, params, num_sampled)
         request.hold_blocks = hold_blocks
         self.scheduler.add(request)
 
@@ -163,18 +177,22 @@ class LLMEngine:
         first_token: int,
         params: SamplingParams,
         block_ids: Sequence[int],
+        num_sampled: int = 0,
     ) -> RequestOutput | None:
         """Admit a request whose prompt KV is already in `block_ids` (allocated by the caller
         from `block_pool`, one reference each, covering at least the prompt) and whose first
         output token `first_token` was sampled elsewhere. The engine takes the blocks over and
-        frees them exactly once, when the request finishes or is aborted.
+        frees them exactly once, when the request finishes or is aborted. A sampled request's
+        generator skips the draws of `first_token` and of the `num_sampled` tokens sampled
+        before it (elsewhere), so a seeded request continues the same random stream as in a
+        single engine.
 
         Returns the final output if `first_token` already ends the request (its blocks are
         freed then), else None; later outputs never repeat `first_token`. Raises ValueError
         (nothing taken over) for a duplicate id, bad params or tokens, or a prompt +
         max_tokens beyond the model's context.
         """
-        request = self._make_request(request_id, prompt_token_ids, params)
+        request = self._make_request(request_id, prompt_token_ids, params, num_sampled + 1)
         vocab = self.model_config.vocab_size
         if isinstance(first_token, bool) or not 0 <= first_token < vocab:
             raise ValueError(f"request {request_id!r}: first_token must be in [0, {vocab})")
@@ -193,7 +211,11 @@ class LLMEngine:
         self.scheduler.release(request_id)
 
     def _make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        draws_to_skip: int = 0,
     ) -> Request:
         vocab = self.model_config.vocab_size
         params.validate(vocab)
@@ -212,6 +234,7 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            skip_draws(generator, vocab, draws_to_skip)
         return Request(
             request_id=request_id,
             prompt_token_ids=tokens,
@@ -247,16 +270,17 @@ class LLMEngine:
         )
         self.last_step_size = len(scheduled.items)
         on_layer_done = before_forward(scheduled) if before_forward and scheduled.items else None
-        token_ids, logprobs = self._run(scheduled, on_layer_done)
-        return self.scheduler.update(scheduled, token_ids, logprobs)
+        token_ids, logprobs, tops = self._run(scheduled, on_layer_done)
+        return self.scheduler.update(scheduled, token_ids, logprobs, tops)
 
     def _run(
         self, scheduled: SchedulerOutput, on_layer_done: LayerCallback | None = None
-    ) -> tuple[list[int | None], list[float]]:
-        """Forward the step, then sample the rows whose chunk reaches the last known token."""
+    ) -> tuple[list[int | None], list[float], list[TopLogprobs | None]]:
+        """Forward the step, then sample the rows whose chunk reaches the last known token
+        (a request below its `min_tokens` may not pick its EOS or stop ids)."""
         items = scheduled.items
         if not items:
-            return [], []
+            return [], [], []
         logits = self.runner.execute(
             [StepInput(it.token_ids, it.start_pos, it.block_table) for it in items],
             on_layer_done,
@@ -264,17 +288,22 @@ class LLMEngine:
         rows = [i for i, it in enumerate(items) if it.samples]
         tokens: list[int | None] = [None] * len(items)
         logprobs = [0.0] * len(items)
+        tops: list[TopLogprobs | None] = [None] * len(items)
         if rows:
             requests = [self.scheduler.requests[items[i].request_id] for i in rows]
             out = self.sampler.sample(
                 logits[rows],
                 [r.params for r in requests],
                 [r.generator for r in requests],
+                [_banned(r) for r in requests],
             )
-            for i, token, logprob in zip(rows, out.token_ids, out.logprobs, strict=True):
-                tokens[i] = token
-                logprobs[i] = logprob
-        return tokens, logprobs
+            for k, i in enumerate(rows):
+                tokens[i], logprobs[i], tops[i] = (
+                    out.token_ids[k],
+                    out.logprobs[k],
+                    out.top_logprobs[k],
+                )
+        return tokens, logprobs, tops
 
     # ------------------------------------------------------------------ offline use
 

@@ -42,13 +42,16 @@ class EngineConfig(BaseModel):
         default=True,
         description="Reuse the KV of full prompt blocks already computed (hash chain).",
     )
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        default="auto", description="'auto' = Triton on CUDA when importable, else torch."
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        default="auto",
+        description="'auto' = Triton on CUDA when importable; on CPU 'cpu' (compiled decode "
+        "attention) where its kernel builds, else 'torch' (the reference).",
     )
-    linear_kernel: Literal["auto", "torch", "onednn"] = Field(
+    linear_kernel: Literal["auto", "torch", "onednn", "avx2"] = Field(
         default="auto",
         description="GEMM behind the weight matmuls; 'auto' = oneDNN prepacked weights on CPU "
-        "(float32/bfloat16) where torch has oneDNN, else torch's F.linear.",
+        "(float32, and bfloat16 where the CPU has oneDNN's bf16 instructions), else the "
+        "avx2 kernel for bfloat16 on AVX2 CPUs, else torch's F.linear.",
     )
     device: str = Field(
         default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."

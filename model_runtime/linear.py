@@ -1,37 +1,52 @@
-"""The model's linear layers and the GEMM kernel behind them. Runs inside worker processes.
+"""The model's linear layers and the GEMM kernels behind them. Runs inside worker processes.
 
-Every matmul with a weight (q/k/v, o, gate/up, down, LM head) is a `Linear`. By default it is
-plain `F.linear`. `pack_linears(model, "onednn")` reorders each weight once into oneDNN's blocked
-layout and frees the plain copy; `forward` then calls oneDNN's prepacked GEMM. On x86 CPUs this
-matters a great deal: torch's default CPU GEMM (MKL) takes its slow path on AMD processors, and
-even on Intel the prepacked layout saves a reorder per call. On the 2-core AMD EPYC this project
-is developed on, the `small` preset's decode GEMMs run 1.9x (batch 1) to 2.9x (batch 32) faster
-packed (`benchmarks/bench_engine.py` measures it end to end).
+Every matmul with a weight (q/k/v, o, gate/up, down, LM head) is a `Linear`, in one of three
+kernel states (`Linear.kernel`), chosen once after loading by `pack_linears`:
+
+- "torch": plain `F.linear` (GPUs, float16, and wherever nothing below applies).
+- "onednn": the weight reordered once into oneDNN's blocked layout (the plain copy freed);
+  `forward` calls oneDNN's prepacked GEMM. On x86 CPUs this matters a great deal: torch's
+  default CPU GEMM (MKL) takes its slow path on AMD processors, and even on Intel the
+  prepacked layout saves a reorder per call. On the 2-core AMD EPYC this project is developed
+  on, the `small` preset's float32 decode GEMMs run 1.9x (batch 1) to 2.9x (batch 32) faster
+  packed (`benchmarks/bench_engine.py` measures it end to end). bfloat16 goes this way only
+  where the CPU has oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
+- "avx2": bfloat16 or float32 weights in column panels, multiplied by
+  `model_runtime.kernels.panel_gemm`, which reads the weight once per call whatever the batch
+  and computes in fp32. The default on CPUs whose best vector unit is AVX2 (AMD Zen 1/2): for
+  bfloat16 there is no oneDNN path there, and torch's own bf16 `F.linear` reads the whole
+  weight once per row, so a decode step grew linearly with the batch; for float32 it streams a
+  batch-1 step's GEMVs ~1.5x faster than oneDNN (`avx2_is_best` has the numbers).
 
 oneDNN builds (JIT-compiles) a GEMM kernel for every new input shape, ~4 ms each on that
 machine, and keeps the last 1024 in a cache. A serving engine's steps have a row count that
 changes all the time (decode batch + prefill chunk), so unbucketed it spent most of a loaded
 prefill worker's time compiling (a 64-token cached-prefix hit took ~1.8 s instead of ~20 ms
-in `bench_prefix_routing`, nearly all of it system time). So the packed path pads the rows up
+in `bench_prefix_routing`, nearly all of it system time). So the oneDNN path pads the rows up
 to a bucket (`row_bucket`: exact up to 32, then multiples of 16, 64, 256): ~70 row counts in
 all up to 4K tokens, a handful of kernels per weight shape, compiled once. Padding rows cost
 nothing where a GEMM is bound by reading the weight (few rows) and at most ~6% above 256 rows.
+The avx2 kernel is compiled once for all shapes and needs no padding.
 
 Contract: a packed `Linear` computes the same function as the unpacked one, to float rounding
 (GEMM summation order differs; in float32 the largest difference on the test models is ~1e-6
-relative). After packing, `weight` is an empty placeholder: read `out_features`,
-`in_features` and `weight_nbytes` instead.
+relative; in bfloat16 every kernel accumulates in fp32 and rounds the output once, so outputs
+differ by at most a bf16 rounding step). After packing, `weight` is an empty placeholder: read
+`out_features`, `in_features` and `weight_nbytes` instead.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LinearKernel = Literal["auto", "torch", "onednn"]
+from model_runtime.kernels import panel_gemm
+
+KernelName = Literal["torch", "onednn", "avx2"]
+LinearKernel = Literal["auto", "torch", "onednn", "avx2"]
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks the packed layout for an expected row count. Measured on the `small` preset's
 # shapes, 128 was best or within 5% of best at 1, 8, 32 and 512 rows (decode and prefill).
@@ -55,35 +70,45 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.kernel: KernelName = "torch"
+        self.packed: torch.Tensor | None = None  # the weight in `kernel`'s layout, once packed
         self.weight_nbytes = 0  # set by `pack`; before packing read weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            rows = x.numel() // self.in_features
-            padded = row_bucket(rows)
-            if padded == rows:
-                out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                    x, self.packed, self.bias, "none", [], ""
-                )
-                return out
-            flat = torch.empty((padded, self.in_features), dtype=x.dtype, device=x.device)
-            flat[:rows].copy_(x.reshape(rows, self.in_features))
-            flat[rows:].zero_()
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-            return out[:rows].view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        if self.kernel == "torch":
+            return F.linear(x, self.weight, self.bias)
+        assert self.packed is not None, f"Linear in state {self.kernel!r} has no packed weight"
+        if self.kernel == "avx2":
+            return panel_gemm.linear(x, self.packed, self.out_features, self.bias)
+        rows = x.numel() // self.in_features
+        padded = row_bucket(rows)
+        if padded == rows:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none", [], ""
+            )
+            return out
+        flat = torch.empty((padded, self.in_features), dtype=x.dtype, device=x.device)
+        flat[:rows].copy_(x.reshape(rows, self.in_features))
+        flat[rows:].zero_()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
-    def pack(self) -> None:
-        """Reorder the weight for oneDNN and drop the plain copy (see `onednn_supported`)."""
+    def pack(self, kernel: Literal["onednn", "avx2"] = "onednn") -> None:
+        """Rearrange the weight for `kernel` and drop the plain copy (see `resolve_linear_kernel`
+        for where each is available). Packing twice is an error."""
+        assert self.kernel == "torch", f"Linear already packed for {self.kernel!r}"
         w = self.weight.detach()
         self.weight_nbytes = w.numel() * w.element_size()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        if kernel == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        else:
+            self.packed = panel_gemm.pack_weight(w)
+        self.kernel = kernel
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     def nbytes(self) -> int:
         """Bytes a forward pass reads from the weight (packed or not)."""
-        if self.packed is not None:
+        if self.kernel != "torch":
             return self.weight_nbytes
         return self.weight.numel() * self.weight.element_size()
 
@@ -102,33 +127,70 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def avx2_unsupported(device: torch.device, dtype: torch.dtype) -> str:
+    """Why the avx2 kernel cannot serve this device/dtype ('' when it can): it takes CPU
+    bfloat16 or float32 weights and needs AVX2/FMA and a C compiler (`panel_gemm.load`)."""
+    if device.type != "cpu" or dtype not in panel_gemm.DTYPES:
+        return f"it takes CPU bfloat16 or float32 weights; got device {device}, dtype {dtype}"
+    if panel_gemm.load() is None:
+        return panel_gemm.unavailable_reason()
+    return ""
+
+
+def avx2_is_best(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether 'auto' picks avx2: CPU bfloat16 without oneDNN's bf16 path, or CPU float32 on a
+    CPU whose best vector unit is AVX2 (there oneDNN's GEMM has no wider one to use, and the
+    panel kernel measured 0.61-0.77x its time at 1-16 rows, 0.91-1.02x at 32-512), where the
+    kernel builds. On AVX-512 CPUs float32 stays on oneDNN."""
+    if device.type != "cpu" or avx2_unsupported(device, dtype):
+        return False
+    if dtype == torch.bfloat16:
+        return not onednn_supported(device, dtype)
+    return str(torch.backends.cpu.get_cpu_capability()) == "AVX2"
+
+
 def resolve_linear_kernel(
     kernel: LinearKernel, device: torch.device, dtype: torch.dtype
-) -> Literal["torch", "onednn"]:
-    """'auto' -> oneDNN where supported, else torch. 'onednn' where unsupported is a ValueError."""
-    if kernel not in ("auto", "torch", "onednn"):
-        raise ValueError(f"linear kernel must be 'auto', 'torch' or 'onednn', got {kernel!r}")
+) -> KernelName:
+    """'auto' -> avx2 where `avx2_is_best`, else oneDNN where supported, else torch. Naming a
+    kernel that cannot run here is a ValueError that says why."""
+    if kernel not in get_args(LinearKernel):
+        raise ValueError(
+            f"linear kernel must be one of {list(get_args(LinearKernel))}, got {kernel!r}"
+        )
     if kernel == "torch":
         return "torch"
+    if kernel == "avx2":
+        reason = avx2_unsupported(device, dtype)
+        if reason:
+            raise ValueError(f"linear kernel 'avx2' cannot run here: {reason}")
+        return "avx2"
+    if kernel == "auto" and avx2_is_best(device, dtype):
+        return "avx2"
     if onednn_supported(device, dtype):
         return "onednn"
     if kernel == "onednn":
         raise ValueError(
-            f"linear kernel 'onednn' needs a CPU device, float32/bfloat16 and a torch build "
-            f"with oneDNN; got device {device}, dtype {dtype}"
+            f"linear kernel 'onednn' needs a CPU device, float32 (or bfloat16 on a CPU with "
+            f"oneDNN's bf16 instructions) and a torch build with oneDNN; got device {device}, "
+            f"dtype {dtype}"
         )
     return "torch"
 
 
-def pack_linears(model: nn.Module, kernel: LinearKernel) -> Literal["torch", "onednn"]:
+def pack_linears(model: nn.Module, kernel: LinearKernel) -> KernelName:
     """Switch every `Linear` in `model` to the resolved kernel; returns the kernel in use."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears:
         return "torch"
-    first = linears[0].weight
+    first = linears[0].weight if linears[0].kernel == "torch" else linears[0].packed
+    assert first is not None
     resolved = resolve_linear_kernel(kernel, first.device, first.dtype)
-    if resolved == "onednn":
-        for layer in linears:
-            if layer.packed is None:
-                layer.pack()
+    for layer in linears:
+        if layer.kernel != resolved:
+            assert layer.kernel == "torch", (
+                f"cannot repack a Linear from {layer.kernel!r} to {resolved!r}"
+            )
+            if resolved != "torch":
+                layer.pack(resolved)
     return resolved

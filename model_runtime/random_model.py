@@ -7,7 +7,8 @@ HF transformers (`AutoTokenizer`, `LlamaForCausalLM`).
 
 Folder contents: `config.json` (LlamaForCausalLM, float32), `model.safetensors` (HF parameter
 names), `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained on the fixed corpus
-in `corpus.py`, so the vocabulary is identical on every machine), `generation_config.json`.
+in `corpus.py`, so the vocabulary is identical on every machine; and `corpus.CHAT_TEMPLATE`),
+`generation_config.json`.
 
 A random model is a weak oracle unless it is made a strong one. Three choices make it strong:
 
@@ -53,6 +54,8 @@ from model_runtime.corpus import (
     write_tokenizer_files,
 )
 
+CheckpointDtype = Literal["float32", "bfloat16"]
+_CHECKPOINT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QK_GAIN = 3.0
 NORM_WEIGHT_SPREAD = 0.2
 
@@ -147,7 +150,9 @@ def random_weights(p: RandomModelPreset, vocab_size: int, seed: int) -> dict[str
     return w
 
 
-def hf_config(p: RandomModelPreset, vocab_size: int) -> dict[str, object]:
+def hf_config(
+    p: RandomModelPreset, vocab_size: int, dtype: CheckpointDtype = "float32"
+) -> dict[str, object]:
     """The `config.json` contents (the standard HF Llama keys)."""
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -171,7 +176,7 @@ def hf_config(p: RandomModelPreset, vocab_size: int) -> dict[str, object]:
         "initializer_range": 0.02,
         "pretraining_tp": 1,
         "use_cache": True,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
@@ -183,17 +188,24 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def make_random_model(
-    out_dir: str | Path, preset: Literal["tiny", "small"] = "tiny", seed: int = 0
+    out_dir: str | Path,
+    preset: Literal["tiny", "small"] = "tiny",
+    seed: int = 0,
+    dtype: CheckpointDtype = "float32",
 ) -> Path:
     """Write a random Llama model folder to `out_dir` (created if missing); return its path.
 
     Same `preset` and `seed` give byte-identical files. The model's vocab_size is the trained
-    tokenizer's size, which the fixed corpus makes equal to the preset's.
+    tokenizer's size, which the fixed corpus makes equal to the preset's. `dtype` "bfloat16"
+    stores the same draws rounded to bfloat16 (as real checkpoints ship) and says so in
+    `config.json`'s `torch_dtype`, so an engine with dtype "auto" runs it in bfloat16.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if dtype not in _CHECKPOINT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_CHECKPOINT_DTYPES)}, got {dtype!r}")
     p = PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,13 +213,17 @@ def make_random_model(
     tok = train_tokenizer(p.vocab_size, p.corpus_words)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     write_tokenizer_files(out, tok, p.max_position_embeddings)
-    _write_json(out / "config.json", hf_config(p, vocab_size))
+    _write_json(out / "config.json", hf_config(p, vocab_size, dtype))
     _write_json(
         out / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
     weights = out / "model.safetensors"
-    save_file(random_weights(p, vocab_size, seed), str(weights), {"format": "pt"})
+    tensors = {
+        name: t.to(_CHECKPOINT_DTYPES[dtype]).contiguous()
+        for name, t in random_weights(p, vocab_size, seed).items()
+    }
+    save_file(tensors, str(weights), {"format": "pt"})
     # safetensors writes through a private (0600) temp file: give the weights the permissions
     # of the files written beside them (0644 under the usual umask), so others can read them.
     weights.chmod((out / "config.json").stat().st_mode & 0o777)

@@ -13,7 +13,11 @@ an exact tie, as `torch.argmax`). Sampled rows are processed one by one, each wi
    randomness per step whatever the cut, so a generator's stream stays aligned.
 
 Alongside each token the sampler returns its log-probability under the *unprocessed* logits
-(the model's own distribution), which tests use to tell a numerical near-tie from a bug.
+(the model's own distribution), which tests use to tell a numerical near-tie from a bug, and,
+for rows whose params ask for `logprobs` = k, the k most likely tokens under that same
+distribution. `banned[i]` lists token ids row i must not pick (a request below `min_tokens`:
+its EOS and stop ids); they are masked before step 1 and before the greedy argmax, never in
+the reported log-probabilities.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """One entry per logits row: the chosen token and its model log-probability."""
+    """One entry per logits row: the chosen token, its model log-probability, and the top
+    alternatives (None for rows that did not ask for them)."""
 
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[TopLogprobs | None]
 
 
 class Sampler:
@@ -42,12 +48,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         """Pick a token for each row of float32 `logits` [B, V].
 
-        `params[i]` and `generators[i]` belong to row i. A sampled row (temperature > 0) with
-        no generator uses torch's global RNG (not reproducible); the engine always passes one.
-        Greedy rows ignore their generator.
+        `params[i]`, `generators[i]` and `banned[i]` (if given) belong to row i. A sampled row
+        (temperature > 0) with no generator uses torch's global RNG (not reproducible); the
+        engine always passes one. Greedy rows ignore their generator.
         """
         assert logits.dim() == 2, f"logits must be [B, V], got shape {tuple(logits.shape)}"
         batch = logits.shape[0]
@@ -55,16 +62,23 @@ class Sampler:
             f"{batch} rows, {len(params)} params, {len(generators)} generators"
         )
         if batch == 0:
-            return SamplerOutput([], [])
+            return SamplerOutput([], [], [])
         logits = logits.float()
-        tokens = torch.argmax(logits, dim=-1)
+        allowed = logits
+        if banned is not None and any(banned):
+            allowed = logits.clone()
+            for i, ids in enumerate(banned):
+                if ids:
+                    allowed[i, list(ids)] = float("-inf")
+        tokens = torch.argmax(allowed, dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             tokens = tokens.clone()
             for i in sampled_rows:
-                tokens[i] = self._sample_row(logits[i], params[i], generators[i])
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return SamplerOutput(tokens.tolist(), logprobs.tolist())
+                tokens[i] = self._sample_row(allowed[i], params[i], generators[i])
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(tokens.tolist(), logprobs.tolist(), _top(all_logprobs, params))
 
     @staticmethod
     def _sample_row(
@@ -75,6 +89,33 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         race = torch.empty_like(probs).exponential_(generator=generator)
         return torch.argmax(probs / race)
+
+
+def _top(all_logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs | None]:
+    """Each row's `params.logprobs` most likely (id, logprob) pairs (None where not asked)."""
+    out: list[TopLogprobs | None] = [None] * len(params)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not wanted:
+        return out
+    k = max(params[i].logprobs or 0 for i in wanted)
+    values, ids = all_logprobs[wanted].topk(k, dim=-1) if k else (None, None)
+    for row, i in enumerate(wanted):
+        n = params[i].logprobs or 0
+        if n == 0 or values is None or ids is None:
+            out[i] = ()
+            continue
+        out[i] = tuple(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True))
+    return out
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, steps: int) -> None:
+    """Advance `generator` past `steps` sampling steps, drawing exactly what `_sample_row` draws
+    per step (one float32 exponential race over the vocabulary). A seeded request whose first
+    `steps` tokens were sampled elsewhere (another worker) then continues the seed's stream, so
+    it gets the tokens a single engine would give it."""
+    race = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(steps):
+        race.exponential_(generator=generator)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

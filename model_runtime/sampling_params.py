@@ -8,15 +8,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit)."""
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The k most likely (token id, log-probability) pairs at one position, most likely first."""
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: dividing logits by a tiny temperature overflows
+float32 (1e-38 already makes inf - inf = NaN probabilities), and the distribution is an
+argmax long before that."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature 0 means greedy (exact argmax). top_k 0 means no top-k cut; top_p 1.0 means no
-    nucleus cut. `seed` makes a sampled request reproducible whatever else is in the batch.
-    Generation stops at EOS (unless `ignore_eos`), at any of `stop_token_ids`, or after
-    `max_tokens` tokens.
+    temperature 0 (or anything below `GREEDY_BELOW`) means greedy (exact argmax). top_k 0
+    means no top-k cut; top_p 1.0 means no nucleus cut. `seed` makes a sampled request
+    reproducible whatever else is in the batch. Generation stops at EOS (unless `ignore_eos`),
+    at any of `stop_token_ids`, or after `max_tokens` tokens; before `min_tokens` tokens EOS and
+    the stop ids cannot be sampled. `logprobs` None reports no log-probabilities; k reports each
+    token's and the k most likely tokens' (under the model's own distribution, before
+    temperature, top-k and top-p).
     """
 
     max_tokens: int = 16
@@ -26,10 +40,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field; `vocab_size` bounds token ids."""
@@ -52,6 +68,20 @@ class SamplingParams:
             or self.seed >= 2**63
         ):
             raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
                 raise ValueError(

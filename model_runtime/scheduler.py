@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import Request, RequestOutput, RequestStatus
+from model_runtime.sampling_params import TopLogprobs
 from model_runtime.scheduler_types import ScheduledRequest, SchedulerConfig, SchedulerOutput
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
@@ -219,11 +220,13 @@ class Scheduler:
         output: SchedulerOutput,
         sampled_token_ids: Sequence[int | None],
         logprobs: Sequence[float] | None = None,
+        top_logprobs: Sequence[TopLogprobs | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply a step's results; return an output for every request that got a new token.
 
-        `sampled_token_ids[i]` (and `logprobs[i]`, if given) belong to `output.items[i]`: a
-        token for items with `samples=True`, None for partial prefill chunks.
+        `sampled_token_ids[i]` (and `logprobs[i]`, `top_logprobs[i]`, if given) belong to
+        `output.items[i]`: a token for items with `samples=True`, None for partial prefill
+        chunks.
         """
         assert len(sampled_token_ids) == len(output.items), (
             f"{len(sampled_token_ids)} sampled tokens for {len(output.items)} items"
@@ -244,7 +247,11 @@ class Scheduler:
             self._register_full_blocks(request)
             if token is None:
                 continue
-            finished = request.append_token(token, logprobs[i] if logprobs is not None else 0.0)
+            finished = request.append_token(
+                token,
+                logprobs[i] if logprobs is not None else 0.0,
+                top_logprobs[i] if top_logprobs is not None else None,
+            )
             if finished:
                 self.running.remove(request)
                 if request.hold_blocks:

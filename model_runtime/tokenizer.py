@@ -37,7 +37,7 @@ def _as_ids(value: object) -> list[int]:
     return [int(value)]  # type: ignore[call-overload]
 
 
-def _token_name(value: object) -> str | None:
+def special_token_text(value: object) -> str | None:
     """`tokenizer_config.json` writes special tokens as a string or as {"content": ...}."""
     if isinstance(value, str):
         return value
@@ -67,7 +67,7 @@ class Tokenizer:
         tok_cfg = _read_json(d / "tokenizer_config.json")
 
         def by_name(key: str) -> int | None:
-            name = _token_name(tok_cfg.get(key))
+            name = special_token_text(tok_cfg.get(key))
             return None if name is None else tok.token_to_id(name)
 
         bos = config.get("bos_token_id")
@@ -87,13 +87,21 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added/special tokens included."""
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def max_token_chars(self) -> int:
+        """Characters in the longest vocabulary entry (added tokens included): no token covers
+        more of a text (a byte-level entry's characters are bytes, at least as many)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, with the BOS id first when `add_bos` and the model has one.
 
         The tokenizer file's own post-processor is not used, so `add_bos` means the same for
-        every model whatever its template says.
+        every model whatever its template says. The work runs without the GIL (the library's
+        batch path releases it, its single-text path does not), so encoding in a helper thread
+        does not stall the caller's event loop.
         """
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids

@@ -53,7 +53,7 @@ from model_runtime.request import RequestOutput, stop_reason
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import sampling_from_proto, ticket_from_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_from_proto
 from worker.roles import Role, ms
 from worker.sinks import Sink, UnarySink, WorkerError
 
@@ -120,8 +120,16 @@ class PrefillRole(Role):
                     f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
                     f"model's context {limit}"
                 )
-            first_only = dataclasses.replace(params, max_tokens=1)
-            self.engine.add_request(engine_id, prompt, first_only, hold_blocks=True)
+            first_only = dataclasses.replace(
+                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+            )
+            self.engine.add_request(
+                engine_id,
+                prompt,
+                first_only,
+                hold_blocks=True,
+                num_sampled=req.sampling.num_sampled,
+            )
         except LayoutMismatchError as exc:
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except ValueError as exc:
@@ -192,23 +200,25 @@ class PrefillRole(Role):
                         grpc.StatusCode.UNAVAILABLE,
                         f"KV transfer {r.transfer_id} of request {rid!r} to decode worker "
                         f"{r.peer} failed: {r.error}",
+                        failed_peer=r.peer,
                     )
                 )
                 continue
             first = out.output_token_ids[0]
             reason = stop_reason(first, 1, job.params, self.engine.model_config.eos_token_ids)
             started = job.first_scheduled if job.first_scheduled is not None else job.arrival
-            job.sink.set(
-                worker_pb2.PrefillResponse(
-                    first_token=first,
-                    cached_tokens=out.num_cached_tokens,
-                    queue_ms=ms(started - job.arrival),
-                    compute_ms=ms(job.compute_end - started),
-                    transfer_ms=ms(now - job.compute_end),
-                    finished=reason is not None,
-                    finish_reason=reason or "",
-                )
+            resp = worker_pb2.PrefillResponse(
+                first_token=first,
+                cached_tokens=out.num_cached_tokens,
+                queue_ms=ms(started - job.arrival),
+                compute_ms=ms(job.compute_end - started),
+                transfer_ms=ms(now - job.compute_end),
+                finished=reason is not None,
+                finish_reason=reason or "",
             )
+            if job.params.logprobs is not None:
+                resp.first_logprob.CopyFrom(logprobs_to_proto(out.new_logprobs())[0])
+            job.sink.set(resp)
 
     def expire(self, now: float) -> None:
         for rid, job in list(self._jobs.items()):

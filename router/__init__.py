@@ -1,4 +1,4 @@
-"""pdserve router: the cluster's front door (public `Inference` gRPC API).
+"""pdserve router: the cluster's front door (public `Inference` gRPC API and OpenAI HTTP API).
 
 Runs in the router process only. It validates and tokenizes requests, admits them into a bounded
 queue, picks workers with a routing policy, runs the prefill -> decode hand-off (or a colocated
@@ -21,9 +21,19 @@ Module map:
 - `admission`   bounded FIFO admission (max_inflight running, max_queued waiting)
 - `textstream`  text deltas with stop-string matching
 - `errors`      `RouterError` (a request's final status) and worker-error mapping
-- `flow`        one request's worker calls (disagg and colocated) and cleanup aborts
+- `lifecycle`   the one request path both edges call: admit -> validate -> flow -> status,
+                cleanup aborts, outcome hooks
+- `flow`        one request's legs: routing, retries before the first token, migration to
+                another worker after a mid-stream failure, cleanup aborts
+- `worker_calls` one leg's worker calls (Reserve/Prefill/Decode or colocated Generate) and how
+                their failures are classified (retryable, migratable, final)
+- `client_stream` what the client sees: tokens -> text deltas (+ logprobs), the final info
 - `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
                 driver task, the `SetRole` actuator); fed by `server`'s outcome hook
-- `server`      the `Inference` servicer; `app` wires everything (`start_router`, and the
+- `auth`        the public API's TLS port, bearer-token interceptor and token-file watcher,
+                and the HTTP front's rules
+- `server`      the `Inference` gRPC servicer (a thin edge over `lifecycle`)
+- `http`        the OpenAI-compatible HTTP edge (aiohttp on the same loop)
+- `app`         wires everything (`start_router`, and the
                 ratio controller when `config.ratio.mode` is not 'fixed')
 """

@@ -1,7 +1,12 @@
 """`python -m router`: run a router process until SIGINT/SIGTERM.
 
 Prints one line ``pdserve-router ready host=<host> port=<port>`` on stdout once it serves (the
-port is the bound one, useful with ``--port 0``). Exit status 2 on a bad argument or config.
+port is the bound one, useful with ``--port 0``), followed by `` http_port=<port>`` when the
+HTTP front runs (``--http-port``). Exit status 2 on a bad argument or config.
+
+Secrets never come on the command line: the cluster secret comes from
+``PDSERVE_CLUSTER_SECRET`` or `--cluster-secret-file`, a Redis password from
+``PDSERVE_REDIS_PASSWORD`` or the index config's `password_file`.
 """
 
 from __future__ import annotations
@@ -9,16 +14,51 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, TypeAdapter, ValidationError
 
 from router.app import start_router
 from router.config import RouterConfig
 from router.policies import POLICIES
+from router.prefix_index.config import (
+    REDIS_PASSWORD_ENV,
+    MemoryIndexConfig,
+    PrefixIndexConfig,
+    RedisIndexConfig,
+)
 from router.ratio.config import RatioConfig
+from security.cli import add_server_security_args, server_security_overrides
+from security.config import SecurityConfig
+
+
+def _security(args: argparse.Namespace) -> SecurityConfig:
+    """`--security-json`, with the security flags on top."""
+    data: dict[str, Any] = SecurityConfig.model_validate_json(
+        args.security_json or "{}"
+    ).model_dump(exclude_unset=True)
+    for key, value in server_security_overrides(args, "").items():
+        if value is not None:
+            data[key.lstrip(".")] = value
+    return SecurityConfig.model_validate(data)
+
+
+def _prefix_index(args: argparse.Namespace) -> MemoryIndexConfig | RedisIndexConfig:
+    """`--prefix-index-json`, else `--redis-url`; a Redis password from the environment."""
+    if args.prefix_index_json:
+        index = TypeAdapter(PrefixIndexConfig).validate_json(args.prefix_index_json)
+    else:
+        index = RouterConfig.prefix_index_from_url(args.redis_url)
+    password = os.environ.pop(REDIS_PASSWORD_ENV, None)
+    if password and isinstance(index, RedisIndexConfig):
+        index = RedisIndexConfig.model_validate(
+            {**index.model_dump(), "password": SecretStr(password)}
+        )
+    return index
 
 
 def _addrs(values: list[str] | None) -> tuple[str, ...]:
@@ -43,16 +83,46 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--colocated-addr", action="append", help="colocated worker host:port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API (and /metrics) on this port; 0 picks a free one",
+    )
     p.add_argument("--max-inflight", type=int, default=64)
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=RouterConfig.model_fields["shutdown_grace_s"].default,
+        help="on SIGTERM, how long running streams may finish",
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=RouterConfig.model_fields["max_migrations"].default,
+        help="times a request moves off a decode worker that failed mid-stream",
+    )
     p.add_argument(
         "--ratio-json",
         default=None,
         help="ratio controller settings as JSON (a RatioConfig, e.g. "
         '\'{"mode": "advisory", "slo_ttft_ms": 500, "slo_tpot_ms": 50}\'); default: off',
     )
+    p.add_argument(
+        "--prefix-index-json",
+        default=None,
+        help="prefix index settings as JSON (a MemoryIndexConfig / RedisIndexConfig without "
+        "a password; overrides --redis-url)",
+    )
+    p.add_argument(
+        "--security-json",
+        default=None,
+        help="security settings as JSON (a SecurityConfig: file paths only); flags override",
+    )
+    add_server_security_args(p)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -69,12 +139,16 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             colocated_addrs=_addrs(args.colocated_addr),
             host=args.host,
             port=args.port,
+            http_port=args.http_port,
             max_inflight=args.max_inflight,
             max_queued=args.max_queued,
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
-            prefix_index=RouterConfig.prefix_index_from_url(args.redis_url),
+            max_migrations=args.max_migrations,
+            shutdown_grace_s=args.shutdown_grace_s,
+            prefix_index=_prefix_index(args),
             ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
+            security=_security(args),
         )
     except ValidationError as exc:
         p.error(str(exc))
@@ -87,7 +161,8 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"pdserve-router ready host={config.host} port={handle.port}", flush=True)
+    http = f" http_port={handle.http.port}" if handle.http is not None else ""
+    print(f"pdserve-router ready host={config.host} port={handle.port}{http}", flush=True)
     await stop.wait()
     await handle.stop()
 

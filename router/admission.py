@@ -17,7 +17,8 @@ class Overloaded(Exception):
 
 
 class Admission:
-    """`acquire()` a running slot (waiting FIFO if needed), `release()` it exactly once."""
+    """`enter()` (decides at once) then `Ticket.wait()` / `Ticket.leave()`; or `acquire()` a
+    running slot (waiting FIFO if needed) and `release()` it exactly once."""
 
     def __init__(self, max_inflight: int, max_queued: int) -> None:
         if max_inflight < 1 or max_queued < 0:
@@ -27,6 +28,7 @@ class Admission:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self._running = 0
+        self._queued = 0  # waiters whose future is not done yet
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -37,7 +39,22 @@ class Admission:
     @property
     def queued(self) -> int:
         """Requests waiting for a slot now."""
-        return sum(1 for w in self._waiters if not w.done())
+        return self._queued
+
+    def enter(self) -> Ticket:
+        """Decide at once, without awaiting: a running slot now, a place in the queue, or
+        `Overloaded` (the queue is full). The caller must `leave()` the ticket exactly once."""
+        if self._running < self.max_inflight and not self._waiters:
+            self._running += 1
+            return Ticket(self, None)
+        if self._queued >= self.max_queued:
+            raise Overloaded(
+                f"router queue full ({self.max_queued} waiting, {self._running} running)"
+            )
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._queued += 1
+        return Ticket(self, fut)
 
     async def acquire(self) -> None:
         """Take a slot, waiting in FIFO order; raise `Overloaded` at once if the queue is full.
@@ -45,22 +62,11 @@ class Admission:
         Cancellation while waiting leaves no trace (a slot granted in the same instant is
         passed on to the next waiter).
         """
-        if self._running < self.max_inflight and not self._waiters:
-            self._running += 1
-            return
-        if self.queued >= self.max_queued:
-            raise Overloaded(
-                f"router queue full ({self.max_queued} waiting, {self._running} running)"
-            )
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        ticket = self.enter()
         try:
-            await fut
+            await ticket.wait()
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted and cancelled at once: hand the slot on
-            elif fut in self._waiters:
-                self._waiters.remove(fut)
+            ticket.leave()
             raise
 
     def release(self) -> None:
@@ -69,6 +75,42 @@ class Admission:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
+                self._queued -= 1
                 fut.set_result(None)  # the slot moves to the waiter; _running is unchanged
                 return
         self._running -= 1
+
+    def _withdraw(self, fut: asyncio.Future[None]) -> None:
+        """A queued ticket leaves before its slot came (its future is not done)."""
+        self._waiters.remove(fut)
+        self._queued -= 1
+        fut.cancel()
+
+
+class Ticket:
+    """One request's place in an `Admission`: running (`fut` None or done) or queued."""
+
+    def __init__(self, admission: Admission, fut: asyncio.Future[None] | None) -> None:
+        self._admission = admission
+        self._fut = fut
+        self._left = False
+
+    @property
+    def running(self) -> bool:
+        return self._fut is None or (self._fut.done() and not self._fut.cancelled())
+
+    async def wait(self) -> None:
+        """Until the ticket holds a running slot (FIFO); cancellable (then `leave()` it)."""
+        if self._fut is not None:
+            await asyncio.shield(self._fut)
+
+    def leave(self) -> None:
+        """Give the slot back, or the place in the queue; idempotent."""
+        if self._left:
+            return
+        self._left = True
+        if self.running:
+            self._admission.release()
+        else:
+            assert self._fut is not None
+            self._admission._withdraw(self._fut)

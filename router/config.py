@@ -16,6 +16,7 @@ from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
 from router.prefix_policy import PrefixRoutingConfig
 from router.ratio.config import RatioConfig
+from security.config import SecurityConfig
 
 Mode = Literal["disagg", "colocated"]
 
@@ -72,7 +73,20 @@ class RouterConfig(BaseModel):
         default=(), description="Colocated workers' host:port (colocated mode)."
     )
     host: str = Field(default="127.0.0.1", description="Interface the public gRPC server binds.")
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="TLS, mutual TLS and bearer tokens on the public API; the worker plane's "
+        "mutual TLS and cluster secret file (`security.config`). A non-loopback `host` needs "
+        "TLS and a token file unless security.insecure.",
+    )
     port: int = Field(default=0, ge=0, le=65535, description="Public port; 0 picks a free one.")
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the OpenAI-compatible HTTP front (and /metrics) on `host`; "
+        "0 picks a free one; None serves no HTTP.",
+    )
     max_inflight: int = Field(
         default=64, ge=1, description="Requests running worker calls at once."
     )
@@ -93,10 +107,22 @@ class RouterConfig(BaseModel):
         description="Timeout of one GetStatus call; a miss marks the worker unhealthy.",
     )
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Timeout of cleanup Abort calls.")
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On stop (SIGTERM): how long running streams may finish after the router "
+        "stops accepting calls; the rest are then cancelled and aborted on every worker.",
+    )
     max_route_attempts: int = Field(
         default=2,
         ge=1,
         description="Tries (different workers) while nothing was sent to the client.",
+    )
+    max_migrations: int = Field(
+        default=1,
+        ge=0,
+        description="Times a request whose decode (or colocated) worker fails mid-stream moves "
+        "to another one (prompt + tokens so far prefilled again there); 0 = never.",
     )
 
     @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")
@@ -130,6 +156,11 @@ class RouterConfig(BaseModel):
                 raise ValueError("mode 'colocated' needs colocated_addrs (>= 1)")
             if self.prefill_addrs or self.decode_addrs:
                 raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
+        return self
+
+    @model_validator(mode="after")
+    def _bind(self) -> RouterConfig:
+        self.security.check_bind(self.host, "host")
         return self
 
     @model_validator(mode="after")

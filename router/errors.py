@@ -1,8 +1,11 @@
 """Errors that end a request with a gRPC status. Runs in the router process.
 
 `RouterError(code, message)` is raised anywhere on the request path and turned into the
-client's status once, by the `Generate` handler. `worker_error` maps a failed worker call to the
-status the client gets, following DESIGN.md's error table.
+client's status once, at the edge: the gRPC `Generate` handler (a gRPC status) or the HTTP front
+(an OpenAI error object with the matching HTTP status). `InvalidRequest` is the
+INVALID_ARGUMENT case and keeps the offending field's path, so each edge can name the field in
+its own vocabulary. `worker_error` maps a failed worker call to the status the client gets,
+following DESIGN.md's error table.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ class RouterError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+class InvalidRequest(RouterError):
+    """Bad client input (INVALID_ARGUMENT). `message` is ``"<field>: <problem>"``."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
 
 
 class Retryable(RouterError):

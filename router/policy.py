@@ -49,11 +49,20 @@ class WorkerView:
     in_flight_tokens: int = 0  # ... of which the worker must compute (minus expected hits)
     epoch: int = 0  # the worker process's start epoch (0: unknown)
     node: str = ""  # the worker's node label ("" = unlabelled: all one node)
+    error: str = ""  # why it is unhealthy: the last failed poll or call ("" when healthy)
 
     @property
     def usable(self) -> bool:
         """Healthy and not draining: may take new work."""
         return self.healthy and not self.draining
+
+    def why_unusable(self) -> str:
+        """In words, why this worker takes no new work ("" when it is usable)."""
+        if self.usable:
+            return ""
+        if self.healthy:
+            return f"{self.address}: draining"
+        return f"{self.address}: {self.error or 'not polled successfully yet'}"
 
     def blocks_needed(self, num_tokens: int) -> int:
         """KV blocks this worker needs to hold `num_tokens` tokens."""

@@ -21,6 +21,7 @@ import grpc
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.policy import Role, WorkerView
 from router.registry import WorkerRecord, WorkerRegistry
+from security.channels import InternalAuth
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class WorkerPool:
     """Owns one channel + stub per worker and keeps the registry's health up to date.
 
     `await on_change(views)` runs after every registry update with the views of every role, so
-    the app can recompute its health status.
+    the app can recompute its health status. `internal` says how to reach the workers: the
+    cluster secret every call carries and the optional mutual TLS (default: neither).
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class WorkerPool:
         poll_interval_s: float,
         poll_timeout_s: float,
         on_change: Callable[[list[WorkerView]], Awaitable[None]] | None = None,
+        internal: InternalAuth | None = None,
     ) -> None:
         self._registry = registry
+        self._internal = internal or InternalAuth()
         self._interval = poll_interval_s
         self._timeout = poll_timeout_s
         self._on_change = on_change
@@ -63,9 +67,10 @@ class WorkerPool:
         """Register `address` and open its channel (no I/O until the first call)."""
         await self._registry.register(address, role)
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._internal.aio_channel(address, CHANNEL_OPTIONS)
             self._channels[address] = channel
-            self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)  # type: ignore[no-untyped-call]
+            stub = worker_pb2_grpc.WorkerStub(channel)  # type: ignore[no-untyped-call]
+            self._stubs[address] = self._internal.stub(stub)
             self._in_flight[address] = 0
             self._in_flight_tokens[address] = [0, 0]
         await self._refresh()
@@ -114,7 +119,7 @@ class WorkerPool:
             prompt_tokens, tokens = self._in_flight_tokens.get(rec.address, (0, 0))
             if st is None:
                 view = WorkerView(rec.address, rec.address, rec.role, False, False)
-                out.append(replace(view, in_flight=in_flight))
+                out.append(replace(view, in_flight=in_flight, error=rec.last_error))
                 continue
             out.append(
                 WorkerView(
@@ -134,6 +139,7 @@ class WorkerPool:
                     in_flight_tokens=tokens,
                     epoch=st.epoch,
                     node=st.node,
+                    error="" if rec.healthy else rec.last_error,
                 )
             )
         return out

@@ -1,119 +1,57 @@
 """The public `pdserve.v1.Inference` gRPC service. Runs in the router process (grpc.aio).
 
-`Generate` = validate -> tokenize -> admit (bounded queue) -> route -> worker calls
-(`flow.RequestRun`) -> stream. Status codes at this edge (DESIGN.md's error table):
+A thin edge over `lifecycle.RequestLifecycle`, which runs every public request (this service's
+and the HTTP front's alike): `Generate` passes the decoded request, a `send` that writes each
+`GenerateResponse` to the stream and the client's deadline, and turns a `RouterError` into the
+call's status. Status codes at this edge (DESIGN.md's error table):
 
 - INVALID_ARGUMENT: bad input, message names the field; never reaches a worker;
 - RESOURCE_EXHAUSTED: admission queue full (answered at once) or no worker with KV room;
 - UNAVAILABLE: no healthy worker, or a worker failed (retried elsewhere while nothing was sent);
 - DEADLINE_EXCEEDED: the client's deadline (or `default_timeout_s`) passed;
-- CANCELLED: the client went away (grpc reports it; the handler only cleans up);
+- CANCELLED: the client went away (grpc cancels the handler; the lifecycle only cleans up);
 - INTERNAL: a broken invariant, logged with its traceback.
-
-Cleanup rule: whenever a request ends with workers still holding it (`RequestRun.holders`), an
-`Abort(request_id)` goes to each of them from a task owned by the service, not by the handler,
-so it still runs when the handler itself was cancelled.
-
-Outcome hook: every request that passed validation and ended with a status — OK or an error,
-a full queue and a passed deadline included; not a client cancel — is reported once to the
-optional `OutcomeObserver` (the ratio controller) with its TTFT, TPOT and end-to-end time as the
-router saw them (`request_outcome`). The hook runs after the worker cleanup is scheduled and
-before the status goes out; it is synchronous, and an exception it raises is logged, never sent
-to the client.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-import uuid
-from collections.abc import Sequence
-from typing import Protocol
-
 import grpc
 
-from model_runtime.tokenizer import Tokenizer
-from proto.pdserve.v1 import inference_pb2, worker_pb2
-from router.admission import Admission, Overloaded
-from router.config import RouterConfig
+from proto.pdserve.v1 import inference_pb2
+from router.admission import Admission
 from router.errors import RouterError
-from router.flow import RequestRun
-from router.policy import RoutingPolicy
-from router.pool import WorkerPool
-from router.prefix_index.guard import GuardedPrefixIndex
+from router.lifecycle import RequestLifecycle
 from router.validation import (
     DEFAULT_MAX_TOKENS,
     DecodedRequest,
-    ModelLimits,
-    RequestValidationError,
     decode_generate_request,
-    validate_request,
+    decode_model_info_request,
 )
 
-log = logging.getLogger(__name__)
-
 SERVICE_NAME = "pdserve.v1.Inference"
-
-
-class OutcomeObserver(Protocol):
-    """Told how each request ended (`router.ratio.RatioController` satisfies it). `observe`
-    must be cheap and non-blocking: it runs on the request's task."""
-
-    def observe(
-        self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float | None = None
-    ) -> None: ...
-
-
-def request_outcome(run: RequestRun, e2e_s: float) -> tuple[float | None, float | None]:
-    """(TTFT, TPOT) in seconds of a request that ended `e2e_s` after it arrived. TTFT: arrival
-    to the first token sent (None: no token was sent); TPOT: the time after the first token
-    divided by the tokens after it (None: fewer than two tokens)."""
-    if not run.timings.ttft_ms:
-        return None, None
-    ttft = run.timings.ttft_ms / 1e3
-    if run.completion_tokens < 2:
-        return ttft, None
-    return ttft, max(0.0, e2e_s - ttft) / (run.completion_tokens - 1)
 
 
 class InferenceService:
     """Handlers of the `Inference` service; register with `server.add_generic_rpc_handlers`."""
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        tokenizer: Tokenizer,
-        limits: ModelLimits,
-        pool: WorkerPool,
-        policy: RoutingPolicy,
-        prefix_index: GuardedPrefixIndex | None = None,
-        observer: OutcomeObserver | None = None,
-    ) -> None:
-        self._config = config
-        self._observer = observer
-        self._tokenizer = tokenizer
-        self._limits = limits
-        self._pool = pool
-        self._policy = policy
-        self._prefix_index = prefix_index
-        self._admission = Admission(config.max_inflight, config.max_queued)
-        self._in_flight_ids: set[str] = set()
-        self._cleanup_tasks: set[asyncio.Task[None]] = set()
+    def __init__(self, lifecycle: RequestLifecycle) -> None:
+        self.lifecycle = lifecycle
 
     def rpc_handlers(self) -> grpc.GenericRpcHandler:
-        """Method handlers with `Generate`'s never-failing deserializer (see `validation`)."""
+        """Method handlers with never-failing deserializers (see `validation`): a request that
+        does not parse, or is over the model's size limit, gets INVALID_ARGUMENT naming why."""
+        max_bytes = self.lifecycle.limits.max_request_bytes
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
                 "Generate": grpc.unary_stream_rpc_method_handler(
                     self.Generate,
-                    request_deserializer=decode_generate_request,
+                    request_deserializer=lambda data: decode_generate_request(data, max_bytes),
                     response_serializer=inference_pb2.GenerateResponse.SerializeToString,
                 ),
                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                     self.GetModelInfo,
-                    request_deserializer=inference_pb2.GetModelInfoRequest.FromString,
+                    request_deserializer=decode_model_info_request,
                     response_serializer=inference_pb2.ModelInfo.SerializeToString,
                 ),
             },
@@ -122,133 +60,39 @@ class InferenceService:
     @property
     def admission(self) -> Admission:
         """The admission queue (read its counters in tests and metrics)."""
-        return self._admission
+        return self.lifecycle.admission
 
     async def GetModelInfo(
-        self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.GetModelInfoRequest | None,
+        context: grpc.aio.ServicerContext,
     ) -> inference_pb2.ModelInfo:
         """The served model's name and limits and the router's mode."""
+        if request is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request: malformed GetModelInfoRequest"
+            )
+        config, limits = self.lifecycle.config, self.lifecycle.limits
         return inference_pb2.ModelInfo(
-            model=self._config.served_model_name,
-            context_length=self._limits.context_length,
-            vocab_size=self._limits.vocab_size,
-            mode=self._config.mode,
+            model=config.served_model_name,
+            context_length=limits.context_length,
+            vocab_size=limits.vocab_size,
+            mode=config.mode,
             max_tokens_default=DEFAULT_MAX_TOKENS,
         )
 
     async def Generate(self, decoded: DecodedRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream one completion; see the module docstring for the statuses."""
-        t_arrival = time.perf_counter()
-        try:
-            req = validate_request(
-                decoded, self._limits, self._tokenizer.encode, self._in_flight_ids
-            )
-        except RequestValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        request_id = req.request_id or uuid.uuid4().hex
-        client_left = context.time_remaining()
-        timeout = self._config.default_timeout_s if client_left is None else client_left
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
 
         async def send(resp: inference_pb2.GenerateResponse) -> None:
             await context.write(resp)
 
-        run = RequestRun(
-            request_id=request_id,
-            req=req,
-            deadline=deadline,
-            t_arrival=t_arrival,
-            pool=self._pool,
-            policy=self._policy,
-            tokenizer=self._tokenizer,
-            colocated=self._config.mode == "colocated",
-            max_attempts=self._config.max_route_attempts,
-            abort_now=self.abort_now,
-            send=send,
-            prefix_index=self._prefix_index,
-        )
-        self._in_flight_ids.add(request_id)
-        error: RouterError | None = None
         try:
-            async with asyncio.timeout_at(deadline):
-                await self._run_admitted(run)
-        except TimeoutError:
-            error = RouterError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"request deadline ({timeout:.3f} s) passed"
-            )
-        except RouterError as exc:
-            error = exc
-        except Exception as exc:  # a bug: answer INTERNAL, keep the traceback in the log
-            log.exception("request %s failed with an unexpected error", request_id)
-            error = RouterError(grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
-        finally:
-            self._in_flight_ids.discard(request_id)
-            run.close()
-            if run.holders:
-                self.abort_later(request_id, sorted(run.holders))
-        # Reached only when the handler was not cancelled (the client did not go away).
-        self._report(run, error is None, time.perf_counter() - t_arrival)
-        if error is not None:
-            await context.abort(error.code, error.message)
-
-    def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
-        """Tell the observer how `run` ended; never raises (a failing hook is logged)."""
-        if self._observer is None:
-            return
-        try:
-            ttft_s, tpot_s = request_outcome(run, e2e_s)
-            self._observer.observe(ttft_s, tpot_s, ok, e2e_s)
-        except Exception:
-            log.exception("outcome observer failed for request %s", run.request_id)
-
-    async def _run_admitted(self, run: RequestRun) -> None:
-        t0 = time.perf_counter()
-        try:
-            await self._admission.acquire()
-        except Overloaded as exc:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        try:
-            run.timings.router_queue_ms = (time.perf_counter() - t0) * 1e3
-            await run.execute()
-        finally:
-            self._admission.release()
-
-    async def abort_now(self, request_id: str, addresses: Sequence[str]) -> None:
-        """`Abort(request_id)` on each address concurrently, each bounded by abort_timeout_s.
-
-        Failures are logged, not raised: the worker may be the one that died, and a worker's
-        own reservation timeout is the backstop for a lost Abort.
-        """
-        await asyncio.gather(*(self._abort_one(request_id, a) for a in addresses))
-
-    def abort_later(self, request_id: str, addresses: Sequence[str]) -> None:
-        """`abort_now` in a task owned by the service (survives the caller's cancellation)."""
-        task = asyncio.get_running_loop().create_task(
-            self.abort_now(request_id, addresses), name=f"abort-{request_id}"
-        )
-        self._cleanup_tasks.add(task)
-        task.add_done_callback(self._cleanup_tasks.discard)
-
-    async def _abort_one(self, request_id: str, address: str) -> None:
-        try:
-            stub = self._pool.stub(address)
-        except KeyError:
-            log.warning("abort %s: worker %s is no longer registered", request_id, address)
-            return
-        try:
-            await stub.Abort(
-                worker_pb2.AbortRequest(request_id=request_id),
-                timeout=self._config.abort_timeout_s,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "abort %s on %s failed: %s %s", request_id, address, exc.code(), exc.details()
-            )
+            await self.lifecycle.run(decoded, send, context.time_remaining())
+        except RouterError as err:
+            context.set_code(err.code)  # no exception raised here: cheaper under a burst
+            context.set_details(err.message)
 
     async def wait_cleanup(self, timeout_s: float) -> None:
         """Wait (bounded) for pending cleanup aborts; used at shutdown and in tests."""
-        pending = list(self._cleanup_tasks)
-        if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
+        await self.lifecycle.wait_cleanup(timeout_s)

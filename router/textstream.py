@@ -9,6 +9,10 @@ To never stream text that later turns out to be part of a stop string, the last
 
     text so far:  "Hello, wor"      stop = ["world!"]  (6 chars -> hold back 5)
     emitted:      "Hello"           held: ", wor"
+
+With `min_tokens`, stop strings are not looked for until that many tokens were pushed (as vLLM
+does): from then on each push searches the new text and the held-back tail before it, so a stop
+string wholly inside the text of the first `min_tokens - 1` tokens never matches.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ class TextDelta:
 class TextStream:
     """Feed token ids with `push`; call `finish` when the worker ends the stream normally."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], min_tokens: int = 0) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in stop), default=1) - 1
@@ -50,7 +56,8 @@ class TextStream:
         assert not self.stopped, "push() after a stop string matched"
         searched_to = len(self._text)
         self._text += self._detok.add_many(token_ids)
-        if self._stop:
+        self._num_tokens += len(token_ids)
+        if self._stop and self._num_tokens >= self._min_tokens:
             start = max(0, searched_to - self._hold)
             cut = self._first_stop(start)
             if cut is not None:
@@ -64,7 +71,8 @@ class TextStream:
             return ""
         searched_to = len(self._text)
         self._text += self._detok.flush()
-        cut = self._first_stop(max(0, searched_to - self._hold)) if self._stop else None
+        searching = self._stop and self._num_tokens >= self._min_tokens
+        cut = self._first_stop(max(0, searched_to - self._hold)) if searching else None
         if cut is not None:
             self.stopped = True
             return self._emit_to(cut)

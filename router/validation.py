@@ -3,9 +3,11 @@
 `decode_generate_request(bytes)` is the gRPC request deserializer: it never raises, so a request
 that protobuf refuses (a proto3 `string` with invalid UTF-8 raises `DecodeError` at parse time;
 grpc's default deserializer would answer INTERNAL) still reaches the handler, which answers
-INVALID_ARGUMENT naming the field. `validate_request` turns a decoded request into a
-`ValidatedRequest` or raises `RequestValidationError` (a ValueError) whose message starts with
-the offending field's path, e.g. ``sampling.top_p: must be in (0, 1], got 1.5``.
+INVALID_ARGUMENT naming the field; a request over the model's size limit is refused unparsed.
+Text prompts longer than the context can hold are refused before they are tokenized.
+`validate_request` turns a decoded request into a `ValidatedRequest` or raises
+`RequestValidationError` (a ValueError) whose message starts with the offending field's path,
+e.g. ``sampling.top_p: must be in (0, 1], got 1.5``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 from proto.pdserve.v1 import inference_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -36,14 +38,30 @@ class RequestValidationError(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.problem = problem
 
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the served model allows; read once at router start-up."""
+    """What the served model allows; read once at router start-up (`for_model`).
+
+    `max_prompt_chars` bounds a text prompt before it is tokenized: no token covers more than
+    the tokenizer's longest vocabulary entry (`max_token_chars` characters), so a longer text
+    cannot fit in `context_length - 1` tokens (twice that, for normalizers that drop
+    characters). `max_request_bytes` bounds a whole serialized request: such a text in UTF-8
+    (4 bytes a character at most), every context token as a 10-byte varint, and 64 KiB for the
+    rest. 0 means no bound (tests that build limits by hand).
+    """
 
     vocab_size: int
     context_length: int
+    max_prompt_chars: int = 0
+    max_request_bytes: int = 0
+
+    @classmethod
+    def for_model(cls, vocab_size: int, context_length: int, max_token_chars: int) -> ModelLimits:
+        chars = 2 * max(1, max_token_chars) * (context_length - 1)
+        return cls(vocab_size, context_length, chars, 4 * chars + 10 * context_length + 65536)
 
 
 @dataclass(frozen=True)
@@ -80,6 +98,8 @@ class ValidatedRequest:
             seed=s.seed or 0,
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,
+            logprobs=s.logprobs,
         )
 
 
@@ -158,8 +178,14 @@ def _utf8_culprit(data: bytes) -> str | None:
     return None
 
 
-def decode_generate_request(data: bytes) -> DecodedRequest:
-    """gRPC request deserializer for `Generate`; never raises (errors travel in the result)."""
+def decode_generate_request(data: bytes, max_bytes: int = 0) -> DecodedRequest:
+    """gRPC request deserializer for `Generate`; never raises (errors travel in the result).
+    A request over `max_bytes` (> 0) is refused by its size, naming the limit, unparsed."""
+    if max_bytes and len(data) > max_bytes:
+        err = RequestValidationError(
+            "request", f"{len(data)} bytes; the limit is {max_bytes} bytes for this model"
+        )
+        return DecodedRequest(None, err)
     prompt_fields = _top_level_fields(data) & {2, 3}
     try:
         msg = inference_pb2.GenerateRequest.FromString(data)
@@ -173,14 +199,45 @@ def decode_generate_request(data: bytes) -> DecodedRequest:
     return DecodedRequest(msg, None, prompt_fields)
 
 
+def decode_model_info_request(data: bytes) -> inference_pb2.GetModelInfoRequest | None:
+    """gRPC request deserializer for `GetModelInfo`; None for bytes that do not parse (the
+    handler answers INVALID_ARGUMENT) instead of raising (which grpc answers UNKNOWN)."""
+    try:
+        return inference_pb2.GetModelInfoRequest.FromString(data)
+    except message.DecodeError:
+        return None
+
+
+_WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group", 4: "group", 5: "32-bit"}
+
+
 def _check_unknown_fields(msg: message.Message, path: str) -> None:
+    """Unknown fields are refused; a known field number among them arrived with the wrong wire
+    type (protobuf keeps such a field as unknown): name that field."""
     unknown = UnknownFieldSet(msg)
-    if len(unknown):
-        numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
-        raise RequestValidationError(
-            path or "request",
-            f"unknown field number(s) {numbers} (client and server protos differ)",
-        )
+    if not len(unknown):
+        return
+    fields = msg.DESCRIPTOR.fields_by_number
+    for i in range(len(unknown)):
+        number, wire = unknown[i].field_number, unknown[i].wire_type
+        if number in fields:
+            fld = fields[number]
+            kind = (
+                f"{fld.message_type.name} message"
+                if fld.message_type
+                else descriptor_pb2.FieldDescriptorProto.Type.Name(
+                    descriptor_pb2.FieldDescriptorProto.Type.ValueType(fld.type)
+                )[5:].lower()
+            )
+            raise RequestValidationError(
+                f"{path}.{fld.name}" if path else fld.name,
+                f"wrong wire type ({_WIRE_TYPES.get(wire, wire)}) for a {kind}",
+            )
+    numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
+    raise RequestValidationError(
+        path or "request",
+        f"unknown field number(s) {numbers} (client and server protos differ)",
+    )
 
 
 def _check_request_id(request_id: str, in_flight: Container[str]) -> None:
@@ -190,6 +247,12 @@ def _check_request_id(request_id: str, in_flight: Container[str]) -> None:
         )
     if not request_id.isprintable():
         raise RequestValidationError("request_id", "must be printable characters only")
+    check_not_in_flight(request_id, in_flight)
+
+
+def check_not_in_flight(request_id: str, in_flight: Container[str]) -> None:
+    """A client's request id must not name a request still running (empty ids are assigned
+    later and never collide)."""
     if request_id and request_id in in_flight:
         raise RequestValidationError("request_id", f"{request_id!r} is already in flight")
 
@@ -208,6 +271,12 @@ def _prompt_ids(
     if kind == "text":
         if not req.text:
             raise RequestValidationError("text", "prompt text must not be empty")
+        if limits.max_prompt_chars and len(req.text) > limits.max_prompt_chars:
+            raise RequestValidationError(
+                "text",
+                f"prompt is {len(req.text)} characters; the context length "
+                f"{limits.context_length} allows at most {limits.max_prompt_chars} characters",
+            )
         ids = encode(req.text)
         field = "text"
     else:
@@ -276,6 +345,8 @@ def _sampling(
         raise RequestValidationError(
             "sampling.temperature", f"must be finite and >= 0 (0 = greedy), got {temperature}"
         )
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0  # what the workers would do anyway: below it, sampling is greedy
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if not 0.0 < top_p <= 1.0:
         raise RequestValidationError("sampling.top_p", f"must be in (0, 1], got {top_p}")
@@ -286,6 +357,16 @@ def _sampling(
     if seed is not None and seed > MAX_SEED:
         raise RequestValidationError("sampling.seed", f"must be in [0, 2^63 - 1], got {seed}")
     _check_stops(sp, limits)
+    logprobs = sp.logprobs if sp.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestValidationError(
+            "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}"
+        )
+    min_tokens = sp.min_tokens if sp.HasField("min_tokens") else 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise RequestValidationError(
+            "sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}"
+        )
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -294,6 +375,8 @@ def _sampling(
         seed=seed,
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
+        min_tokens=min_tokens,
+        logprobs=logprobs,
     )
     params.validate(limits.vocab_size)  # the runtime's own rules; must agree with the above
     return params

@@ -15,9 +15,11 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 SKIP_REASON = "redis-server not installed (`make setup` installs it: apt-get install redis-server)"
@@ -37,30 +39,75 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(port: int) -> bool:
+@dataclass(frozen=True)
+class RedisTLS:
+    """TLS files of a redis-server started with TLS only (its plain port off)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def _ping(port: int, tls: RedisTLS | None = None) -> bool:
+    """True once the server answers (PONG, or NOAUTH when it wants a password)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as raw:
+            s: socket.socket = raw
+            if tls is not None:
+                ctx = ssl.create_default_context(cafile=str(tls.ca))
+                ctx.check_hostname = False
+                s = ctx.wrap_socket(raw)
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
 
 class RedisServer:
-    """One redis-server process on 127.0.0.1:`port` (a free one when None)."""
+    """One redis-server process on 127.0.0.1:`port` (a free one when None). With `password`
+    it requires AUTH (`requirepass`, set through a config file, not its command line); with
+    `tls` it serves TLS only (clients need no certificate of their own)."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        password: str | None = None,
+        tls: RedisTLS | None = None,
+    ) -> None:
         binary = redis_server_path()
         if binary is None:
             raise RuntimeError(SKIP_REASON)
         self.binary = binary
         self.workdir = workdir
         self.port = port or free_port()
+        self.password = password
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls is not None else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
+
+    def _conf(self) -> list[str]:
+        """The config file (0600) holding the password and TLS settings, as its argv."""
+        lines = []
+        if self.password is not None:
+            if any(c in self.password for c in '"\\\n'):
+                raise ValueError("the test password must not hold quotes, backslashes or newlines")
+            lines.append(f'requirepass "{self.password}"')
+        if self.tls is not None:
+            t = self.tls
+            lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {t.cert}"]
+            lines += [f"tls-key-file {t.key}", f"tls-ca-cert-file {t.ca}", "tls-auth-clients no"]
+        if not lines:
+            return []
+        path = self.workdir / f"redis-{self.port}.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return [str(path)]
 
     @property
     def pid(self) -> int | None:
@@ -71,10 +118,12 @@ class RedisServer:
         assert self.proc is None, "already running"
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115 (kept open)
+        conf = self._conf()
         self.proc = subprocess.Popen(
             [
                 self.binary,
-                "--port", str(self.port),
+                *conf,
+                *([] if self.tls else ["--port", str(self.port)]),
                 "--bind", "127.0.0.1",
                 "--save", "",
                 "--appendonly", "no",
@@ -86,7 +135,7 @@ class RedisServer:
         )  # fmt: skip
         log.close()
         end = time.monotonic() + timeout_s
-        while not _ping(self.port):
+        while not _ping(self.port, self.tls):
             if self.proc.poll() is not None:
                 self.proc = None
                 raise RuntimeError(f"redis-server exited at start; see {self.workdir}")

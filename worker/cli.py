@@ -1,13 +1,18 @@
 """The worker process's command line: ``python -m worker`` (see `worker/__main__.py`).
 
-    python -m worker --model DIR --role prefill|decode|colocated [--port 0]
+    python -m worker --model DIR --role prefill|decode|colocated [--port 0] [--metrics-port 0]
         [--worker-id ID] [--engine-json JSON] [--torch-threads N] [--host H] [--kv-host H]
         [--kv-port P] [--transfer-timeout-s S] [--stop-grace-s S] [--log-level LEVEL]
+        [--cluster-secret-file FILE] [--internal-tls-json JSON] [--insecure]
 
 prints exactly one line ``PDSERVE_WORKER_READY host:port`` on stdout once its gRPC server
 answers health checks with SERVING (logs go to stderr), and stops cleanly on SIGTERM / SIGINT:
 no new work, in-flight work gets `--stop-grace-s` to finish, the rest is aborted, every KV
 block released, the transport closed.
+
+The cluster secret comes from ``PDSERVE_CLUSTER_SECRET`` (removed from this process's
+environment once read, so nothing it starts inherits it) or `--cluster-secret-file` (mode
+0600), never from the command line.
 """
 
 from __future__ import annotations
@@ -17,23 +22,33 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from model_runtime.engine_config import EngineConfig
+from security.config import InternalTLS
+from security.secret import ClusterSecret
 from worker.config import READY_PREFIX, WorkerConfig
 from worker.server import WorkerServer
 
 log = logging.getLogger("pdserve.worker")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
-    """(config, stop grace in seconds) from the command line; argparse exits on bad input."""
+def parse_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[WorkerConfig, float, ClusterSecret | None]:
+    """(config, stop grace in seconds, cluster secret) from the command line and the
+    environment; argparse exits on bad input, a bad secret raises ValueError."""
     p = argparse.ArgumentParser(prog="python -m worker", description="One pdserve worker process.")
     p.add_argument("--model", required=True, help="HF model folder")
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     p.add_argument("--worker-id", help="unique worker id (default: worker-<random>)")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus port (0 = pick, -1 = none)"
+    )
     p.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads")
     p.add_argument("--nice", type=int, default=0, help="niceness to run at (0-19)")
@@ -50,8 +65,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
     )
     p.add_argument("--node", default="", help="node label (see WorkerConfig.node)")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    p.add_argument("--stop-grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: NOT_SERVING at once, no new work, in-flight requests get this long",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--cluster-secret-file", help="cluster secret (hex, mode 0600)")
+    p.add_argument("--internal-tls-json", help="mutual TLS of the worker API (InternalTLS)")
+    p.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback host without a secret"
+    )
     args = p.parse_args(argv)
     logging.getLogger().setLevel(args.log_level)
     fields = {
@@ -59,6 +84,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         "role": args.role,
         "host": args.host,
         "port": args.port,
+        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
         "engine": EngineConfig.model_validate_json(args.engine_json),
         "torch_threads": args.torch_threads,
         "nice": args.nice,
@@ -68,10 +94,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, float]:
         "kv_shared_memory": args.kv_shared_memory,
         "node": args.node,
         "transfer_timeout_s": args.transfer_timeout_s,
+        "insecure": args.insecure,
     }
+    if args.internal_tls_json:
+        fields["internal_tls"] = InternalTLS.model_validate_json(args.internal_tls_json)
     if args.worker_id:
         fields["worker_id"] = args.worker_id
-    return WorkerConfig(**fields), args.stop_grace_s
+    secret = ClusterSecret.from_env(remove=True)
+    if args.cluster_secret_file:
+        secret = ClusterSecret.from_file(Path(args.cluster_secret_file), "--cluster-secret-file")
+    return WorkerConfig(**fields), args.stop_grace_s, secret
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,17 +111,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
     try:
-        config, grace_s = parse_args(argv)
+        config, grace_s, secret = parse_args(argv)
     except ValueError as exc:  # pydantic ValidationError included
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = WorkerServer(config)
-    server.start()
+    server = WorkerServer(config, secret)
+    try:
+        server.start()
+    except ValueError as exc:  # e.g. a public host without a cluster secret
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
     print(f"{READY_PREFIX} {server.address}", flush=True)
     stop.wait()
     log.info("signal received; stopping (grace %.1f s)", grace_s)
     server.stop(grace_s)
+    wait_for_threads(config.kv_connect_timeout_s + 1.0)
     return 0
+
+
+def wait_for_threads(timeout_s: float) -> None:
+    """Give threads still running after `stop` (a KV helper blocked in a store connect to a
+    peer that died) up to `timeout_s` to end: native code that returns into an interpreter
+    already shutting down aborts the process (SIGABRT instead of exit 0)."""
+    end = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                log.warning("thread %s still running at exit", thread.name)

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_runtime.engine_config import EngineConfig
+from security.config import InternalTLS
 
 READY_PREFIX = "PDSERVE_WORKER_READY"
 """Start of the one stdout line a worker prints once it serves (``... host:port``)."""
@@ -35,6 +36,13 @@ class WorkerConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine sizing.")
     host: str = Field(default="127.0.0.1", description="gRPC bind address.")
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one.")
+    metrics_port: int | None = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics port on `host` (0 = pick a free one; None = no "
+        "exporter); GetStatus reports the bound one.",
+    )
     torch_threads: int | None = Field(
         default=None, gt=0, description="torch.set_num_threads; None keeps torch's default."
     )
@@ -80,6 +88,16 @@ class WorkerConfig(BaseModel):
         default=300.0,
         gt=0,
         description="Deadline of a request that carries neither timeout_s nor a gRPC deadline.",
+    )
+    internal_tls: InternalTLS | None = Field(
+        default=None,
+        description="Serve the worker API over mutual TLS (the cluster certificate; clients "
+        "must present one the same CA signed).",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="Allow a non-loopback `host` without a cluster secret (the worker API and "
+        "the KV rendezvous then answer anyone who can reach them).",
     )
 
     @field_validator("worker_id")

@@ -18,15 +18,19 @@ Bad input raises ValueError naming the field (the service answers INVALID_ARGUME
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvtransfer.types import PeerEndpoint, TransferTicket
 from model_runtime.kv_cache import KVLayout
-from model_runtime.sampling_params import SamplingParams
-from proto.pdserve.v1 import worker_pb2
+from model_runtime.sampling_params import SamplingParams, TopLogprobs
+from proto.pdserve.v1 import inference_pb2, worker_pb2
 
 
 def sampling_from_proto(s: worker_pb2.WorkerSampling, vocab_size: int) -> SamplingParams:
     """The engine's `SamplingParams` (validated); proto's unset top_p (0) means 1.0."""
     params = SamplingParams(
+        min_tokens=s.min_tokens,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
         max_tokens=s.max_tokens,
         temperature=s.temperature,
         top_p=s.top_p if s.top_p > 0 else 1.0,
@@ -37,6 +41,19 @@ def sampling_from_proto(s: worker_pb2.WorkerSampling, vocab_size: int) -> Sampli
     )
     params.validate(vocab_size)
     return params
+
+
+def logprobs_to_proto(
+    pairs: Sequence[tuple[float, TopLogprobs | None]],
+) -> list[inference_pb2.TokenLogprob]:
+    """(logprob, top alternatives) per token -> `TokenLogprob` messages."""
+    return [
+        inference_pb2.TokenLogprob(
+            logprob=lp,
+            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top or ()],
+        )
+        for lp, top in pairs
+    ]
 
 
 def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:

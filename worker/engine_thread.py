@@ -34,16 +34,18 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
+from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback
+from model_runtime.request import RequestOutput
 from model_runtime.scheduler_types import SchedulerOutput
 from worker.roles import Role, RoleContext
-from worker.sinks import Sink, UnarySink, WorkerError
+from worker.sinks import Sink, UnarySink, WorkerError, delivered_together
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class Snapshot:
     free_blocks: int
     total_blocks: int
     block_size: int
+    engine_steps: int = 0  # steps run since start, and their summed wall / thread CPU seconds
+    engine_step_wall_s: float = 0.0
+    engine_step_cpu_s: float = 0.0
 
 
 @dataclass
@@ -71,6 +76,14 @@ class _Drain:
     deadline: float
     sink: UnarySink | None
     aborted: bool = False
+
+
+class StepMetrics(Protocol):
+    """What the engine thread reports to the worker's metrics (`worker.metrics`)."""
+
+    def on_outputs(self, outputs: Sequence[RequestOutput]) -> None: ...
+
+    def on_transfers(self, results: Sequence[TransferResult]) -> None: ...
 
 
 def _nothing() -> None:
@@ -94,11 +107,18 @@ class EngineThread:
     (`worker.server.ROLES`), so this module depends on the `Role` contract only.
     """
 
-    def __init__(self, ctx: RoleContext, roles: Mapping[str, type[Role]], role: str) -> None:
+    def __init__(
+        self,
+        ctx: RoleContext,
+        roles: Mapping[str, type[Role]],
+        role: str,
+        metrics: StepMetrics | None = None,
+    ) -> None:
         if role not in roles:
             raise ValueError(f"role must be one of {sorted(roles)}, got {role!r}")
         self.ctx = ctx
         self.engine = ctx.engine
+        self.metrics = metrics
         self.roles = dict(roles)
         self._served_by = {m: r.name for r in self.roles.values() for m in r.methods}
         self.role: Role = self.roles[role](ctx)
@@ -111,6 +131,9 @@ class EngineThread:
             queue.SimpleQueue()
         )
         self._drain: _Drain | None = None
+        self._steps = 0  # engine-thread counters, published in each Snapshot
+        self._step_wall_s = 0.0
+        self._step_cpu_s = 0.0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.snapshot = self._make_snapshot()
@@ -204,7 +227,7 @@ class EngineThread:
             self._step()
         results = self.ctx.transport.poll()
         if results:
-            self.role.on_transfer_results(results)
+            self._transfer_results(results)
         self._drain_progress()
         self.snapshot = self._make_snapshot()
 
@@ -256,9 +279,21 @@ class EngineThread:
             sink.fail(err)
 
     def _step(self) -> None:
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         outputs = self.engine.step(self._before_forward)
-        self.role.on_outputs(outputs, started, time.monotonic())
+        ended = time.monotonic()
+        with delivered_together():  # one loop wake-up for the whole step's tokens
+            self.role.on_outputs(outputs, started, ended)
+            if self.metrics is not None:
+                self.metrics.on_outputs(outputs)
+        self._steps += 1  # wall and CPU both include handing the outputs to their sinks
+        self._step_wall_s += time.monotonic() - started
+        self._step_cpu_s += time.thread_time() - cpu
+
+    def _transfer_results(self, results: list[TransferResult]) -> None:
+        self.role.on_transfer_results(results)
+        if self.metrics is not None:
+            self.metrics.on_transfers(results)
 
     def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         """The role's layer callback, then any between-layers RPCs that have arrived (roles
@@ -343,7 +378,7 @@ class EngineThread:
         self.ctx.transport.close()
         results = self.ctx.transport.poll()
         if results:
-            self.role.on_transfer_results(results)
+            self._transfer_results(results)
         self.snapshot = self._make_snapshot()
         self._fail_queued()
 
@@ -362,4 +397,7 @@ class EngineThread:
             free_blocks=pool.num_free,
             total_blocks=pool.num_blocks,
             block_size=self.engine.config.block_size,
+            engine_steps=self._steps,
+            engine_step_wall_s=self._step_wall_s,
+            engine_step_cpu_s=self._step_cpu_s,
         )

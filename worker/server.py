@@ -2,8 +2,9 @@
 
 Runs in a worker process (`python -m worker`, a Ray actor, or a test fixture). `start()` loads
 the model once, starts the engine thread (`worker.engine_thread`) with the three roles plugged
-in (prefill from `prefill_worker`, decode and colocated from `decode_worker`) and a grpc.aio
-server on its own event-loop thread, and returns ``"host:port"``. This module is the only part
+in (prefill from `prefill_worker`, decode and colocated from `decode_worker`), the Prometheus
+exporter (`worker.metrics`, unless `metrics_port` is None) and a grpc.aio server on its own
+event-loop thread, and returns ``"host:port"``. This module is the only part
 of the worker host that knows the role packages; the rest of `worker` is role-agnostic.
 """
 
@@ -25,9 +26,14 @@ from kvtransfer.torch_dist import TorchDistTransport
 from model_runtime.engine import LLMEngine
 from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2_grpc
+from security.channels import InternalAuth
+from security.config import is_loopback
+from security.kvseal import RecordSeal
+from security.secret import ClusterSecret
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
+from worker.metrics import WorkerMetrics
 from worker.roles import Role, RoleContext
 from worker.service import WorkerService
 
@@ -38,10 +44,17 @@ ROLES: dict[str, type[Role]] = {r.name: r for r in (PrefillRole, DecodeRole, Col
 
 
 class WorkerServer:
-    """A worker's engine thread + gRPC server in this process. `start()` once, `stop()` once."""
+    """A worker's engine thread + gRPC server in this process. `start()` once, `stop()` once.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    `cluster_secret` closes the internal planes: every call but health needs the cluster's
+    worker token (else UNAUTHENTICATED, before any handler runs), and the KV rendezvous takes
+    only join/transfer records signed with it. None leaves both open, which `start` allows
+    only on loopback addresses unless `config.insecure`."""
+
+    def __init__(self, config: WorkerConfig, cluster_secret: ClusterSecret | None = None) -> None:
         self.config = config
+        self._internal = InternalAuth(cluster_secret, config.internal_tls)
+        self._secret = cluster_secret
         self.epoch = time.time_ns()  # changes on every start of a worker process
         self.address = ""
         self.kv_endpoint = ""
@@ -52,6 +65,8 @@ class WorkerServer:
         self._engine_thread: EngineThread | None = None
         self._service: WorkerService | None = None
         self.kv_events = KVEventPublisher(config.worker_id, self.epoch)
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_port = 0
 
     def start(self) -> str:
         """Load the model, start serving; return "host:port" once health says SERVING.
@@ -63,6 +78,13 @@ class WorkerServer:
         for name in ("host", "kv_host"):
             if getattr(cfg, name) == "auto":
                 raise ValueError(f"{name} 'auto' must be resolved to an address before start()")
+            if self._secret is None and not cfg.insecure and not is_loopback(getattr(cfg, name)):
+                raise ValueError(
+                    f"{name}={getattr(cfg, name)!r} is not a loopback address and this worker has "
+                    "no cluster secret: anyone on the network could call its API and join its KV "
+                    "rendezvous. Give it the secret (PDSERVE_CLUSTER_SECRET or "
+                    "--cluster-secret-file), bind 127.0.0.1, or pass --insecure."
+                )
         log.info("worker config %s", cfg.model_dump_json())
         lower_priority(cfg.nice, cfg.sched_idle)
         if cfg.torch_threads is not None:
@@ -76,6 +98,7 @@ class WorkerServer:
             connect_timeout_s=cfg.kv_connect_timeout_s,
             shared_memory=cfg.kv_shared_memory,
             node=cfg.node,
+            seal=None if self._secret is None else RecordSeal(self._secret),
         )
         self.kv_endpoint = f"{transport.endpoint.host}:{transport.endpoint.port}"
         self._transport = transport
@@ -87,7 +110,12 @@ class WorkerServer:
             transfer_timeout_s=cfg.transfer_timeout_s,
             default_timeout_s=cfg.default_timeout_s,
         )
+        model_name = cfg.model_dir.resolve().name
         engine_thread = EngineThread(ctx, ROLES, cfg.role)
+        if cfg.metrics_port is not None:
+            self.metrics = WorkerMetrics(model_name, lambda: engine_thread.snapshot)
+            engine_thread.metrics = self.metrics
+            self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
         engine_thread.start()
         self._engine_thread = engine_thread
         loop = asyncio.new_event_loop()
@@ -112,7 +140,9 @@ class WorkerServer:
 
     async def _serve(self) -> int:
         assert self._engine_thread is not None, "start() creates the engine thread first"
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)], interceptors=self._internal.server_interceptors()
+        )
         health_servicer = health.aio.HealthServicer()
         service = WorkerService(
             self._engine_thread,
@@ -122,10 +152,11 @@ class WorkerServer:
             self.epoch,
             self.kv_events,
             node=self.config.node,
+            metrics_port=self.metrics_port,
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = int(server.add_insecure_port(f"{self.config.host}:{self.config.port}"))
+        port = self._internal.add_port(server, f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await server.start()
@@ -155,6 +186,8 @@ class WorkerServer:
                 self._loop_thread.join(10)
             loop.close()
             self._loop = self._server = self._service = None
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("worker %s stopped", self.config.worker_id)
 
 

@@ -44,6 +44,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         epoch: int,
         kv_events: KVEventPublisher | None = None,
         node: str = "",
+        metrics_port: int = 0,
     ) -> None:
         self._engine = engine
         self._node = node
@@ -52,6 +53,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._worker_id = worker_id
         self._kv_endpoint = kv_endpoint
         self._epoch = epoch
+        self._metrics_port = metrics_port
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -77,6 +79,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_endpoint=self._kv_endpoint,
             epoch=self._epoch,
             node=self._node,
+            engine_steps=s.engine_steps,
+            engine_step_wall_s=s.engine_step_wall_s,
+            engine_step_cpu_s=s.engine_step_cpu_s,
+            metrics_port=self._metrics_port,
         )
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -190,7 +196,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return value
         except WorkerError as err:
             answered = True
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         finally:
             if not answered and request_id is not None:
                 self._engine.cancel(request_id, sink)
@@ -207,7 +213,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield chunk
         except WorkerError as err:
             ended = True
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         finally:
             if not ended:
                 self._engine.cancel(request.request_id, sink)

@@ -125,21 +125,11 @@ class TorchAttentionBackend:
             self._rows = slot_rows(key_cache, meta.slot_mapping)
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self._rows)
         if not meta.prefill_indices:  # all decode (a decode worker's every step): rows in order
-            tables, allowed = self._decode_inputs(key_cache.shape[1])
-            return paged_decode_attention(
-                q, key_cache, value_cache, tables, self._decode_lens, scale, allowed
-            )
+            return self._decode_attention(q, key_cache, value_cache, scale)
         out = torch.empty_like(q)
         if meta.decode_indices:
-            tables, allowed = self._decode_inputs(key_cache.shape[1])
-            out[self._decode_rows] = paged_decode_attention(
-                q.index_select(0, self._decode_rows),
-                key_cache,
-                value_cache,
-                tables,
-                self._decode_lens,
-                scale,
-                allowed,
+            out[self._decode_rows] = self._decode_attention(
+                q.index_select(0, self._decode_rows), key_cache, value_cache, scale
             )
         for i in meta.prefill_indices:
             lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -147,3 +137,12 @@ class TorchAttentionBackend:
                 q[lo:hi], key_cache, value_cache, meta.block_tables[i], meta.seq_lens[i], scale
             )
         return out
+
+    def _decode_attention(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's decode rows `q` [num_decode, H, D], in decode-row order."""
+        tables, allowed = self._decode_inputs(key_cache.shape[1])
+        return paged_decode_attention(
+            q, key_cache, value_cache, tables, self._decode_lens, scale, allowed
+        )

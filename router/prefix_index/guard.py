@@ -38,6 +38,9 @@ T = TypeVar("T")
 
 _LATENCY_WINDOW = 10_000
 
+LookupObserver = Callable[[str, float | None, int], None]
+"""(outcome, latency_s of an answered lookup, prompt tokens the best match covers)."""
+
 
 @dataclass
 class PrefixIndexStats:
@@ -92,6 +95,8 @@ class GuardedPrefixIndex:
         self.lookup_timeout_s = lookup_timeout_s
         self.write_timeout_s = write_timeout_s
         self.stats = PrefixIndexStats()
+        self.observer: LookupObserver | None = None
+        """Told about each `lookup_prompt` (the router's metrics); must be cheap, not raise."""
 
     @property
     def available(self) -> bool:
@@ -101,10 +106,18 @@ class GuardedPrefixIndex:
     async def lookup(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch] | None:
         """`match` for the request path: the matches, or None when the index cannot answer
         quickly (breaker open, failure, timeout). Never raises for backend problems."""
+        matches, _, _ = await self._lookup(block_hashes)
+        return matches
+
+    async def _lookup(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> tuple[list[PrefixMatch] | None, str, float | None]:
+        """(`lookup`'s answer, outcome, latency in seconds of an answered lookup); outcome is
+        'hit', 'miss', 'skipped' (breaker open), 'timeout' or 'error'."""
         self.stats.lookups += 1
         if not self.breaker.allow():
             self.stats.lookup_skipped += 1
-            return None
+            return None, "skipped", None
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.lookup_timeout_s):
@@ -112,25 +125,30 @@ class GuardedPrefixIndex:
         except TimeoutError:
             self.stats.lookup_timeouts += 1
             self.breaker.record_failure()
-            return None
+            return None, "timeout", None
         except IndexUnavailable as exc:
             self.stats.lookup_errors += 1
             self.breaker.record_failure()
             log.debug("prefix lookup failed: %s", exc)
-            return None
+            return None, "error", None
         self.breaker.record_success()
-        self.stats.record_latency((time.perf_counter() - t0) * 1e3)
+        latency = time.perf_counter() - t0
+        self.stats.record_latency(latency * 1e3)
         if matches:
             self.stats.lookup_hits += 1
-        return matches
+        return matches, "hit" if matches else "miss", latency
 
     async def lookup_prompt(self, prompt_token_ids: Sequence[int], block_size: int) -> PromptPrefix:
         """Hash the prompt's reusable blocks and `lookup` them (a prompt without a reusable
-        block needs no lookup: known to match nothing)."""
+        block needs no lookup: known to match nothing). Tells `observer` (if set) the outcome,
+        the latency and the prompt tokens the best match covers."""
         hashes = tuple(reusable_chain(prompt_token_ids, block_size))
         if not hashes:
             return PromptPrefix((), ())
-        matches = await self.lookup(hashes)
+        matches, outcome, latency = await self._lookup(hashes)
+        if self.observer is not None:
+            best = max((m.num_blocks for m in matches or ()), default=0)
+            self.observer(outcome, latency, best * block_size)
         return PromptPrefix(hashes, None if matches is None else tuple(matches))
 
     async def apply(self, event: KVEvent) -> ApplyResult:

@@ -102,6 +102,8 @@ class RatioController:
         self._next_eval: float | None = None  # when `tick` evaluates next
         self._task: asyncio.Task[None] | None = None
         self._change: asyncio.Task[None] | None = None
+        self.on_decision: Callable[[str], None] | None = None
+        """Told the action of every decision (`hold` included): the router's metrics."""
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -232,6 +234,8 @@ class RatioController:
             inputs=window.to_json(),
         )
         self.records.append(rec)
+        if event == "decision" and self.on_decision is not None:
+            self.on_decision(d.action)
         level = logging.DEBUG if d.action == "hold" else logging.INFO
         if error:
             level = logging.WARNING

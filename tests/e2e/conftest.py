@@ -29,12 +29,14 @@ def reference(tiny_model_dir: Path) -> Reference:
 def start_cluster(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Iterator[E2ECluster]]:
-    """`start_cluster(name, mode, prefill=.., decode=.., colocated=..)`: a generator that
-    yields one running `E2ECluster` and stops every process it started when closed. Module
-    fixtures `yield from` it."""
+    """`start_cluster(name, mode, prefill=.., decode=.., colocated=.., overrides={...})`: a
+    generator that yields one running `E2ECluster` and stops every process it started when
+    closed. Module fixtures `yield from` it."""
 
-    def start(name: str, mode: str, **counts: int) -> Iterator[E2ECluster]:
-        config = cluster_config(tiny_model_dir, mode, **counts)
+    def start(
+        name: str, mode: str, overrides: dict[str, object] | None = None, **counts: int
+    ) -> Iterator[E2ECluster]:
+        config = cluster_config(tiny_model_dir, mode, overrides, **counts)
         local = launch_local_cluster(config, tmp_path_factory.mktemp(f"logs-{name}"), port=0)
         channel = grpc.insecure_channel(local.address, CHANNEL_OPTIONS)
         cluster = E2ECluster(name, local, channel)

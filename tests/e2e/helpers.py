@@ -123,9 +123,12 @@ class Reference:
         assert not bad, "greedy tokens differ from the colocated engine:\n" + "\n".join(bad)
 
 
-def cluster_config(model_dir: Path, mode: str, **counts: int) -> ClusterConfig:
-    """A process-launched cluster of the tiny model, router on a free port."""
-    overrides: dict[str, object] = {
+def cluster_config(
+    model_dir: Path, mode: str, overrides: dict[str, object] | None = None, **counts: int
+) -> ClusterConfig:
+    """A process-launched cluster of the tiny model, router on a free port; `overrides` are
+    dotted config keys applied last."""
+    base: dict[str, object] = {
         "model": str(model_dir),
         "mode": mode,
         "launcher": "process",
@@ -136,8 +139,8 @@ def cluster_config(model_dir: Path, mode: str, **counts: int) -> ClusterConfig:
         "transfer.timeout_s": 10.0,
     }
     for role, n in counts.items():
-        overrides[f"workers.{role}"] = n
-    return load_cluster_config(None, overrides)
+        base[f"workers.{role}"] = n
+    return load_cluster_config(None, {**base, **(overrides or {})})
 
 
 @dataclass
@@ -161,11 +164,14 @@ class E2ECluster:
         return [w.address for w in self.local.workers.workers]
 
     def worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address, CHANNEL_OPTIONS))
+        """A stub with the cluster's worker credentials (its calls carry the secret)."""
+        internal = self.local.workers.internal
+        return internal.stub(worker_pb2_grpc.WorkerStub(internal.channel(address, CHANNEL_OPTIONS)))
 
     def status(self, address: str) -> worker_pb2.WorkerStatus:
-        with grpc.insecure_channel(address, CHANNEL_OPTIONS) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).GetStatus(
+        internal = self.local.workers.internal
+        with internal.channel(address, CHANNEL_OPTIONS) as ch:
+            return internal.stub(worker_pb2_grpc.WorkerStub(ch)).GetStatus(
                 worker_pb2.GetStatusRequest(), timeout=5.0
             )
 

@@ -1,7 +1,8 @@
 """Faults and limits through a real 1P+1D cluster: client cancel and deadline expiry free every
 block on both workers, every bad input is INVALID_ARGUMENT (and the cluster serves the next
-request), overload beyond the router's queue bound is RESOURCE_EXHAUSTED quickly, and the
-`pdserve generate` CLI works against it.
+request), fuzzed requests get a documented status, overload beyond the router's queue bound is
+RESOURCE_EXHAUSTED quickly, the `pdserve generate` CLI works against it, and a router sent
+SIGTERM lets running streams finish within its shutdown grace and aborts the rest.
 
 Runs in the pytest process; one cluster for the module, stopped by PID at the end.
 """
@@ -9,19 +10,23 @@ Runs in the pytest process; one cluster for the module, stopped by PID at the en
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from deploy.client import CHANNEL_OPTIONS, build_request
-from proto.pdserve.v1 import inference_pb2
+from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
 from tests.e2e.helpers import PROMPTS, E2ECluster, Reference
 from tests.fakes.bad_requests import BAD_REQUESTS
+from tests.fakes.fuzz import GENERATE_OK, wire_payloads
 
 pytestmark = pytest.mark.slow
 LONG = build_request(token_ids=list(range(10, 26)), max_tokens=900, ignore_eos=True)
@@ -89,6 +94,30 @@ def test_bad_inputs_are_invalid_argument(cluster: E2ECluster, reference: Referen
     _serves(cluster, reference)
 
 
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(payload=wire_payloads())
+def test_fuzzed_requests_get_a_documented_status(
+    cluster: E2ECluster, reference: Reference, payload: bytes
+) -> None:
+    """A short real-cluster run of the public-API fuzzing (the long one runs over fake
+    workers): random or damaged requests end OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED, and
+    the cluster serves the next request."""
+    generate = cluster.channel.unary_stream(
+        "/pdserve.v1.Inference/Generate",
+        request_serializer=None,
+        response_deserializer=inference_pb2.GenerateResponse.FromString,
+    )
+    try:
+        list(generate(payload, timeout=30.0))
+    except grpc.RpcError as exc:
+        assert exc.code() in GENERATE_OK, (exc.code(), exc.details(), payload)  # type: ignore[attr-defined]
+    _serves(cluster, reference)
+
+
 def test_overload_is_resource_exhausted_quickly(cluster: E2ECluster, reference: Reference) -> None:
     small = cluster.local.add_router(max_inflight=1, max_queued=1)
     # long enough that the first two are still running when the other ten arrive
@@ -149,3 +178,46 @@ def test_pdserve_generate_cli(cluster: E2ECluster, reference: Reference) -> None
     )  # fmt: skip
     assert out.returncode == 1 and "DEADLINE_EXCEEDED" in out.stderr
     cluster.wait_no_leaks()
+
+
+def test_router_sigterm_lets_running_streams_finish_within_its_grace(
+    cluster: E2ECluster, reference: Reference
+) -> None:
+    """SIGTERM to a router: it stops taking calls, a stream that ends within its shutdown grace
+    (1 s here) finishes, one that does not is cut at the grace and aborted on its workers."""
+    router = cluster.local.add_router(shutdown_grace_s=1.0)
+    short = build_request(token_ids=list(range(30, 60)), max_tokens=25, ignore_eos=True)
+    endless = build_request(token_ids=list(range(60, 90)), max_tokens=900, ignore_eos=True)
+    outcomes: dict[str, object] = {}
+
+    def run(name: str, req: inference_pb2.GenerateRequest, started: threading.Event) -> None:
+        with grpc.insecure_channel(router.address, CHANNEL_OPTIONS) as ch:
+            stub = inference_pb2_grpc.InferenceStub(ch)
+            tokens: list[int] = []
+            try:
+                for resp in stub.Generate(req, timeout=60.0):
+                    tokens += resp.token_ids
+                    started.set()
+                outcomes[name] = ("OK", len(tokens))
+            except grpc.RpcError as exc:
+                outcomes[name] = (exc.code().name, len(tokens))  # type: ignore[attr-defined]
+
+    events = {n: threading.Event() for n in ("short", "endless")}
+    threads = [
+        threading.Thread(target=run, args=(n, r, events[n]))
+        for n, r in (("short", short), ("endless", endless))
+    ]
+    for t in threads:
+        t.start()
+    assert all(e.wait(30.0) for e in events.values())
+    t0 = time.monotonic()
+    router.process.popen.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30.0)
+    assert outcomes["short"] == ("OK", 25), outcomes
+    code, n = outcomes["endless"]  # type: ignore[misc]
+    assert code in ("CANCELLED", "UNAVAILABLE") and 0 < n < 900, outcomes
+    assert time.monotonic() - t0 < 5.0
+    assert router.process.popen.wait(10.0) == 0
+    cluster.wait_no_leaks()  # the cut stream's blocks were aborted on its workers
+    _serves(cluster, reference)

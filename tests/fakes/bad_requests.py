@@ -5,7 +5,8 @@ and the router integration test (sent over gRPC, each must get INVALID_ARGUMENT)
 not messages, because some bad inputs cannot be built with the Python protobuf API: invalid
 UTF-8 in a `string`, both oneof members at once, unknown field numbers.
 
-Limits assumed: the tiny random model (vocab 1024, context 1024).
+Limits assumed: the tiny random model (vocab 1024, context 1024). Each entry is a distinct class
+of bad input; the unit tests run each as its own named test.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ BAD_REQUESTS: list[BadRequest] = [
     BadRequest("top_p 0", _req(**TEXT, sampling=_sp(top_p=0.0)), "sampling.top_p"),
     BadRequest("top_p > 1", _req(**TEXT, sampling=_sp(top_p=1.5)), "sampling.top_p"),
     BadRequest("top_k < 0", _req(**TEXT, sampling=_sp(top_k=-1)), "sampling.top_k"),
+    BadRequest("logprobs < 0", _req(**TEXT, sampling=_sp(logprobs=-1)), "sampling.logprobs"),
+    BadRequest("logprobs > 20", _req(**TEXT, sampling=_sp(logprobs=21)), "sampling.logprobs"),
+    BadRequest(
+        "min_tokens > max_tokens",
+        _req(**TEXT, sampling=_sp(max_tokens=4, min_tokens=5)),
+        "sampling.min_tokens",
+    ),
+    BadRequest("min_tokens < 0", _req(**TEXT, sampling=_sp(min_tokens=-1)), "sampling.min_tokens"),
     BadRequest("seed >= 2^63", _req(**TEXT, sampling=_sp(seed=2**64 - 1)), "sampling.seed"),
     BadRequest(
         "empty stop string", _req(**TEXT, sampling=_sp(stop=["ok", ""])), "sampling.stop[1]"
@@ -112,4 +121,48 @@ BAD_REQUESTS: list[BadRequest] = [
         "sampling",
     ),
     BadRequest("malformed protobuf", b"\x12\x05ab", "request"),
+    # a known field with the wrong wire type is named (protobuf keeps it as an unknown field)
+    BadRequest("token_ids as a varint", bytes([3 << 3 | 0, 5]), "token_ids"),
+    BadRequest("text as a varint", bytes([2 << 3 | 0, 5]), "text"),
+    BadRequest("sampling as a fixed32", bytes([4 << 3 | 5, 0, 0, 0, 0]) + _req(**TEXT), "sampling"),
+    BadRequest(
+        "max_tokens as bytes",
+        _req(**TEXT) + _len_field(4, _len_field(1, b"12")),
+        "sampling.max_tokens",
+    ),
+    BadRequest(
+        "too many stop token ids",
+        _req(**TEXT, sampling=_sp(stop_token_ids=[5] * 65)),
+        "sampling.stop_token_ids",
+    ),
+    BadRequest(
+        "temperature -inf",
+        _req(**TEXT, sampling=_sp(temperature=float("-inf"))),
+        "sampling.temperature",
+    ),
+    BadRequest("top_p nan", _req(**TEXT, sampling=_sp(top_p=float("nan"))), "sampling.top_p"),
+    BadRequest("top_p < 0", _req(**TEXT, sampling=_sp(top_p=-0.5)), "sampling.top_p"),
+    BadRequest("seed = 2^63", _req(**TEXT, sampling=_sp(seed=2**63)), "sampling.seed"),
+    BadRequest("text longer than the context", _req(text="x " * 3000), "text"),
+    BadRequest(
+        "max_tokens int32 max",
+        _req(**TEXT, sampling=_sp(max_tokens=2**31 - 1)),
+        "sampling.max_tokens",
+    ),
+    BadRequest(
+        "max_tokens int32 min",
+        _req(**TEXT, sampling=_sp(max_tokens=-(2**31))),
+        "sampling.max_tokens",
+    ),
+    BadRequest(
+        "token id int32 min", _req(token_ids=ipb.TokenIds(ids=[-(2**31)])), "token_ids.ids[0]"
+    ),
+    BadRequest("truncated varint in sampling", _req(**TEXT) + _len_field(4, b"\x08"), "request"),
+    BadRequest("garbage sampling bytes", _req(**TEXT) + _len_field(4, b"\xff\xff"), "request"),
+    BadRequest("group wire type", _req(**TEXT) + b"\x0b", "request"),
+    BadRequest("length beyond the payload", b"\x12\x7f" + b"a" * 3, "request"),
+    BadRequest(
+        "unknown field in token_ids", _len_field(3, b"\x08\x05" + UNKNOWN_FIELD_99), "token_ids"
+    ),
+    BadRequest("request_id with DEL", _req(**TEXT, request_id="a\x7fb"), "request_id"),
 ]

@@ -12,9 +12,13 @@ Behaviour (deterministic, no torch):
   returned when it finishes or on `Abort` — and, unless `release_on_cancel`, *not* when the
   router merely cancels the call, so tests can tell that the router's Abort freed them;
 - faults: `fail[method] = StatusCode` answers that status; `hang` holds calls of those methods
-  until they are cancelled; `token_delay_s` / `prefill_delay_s` slow the work down;
-- records: `calls[method]` counts, `aborts` lists aborted request ids, `held` maps request
-  ids to their blocks; `free_blocks == total_blocks` again means nothing leaked;
+  until they are cancelled; `kv_push_fails_to` (decode worker ids) makes a `Prefill` whose
+  ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
+  worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
+  `token_delay_s` / `prefill_delay_s` slow the work down;
+- records: `calls[method]` counts, `last[method]` is the latest request, `aborts` lists
+  aborted request ids, `held` maps request ids to their blocks; `free_blocks == total_blocks`
+  again means nothing leaked;
 - prefix cache (optional, `kv`: a `kv_events.FakeKVWorker`): `Prefill` / `Generate` run the
   prompt through it and report its hit as `cached_tokens` (`prefill_token_delay_s` per token
   *not* cached), `StreamKVEvents` / `GetKVSnapshot` serve its events, and `GetStatus` reports
@@ -31,11 +35,13 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from proto.pdserve.v1.trailers import FAILED_PEER
 from router.indexer import Heartbeat
 from tests.fakes.kv_events import FakeKVWorker
 
@@ -51,6 +57,8 @@ class FakeWorkerConfig:
     token_delay_s: float = 0.0
     prefill_delay_s: float = 0.0
     prefill_token_delay_s: float = 0.0
+    reserve_answer_delay_s: float = 0.0  # after the blocks are taken: an answer still on the way
+    cut_stream_after: int = 0  # > 0: token streams end (not finished) after this many chunks
     eos_ids: tuple[int, ...] = ()
     release_on_cancel: bool = False
     worker_id: str = ""
@@ -69,7 +77,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     config: FakeWorkerConfig = field(default_factory=FakeWorkerConfig)
     fail: dict[str, grpc.StatusCode] = field(default_factory=dict)
     hang: set[str] = field(default_factory=set)
+    kv_push_fails_to: set[str] = field(default_factory=set)
     calls: Counter[str] = field(default_factory=Counter)
+    last: dict[str, Any] = field(default_factory=dict)  # method -> its latest request
     aborts: list[str] = field(default_factory=list)
     held: dict[str, _Held] = field(default_factory=dict)
     draining: bool = False
@@ -109,8 +119,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    async def _enter(self, method: str, context: grpc.aio.ServicerContext) -> None:
+    async def _enter(
+        self, method: str, context: grpc.aio.ServicerContext, request: Any = None
+    ) -> None:
         self.calls[method] += 1
+        self.last[method] = request
         if method in self.fail:
             await context.abort(self.fail[method], f"fake {method} failure")
         if method in self.hang:
@@ -154,11 +167,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 self.held.pop(request_id, None)
                 return
         first = not first_chunk
+        sent = 0
         while True:
             if self.config.token_delay_s:
                 await asyncio.sleep(self.config.token_delay_s)
             if request_id not in self.held:
                 raise _Aborted()
+            if self.config.cut_stream_after and sent >= self.config.cut_stream_after:
+                return  # a broken worker: the stream ends without a finished chunk
+            sent += 1
             last = (last + 1) % self.config.vocab_size
             produced += 1
             reason = self._finish_reason(last, produced, s)
@@ -196,7 +213,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        await self._enter("Reserve", context)
+        await self._enter("Reserve", context, request)
         need = self.blocks_for(request.num_prompt_tokens + request.max_tokens)
         self._next_transfer += 1
         transfer_id = f"{self.config.worker_id}-t{self._next_transfer}"
@@ -207,6 +224,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} blocks, {self.free_blocks} free"
             )
         first = self.config.total_blocks - self.free_blocks - need
+        if self.config.reserve_answer_delay_s:  # a cancel now leaves the blocks held
+            await asyncio.sleep(self.config.reserve_answer_delay_s)
         return worker_pb2.ReserveResponse(
             ticket=worker_pb2.TransferTicket(
                 transfer_id=transfer_id,
@@ -220,8 +239,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        await self._enter("Prefill", context)
+        await self._enter("Prefill", context, request)
         rid = request.request_id
+        peer = request.ticket.decode_worker_id
+        if peer in self.kv_push_fails_to:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"KV transfer of request {rid!r} to decode worker {peer} failed: send failed",
+                ((FAILED_PEER, peer),),
+            )
         if not self._take(rid, self.blocks_for(len(request.prompt_token_ids))):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no prefill blocks")
         release = True
@@ -254,7 +280,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        await self._enter("Decode", context)
+        await self._enter("Decode", context, request)
         rid = request.request_id
         held = self.held.get(rid)
         if held is None or held.transfer_id != request.transfer_id:
@@ -267,7 +293,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        await self._enter("Generate", context)
+        await self._enter("Generate", context, request)
         rid, s = request.request_id, request.sampling
         if not self._take(rid, self.blocks_for(len(request.prompt_token_ids) + s.max_tokens)):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no blocks")

@@ -16,6 +16,7 @@ whole units and fails.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +226,35 @@ def test_seeded_sampling_same_alone_and_in_batch(
     oracle.assert_same_greedy(outs[5])
     # the seeded request really samples: greedy on the same prompt differs somewhere
     assert alone.output_token_ids[:12] != oracle.run(prompts[0], GREEDY).output_token_ids
+
+
+def test_seeded_sampling_continues_after_tokens_sampled_elsewhere(
+    model_dir: Path, oracle: Oracle, leak_check: list[LLMEngine]
+) -> None:
+    """A migrated request (prompt + its first k tokens, `num_sampled=k`) and a prefilled one
+    (first token given, `num_sampled=k - 1` before it) draw what the undisturbed request drew
+    at the same positions: the generator skips the draws of the tokens sampled elsewhere."""
+    engine = make_engine(model_dir)
+    leak_check.append(engine)
+    prompt = random_prompts(1, seed=6)[0]
+    seeded = SamplingParams(max_tokens=14, temperature=0.9, top_k=40, seed=77)
+    whole = list(oracle.run(prompt, seeded).output_token_ids)
+    for k in (1, 6):
+        rest = dataclasses.replace(seeded, max_tokens=14 - k)
+        engine.add_request(f"moved{k}", prompt + whole[:k], rest, num_sampled=k)
+        rest_after_first = dataclasses.replace(seeded, max_tokens=15 - k)
+        blocks = engine.block_pool.allocate(-(-(len(prompt) + 14) // BLOCK))
+        assert blocks is not None
+        engine.runner.execute([StepInput(prompt + whole[: k - 1], 0, blocks)])  # the prompt KV
+        after = engine.add_prefilled_request(
+            f"prefilled{k}", prompt + whole[: k - 1], whole[k - 1], rest_after_first, blocks, k - 1
+        )
+        assert after is None
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert list(finals[f"moved{k}"].output_token_ids) == whole[k:], k
+        assert list(finals[f"prefilled{k}"].output_token_ids) == whole[k - 1 :], k
 
 
 def test_abort_and_bad_requests(model_dir: Path, leak_check: list[LLMEngine]) -> None:

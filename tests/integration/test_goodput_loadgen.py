@@ -79,14 +79,17 @@ def test_deadline_ends_a_stuck_request(tiny_model_dir: Path) -> None:
 
 
 @pytest.fixture
-def threaded_fake_cluster(tiny_model_dir: Path) -> Iterator[str]:
-    """A fake cluster served from its own thread and event loop; yields its address."""
+def threaded_fake_cluster(tiny_model_dir: Path) -> Iterator[dict[str, str]]:
+    """A fake cluster served from its own thread and event loop; yields its gRPC `address`
+    and its HTTP front's OpenAI base URL (`url`)."""
     ready, stop = threading.Event(), threading.Event()
     box: dict[str, str] = {}
 
     async def serve() -> None:
-        async with fake_cluster(tiny_model_dir, worker=WORKER) as c:
+        async with fake_cluster(tiny_model_dir, worker=WORKER, http_port=0) as c:
             box["address"] = c.router.address
+            assert c.router.http is not None
+            box["url"] = c.router.http.url
             ready.set()
             while not stop.is_set():
                 await asyncio.sleep(0.02)
@@ -94,15 +97,17 @@ def threaded_fake_cluster(tiny_model_dir: Path) -> Iterator[str]:
     thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     thread.start()
     assert ready.wait(10.0), "fake cluster did not start"
-    yield box["address"]
+    yield box
     stop.set()
     thread.join(10.0)
 
 
-def test_run_bench_against_a_fake_cluster(threaded_fake_cluster: str, tmp_path: Path) -> None:
+def test_run_bench_against_a_fake_cluster(
+    threaded_fake_cluster: dict[str, str], tmp_path: Path
+) -> None:
     out = tmp_path / "bench"
     cfg = BenchConfig(
-        out=out, address=threaded_fake_cluster, configs=("fake",), workload="chat",
+        out=out, address=threaded_fake_cluster["address"], configs=("fake",), workload="chat",
         context=256, output_len=8, rates=(20.0, 40.0), duration_s=1.0, min_requests=20,
         ttft_slo_ms=5000.0, tpot_slo_ms=1000.0, bisect_steps=1,
     )  # fmt: skip
@@ -133,3 +138,51 @@ def test_run_bench_against_a_fake_cluster(threaded_fake_cluster: str, tmp_path: 
     cmp = tmp_path / "cmp"
     assert report_main(parser.parse_args(["report", str(out), str(out), "--out", str(cmp)])) == 0
     assert "bench:fake" in (cmp / "report.md").read_text()
+
+
+def test_openai_load_records_every_request_and_http_errors(tiny_model_dir: Path) -> None:
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir, worker=WORKER, http_port=0) as c:
+            assert c.router.http is not None
+            specs = make_requests("chat", 12, 25.0, context=256, seed=1, output_len=10)
+            job = LoadJob(
+                c.router.http.url, specs, label="oai", api="openai",
+                model=tiny_model_dir.name, vocab_size=1024,
+            )  # fmt: skip
+            run = await run_load(job, progress=False)
+            assert all(r.ok and r.num_tokens == 10 for r in run.records), run.records[0]
+            r = run.records[0]
+            assert r.finish_reason == "length" and r.request_id == "oai-0-0"
+            assert r.ttft_ms is not None and r.tpot_ms is not None and r.tpot_ms >= 3.0
+            assert r.e2e_ms is not None and r.e2e_ms >= r.ttft_ms and r.itl_ms
+            assert r.server == {}  # an OpenAI server reports no timings
+            bad = LoadJob(c.router.http.url, specs[:2], api="openai", model="nope", vocab_size=1024)
+            run = await run_load(bad, progress=False)
+            assert {r.status for r in run.records} == {"HTTP_404"}
+            assert "does not exist" in run.records[0].error
+
+    asyncio.run(scenario())
+
+
+def test_bench_puts_an_openai_server_beside_pdserve(
+    threaded_fake_cluster: dict[str, str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`pdserve bench --addr A --openai-url U`: the same cluster through gRPC and through its
+    own HTTP front, same workload and arrivals, interleaved, in one report."""
+    from deploy.bench_cli import main as bench_cli_main
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--addr", threaded_fake_cluster["address"], "--configs", "grpc"]
+    argv += ["--openai-url", threaded_fake_cluster["url"], "--model", "missing-folder"]
+    argv += ["--vocab-size", "1024", "--workload", "chat", "--context", "256"]
+    argv += ["--output-len", "8", "--rates", "20", "--duration", "1", "--min-requests", "15"]
+    argv += ["--ttft-slo-ms", "5000", "--tpot-slo-ms", "1000", "--bisect-steps", "0"]
+    assert bench_cli_main([*argv, "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    configs = [r["config"] for r in data["runs"]]
+    assert set(configs) == {"grpc", "openai"} and configs.count("grpc") == configs.count("openai")
+    for run in data["runs"]:
+        assert all(rec["status"] == "OK" and rec["num_tokens"] == 8 for rec in run["records"])
+    assert data["meta"]["openai"]["model"] == tiny_model_dir.name
+    report = (out / "report.md").read_text()
+    assert "OpenAI-compatible server at" in report and "`grpc`" in report

@@ -101,7 +101,7 @@ async def router_over(workers: ProcessWorkers, model: Path, redis_url: str) -> R
         status_poll_interval_s=0.2,
         prefix_index=RedisIndexConfig(url=redis_url, heartbeat_s=0.2, breaker_open_s=0.3),
     )
-    handle = await start_router(rc)
+    handle = await start_router(rc, cluster_secret=workers.internal.secret)
     await wait_until(
         lambda: all(i.resyncs >= 1 for i in handle.indexers.by_address.values()),
         10.0,

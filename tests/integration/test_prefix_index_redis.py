@@ -195,6 +195,32 @@ def test_dead_workers_fields_are_cleaned_lazily(redis_server: RedisServer) -> No
     asyncio.run(go())
 
 
+def test_restarted_workers_old_fields_go_at_its_resync_after_its_ttl(
+    redis_server: RedisServer,
+) -> None:
+    """A worker down longer than its TTL comes back with a new epoch: its resync removes every
+    block field of the old epoch (its hash set outlives the worker key for that), so Redis holds
+    nothing of the dead epoch (found by `pdserve soak`: hundreds of such fields were left)."""
+
+    async def go() -> None:
+        prefix = "x:"
+        index = RedisPrefixIndex(redis_server.url, key_prefix=prefix, ttl_s=0.1)
+        raw = aioredis.Redis.from_url(redis_server.url)
+        chain = block_hash_chain(list(range(16)), 4)
+        try:
+            await index.resync(KVSnapshot("w", 1, 0, tuple(chain)))
+            await asyncio.sleep(0.3)  # down longer than its TTL: the worker key is gone
+            assert await index.state("w") is None
+            await index.resync(KVSnapshot("w", 2, 0, ()))  # restarted, nothing cached yet
+            for h in chain:
+                assert await raw.hgetall(prefix.encode() + b"b:" + hash_to_bytes(h)) == {}
+        finally:
+            await raw.aclose()
+            await index.close()
+
+    asyncio.run(go())
+
+
 def test_lookup_latency_on_loopback(redis_server: RedisServer) -> None:
     async def go() -> None:
         index = RedisPrefixIndex(redis_server.url, key_prefix="l:")

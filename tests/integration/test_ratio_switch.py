@@ -38,7 +38,7 @@ async def _scenario(model: Path, tmp: Path) -> None:
     cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs")
     try:
         roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
-        sc = Sidecar(roles)  # type: ignore[arg-type]
+        sc = Sidecar(roles, internal=cluster.workers.internal)  # type: ignore[arg-type]
         await sc.start()
         config = RatioConfig(
             mode="adaptive",

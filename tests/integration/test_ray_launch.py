@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +34,9 @@ from deploy.processes import (  # noqa: E402
     wait_for_lines,
     wait_serving,
 )
-from deploy.ray_launcher import NAMESPACE, launch_ray_workers  # noqa: E402
+from deploy.ray_launcher import NAMESPACE, RayWorkers, launch_ray_workers  # noqa: E402
 from router.app import start_router  # noqa: E402
+from security.secret import ClusterSecret  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]
@@ -67,7 +69,9 @@ def test_pdserve_up_with_ray_serves_and_stops_everything(
 ) -> None:
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
     argv += ["--mode", "colocated", "--port", "0"]
-    up = spawn("pdserve-up-ray", argv, tmp_path, child_env(1))
+    secret = ClusterSecret.generate()  # given, so the logs can be searched for it
+    t_start = time.time()
+    up = spawn("pdserve-up-ray", argv, tmp_path, {**child_env(1), **secret.env()})
     try:
         (m,) = wait_for_lines([up], re.compile(r"^pdserve ready: (\S+:\d+) ", re.M), 120)
         started = _descendants(up.pid)  # Ray's gcs/raylet/workers, the worker actor among them
@@ -82,6 +86,13 @@ def test_pdserve_up_with_ray_serves_and_stops_everything(
             time.sleep(0.1)
     finally:
         stop_processes([up])
+    # The secret went to the actor as a constructor argument: no log of this run holds it (the
+    # driver's, with the actors' output forwarded, and every Ray log written since the start).
+    logs = [up.log_path, *Path(tempfile.gettempdir(), "ray").glob("session_*/logs/**/*")]
+    for path in logs:
+        if path.is_file() and path.stat().st_mtime >= t_start:
+            with open(path, "rb") as f:
+                assert secret.to_text().encode() not in f.read(16 << 20), path
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +128,24 @@ def _expected(model_dir: Path) -> list[int]:
     return list(engine.generate([PROMPT], SamplingParams(max_tokens=8))[0].output_token_ids)
 
 
-async def _generate_via_router(config: ClusterConfig, addresses: dict[str, list[str]]) -> list[int]:
-    handle = await start_router(config.router_config(addresses))
+async def _generate_via_router(config: ClusterConfig, workers: RayWorkers) -> list[int]:
+    handle = await start_router(
+        config.router_config(workers.addresses()), cluster_secret=workers.internal.secret
+    )
     try:
         req = build_request(token_ids=PROMPT, max_tokens=8, temperature=0.0)
         # the sync client blocks: run it off the event loop that serves the router
         responses = await asyncio.to_thread(lambda: list(stream_generate(handle.address, req, 30)))
         return [t for r in responses for t in r.token_ids]
+    finally:
+        await handle.stop()
+
+
+async def _health_reason(config: ClusterConfig, addresses: dict[str, list[str]]) -> str:
+    """Why a router over `addresses` is NOT_SERVING ("" if it serves)."""
+    handle = await start_router(config.router_config(addresses))
+    try:
+        return handle.health_reason
     finally:
         await handle.stop()
 
@@ -153,7 +175,7 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
     try:
         addrs = workers.addresses()
         assert len(addrs["prefill"]) == 1 and len(addrs["decode"]) == 1
-        assert asyncio.run(_generate_via_router(config, addrs)) == want
+        assert asyncio.run(_generate_via_router(config, workers)) == want
 
         # Kill the decode worker's process: Ray restarts it (max_restarts=1) on the same port.
         decode = next(w for w in workers.workers if w.role == "decode")
@@ -165,8 +187,23 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
             time.sleep(0.1)
         assert decode.pid != old_pid
         wait_serving(decode.address, timeout_s=30)
-        assert asyncio.run(_generate_via_router(config, workers.addresses())) == want
+        assert asyncio.run(_generate_via_router(config, workers)) == want
         pids = workers.pids()
+
+        # Again: max_restarts=1 is spent, so the worker stays down and the role is reported
+        # down (`pdserve up` prints both; the router's health says NOT_SERVING, and why).
+        os.kill(decode.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any(e.kind == "gave_up" for e in workers.events):
+            assert time.monotonic() < deadline, f"not given up: {workers.events}"
+            time.sleep(0.1)
+        gave_up = [e for e in workers.events if e.kind == "gave_up"]
+        assert [e.worker_id for e in gave_up] == [decode.worker_id], workers.events
+        assert "ray.max_restarts=1" in gave_up[0].detail
+        assert [e.kind for e in workers.events if e.worker_id == "decode"][-1] == "role_down"
+        assert asyncio.run(_health_reason(config, workers.addresses())).startswith(
+            "no usable decode worker"
+        )
     finally:
         workers.stop()
     deadline = time.monotonic() + 20

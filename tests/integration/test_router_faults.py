@@ -89,6 +89,24 @@ def test_client_cancel_during_prefill_aborts_prefill_and_decode(tiny_model_dir: 
     asyncio.run(scenario())
 
 
+def test_client_cancel_while_reserve_is_in_flight_aborts_the_reservation(
+    tiny_model_dir: Path,
+) -> None:
+    """D has reserved but its answer has not reached the router when the client cancels: the
+    router must still send D an Abort (D joins the abort list before Reserve is called)."""
+
+    async def scenario() -> None:
+        worker = FakeWorkerConfig(reserve_answer_delay_s=5.0)
+        async with fake_cluster(tiny_model_dir, worker=worker) as c:
+            call = c.stub.Generate(req("mid-reserve"), timeout=10)
+            await wait_until(lambda: "mid-reserve" in c.decode[0].held, what="D reserved")
+            call.cancel()
+            await wait_until(lambda: "mid-reserve" in c.decode[0].aborts, what="Abort on D")
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
 def test_client_deadline_mid_stream(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
         worker = FakeWorkerConfig(token_delay_s=0.02)
@@ -150,6 +168,33 @@ def test_unreachable_workers_are_retried_elsewhere_before_the_first_token(
             final = out[-1].final
             assert final.prefill_worker == c.prefill[1].config.worker_id
             assert final.decode_worker == c.decode[1].config.worker_id
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
+def test_kv_push_failure_blames_the_decode_worker_not_the_prefill_worker(
+    tiny_model_dir: Path,
+) -> None:
+    """A Prefill that fails because its KV push to D failed (D died) names D in its trailer:
+    the router retries on another D, the prefill worker stays healthy, health stays SERVING."""
+
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir, n_decode=2, policy="round_robin") as c:
+            p, (d0, d1) = c.prefill[0], c.decode
+            p.kv_push_fails_to.add(d0.config.worker_id)
+            for i in range(4):  # round robin: d0 is tried at least once
+                out = await c.generate(req(f"ok{i}", max_tokens=3))
+                assert out[-1].final.decode_worker == d1.config.worker_id
+                assert c.router.pool.views("prefill")[0].healthy
+                assert await c.health_status() == SERVING
+            assert d0.calls["Reserve"] >= 1 and p.calls["Prefill"] > 4
+            await wait_until(lambda: d0.aborts != [], what="d0's reservation aborted")
+
+            p.kv_push_fails_to.add(d1.config.worker_id)  # no decode worker takes KV now
+            err = await expect_status(c.generate(req("none")), grpc.StatusCode.UNAVAILABLE)
+            assert "decode worker fake-decode" in (err.details() or ""), err.details()
+            assert c.router.pool.views("prefill")[0].healthy
             await c.assert_no_leaks()
 
     asyncio.run(scenario())

@@ -6,6 +6,7 @@ Everything (router, fake workers, client) runs on one event loop per test, on 12
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import grpc
@@ -197,6 +198,59 @@ def test_get_model_info(tiny_model_dir: Path) -> None:
             info = await c.stub.GetModelInfo(ipb.GetModelInfoRequest(), timeout=5)
             assert (info.model, info.context_length, info.vocab_size) == ("tiny-test", 1024, VOCAB)
             assert (info.mode, info.max_tokens_default) == ("disagg", 16)
+
+    asyncio.run(scenario())
+
+
+def test_get_model_info_with_a_malformed_payload_is_invalid_argument(
+    tiny_model_dir: Path,
+) -> None:
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir) as c:
+            raw = c.channel.unary_unary(
+                "/pdserve.v1.Inference/GetModelInfo",
+                request_serializer=None,
+                response_deserializer=ipb.ModelInfo.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw(b"\x12\x05ab", timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert (err.value.details() or "").startswith("request:"), err.value.details()
+
+    asyncio.run(scenario())
+
+
+def test_a_10_mb_request_is_invalid_argument_naming_the_limit(tiny_model_dir: Path) -> None:
+    """Not the transport's RESOURCE_EXHAUSTED ("larger than max"): the router reads it and
+    refuses it by its size, naming the limit, without parsing or tokenizing it."""
+
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir) as c:
+            limit = c.router.service.lifecycle.limits.max_request_bytes
+            big = ipb.GenerateRequest(text="x" * 10_000_000)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.generate(big)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert f"the limit is {limit} bytes" in (err.value.details() or "")
+            assert not any(w.calls["Reserve"] for w in c.workers)
+
+    asyncio.run(scenario())
+
+
+def test_text_prompts_are_tokenized_off_the_event_loop(tiny_model_dir: Path) -> None:
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir) as c:
+            tokenizer = c.router.service.lifecycle.tokenizer
+            encode, threads = tokenizer.encode, []
+
+            def recording(text: str, add_bos: bool = True) -> list[int]:
+                threads.append(threading.get_ident())
+                return encode(text, add_bos)
+
+            tokenizer.encode = recording  # type: ignore[method-assign]
+            out = await c.generate(ipb.GenerateRequest(text="The lazy dog"))
+            assert out[-1].final.finish_reason == "length"
+            assert threads and threading.get_ident() not in threads
 
     asyncio.run(scenario())
 

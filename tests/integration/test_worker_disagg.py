@@ -23,6 +23,7 @@ from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
+from proto.pdserve.v1.trailers import failed_peer
 from worker.process import WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -85,10 +86,17 @@ def expected(oracle: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]
 
 
 def run(
-    p: Worker, d: Worker, rid: str, prompt: list[int], max_tokens: int, timeout_s: float = 30.0
+    p: Worker,
+    d: Worker,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float = 30.0,
+    sampling: pb.WorkerSampling | None = None,
 ) -> tuple[list[int], pb.PrefillResponse, list[pb.TokenChunk]]:
-    """The router's hand-off; returns (all tokens, the Prefill answer, the Decode chunks)."""
-    sampling = pb.WorkerSampling(max_tokens=max_tokens)
+    """The router's hand-off; returns (all tokens, the Prefill answer, the Decode chunks).
+    `sampling` defaults to greedy with `max_tokens`."""
+    sampling = sampling or pb.WorkerSampling(max_tokens=max_tokens)
     ticket = d.stub.Reserve(
         pb.ReserveRequest(
             request_id=rid,
@@ -168,6 +176,20 @@ def test_greedy_matches_colocated(
         f"transfer {pre.transfer_ms} ms, decode admission {chunks[0].admission_ms} ms, "
         f"first step {chunks[0].first_step_ms} ms"
     )
+
+
+def test_seeded_sampling_matches_colocated(pd: tuple[Worker, Worker], oracle: LLMEngine) -> None:
+    """A seeded sampled request draws the same tokens split over P and D as in one engine: the
+    decode side continues the seed's stream after the prefill side's draw."""
+    p, d = pd
+    prompt = [(i * 53) % 1000 + 4 for i in range(40)]
+    temperature = 0.8999999761581421  # 0.9 as float32: what the wire carries
+    sampling = pb.WorkerSampling(
+        max_tokens=12, temperature=temperature, top_k=50, has_seed=True, seed=4321
+    )
+    tokens, _, _ = run(p, d, "seeded", prompt, 12, sampling=sampling)
+    params = SamplingParams(max_tokens=12, temperature=temperature, top_k=50, seed=4321)
+    assert tokens == list(oracle.generate([prompt], params)[0].output_token_ids)
 
 
 def test_prefix_cache_hit_on_prefill(pd: tuple[Worker, Worker], oracle: LLMEngine) -> None:
@@ -348,6 +370,38 @@ def test_prefill_killed_mid_prefill_frees_decode_blocks(
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
         assert "KV transfer" in err.details() and "freed" in err.details(), err.details()
         assert time.monotonic() - started < 4.0  # the ticket's 3 s deadline, not the 20 s one
+    finally:
+        victim.kill()
+
+
+def test_decode_killed_mid_prefill_blames_the_decode_worker(
+    tiny_model_dir: Path, pd: tuple[Worker, Worker]
+) -> None:
+    """P's KV push to a SIGKILLed D fails: P answers UNAVAILABLE naming D, in words and in the
+    `FAILED_PEER` trailer (the router then blames D, not P), and frees its blocks."""
+    p, _ = pd
+    victim = spawn(tiny_model_dir, "decode", "victim-d")
+    try:
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address, OPTS))
+        prompt = [(i * 7) % 1000 + 3 for i in range(1000)]
+        req = pb.ReserveRequest(
+            request_id="orphan", num_prompt_tokens=len(prompt), max_tokens=8, timeout_s=3.0
+        )
+        ticket = stub.Reserve(req, timeout=5).ticket
+        prefill = pb.PrefillRequest(
+            request_id="orphan",
+            prompt_token_ids=prompt,
+            sampling=pb.WorkerSampling(max_tokens=8),
+            ticket=ticket,
+        )
+        fut = p.stub.Prefill.future(prefill, timeout=30)
+        time.sleep(0.05)
+        victim.kill()
+        err = fut.exception(20)
+        assert isinstance(err, grpc.Call), err
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+        assert "victim-d" in err.details(), err.details()
+        assert failed_peer(err.trailing_metadata()) == "victim-d"
     finally:
         victim.kill()
 

@@ -8,6 +8,7 @@ in-flight streams with UNAVAILABLE once its grace is over and leaves every block
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -45,13 +46,13 @@ def test_config_validation(tmp_path: Path) -> None:
 
 def test_command_line(tmp_path: Path) -> None:
     engine = EngineConfig(block_size=8, num_kv_blocks=32)
-    cfg, grace = parse_args(
+    cfg, grace, secret = parse_args(
         ["--model", str(tmp_path), "--role", "prefill", "--worker-id", "p7", "--port", "0"]
         + ["--engine-json", engine.model_dump_json(), "--torch-threads", "1"]
         + ["--kv-host", "127.0.0.1", "--transfer-timeout-s", "5", "--stop-grace-s", "2"]
     )
     assert (cfg.worker_id, cfg.role, cfg.engine, cfg.torch_threads) == ("p7", "prefill", engine, 1)
-    assert (cfg.transfer_timeout_s, grace) == (5.0, 2.0)
+    assert (cfg.transfer_timeout_s, grace, secret) == (5.0, 2.0, None)
     with pytest.raises(ValidationError):
         parse_args(["--model", str(tmp_path), "--role", "decode", "--engine-json", '{"x": 1}'])
 
@@ -72,6 +73,19 @@ def test_server_lifecycle_in_process(tiny_model_dir: Path) -> None:
             assert (status.worker_id, status.role) == ("inproc", "colocated")
             assert status.total_blocks == status.free_blocks == 160
             assert status.kv_endpoint == server.kv_endpoint and status.epoch == server.epoch
+            assert status.engine_steps == 0 and status.engine_step_wall_s == 0.0
+            short = pb.WorkerGenerateRequest(
+                request_id="short",
+                prompt_token_ids=[4, 5],
+                sampling=pb.WorkerSampling(max_tokens=3),
+            )
+            assert sum(len(c.token_ids) for c in stub.Generate(short, timeout=30)) == 3
+            deadline = time.monotonic() + 5  # the snapshot is republished after the iteration
+            while (status := stub.GetStatus(pb.GetStatusRequest(), timeout=5)).engine_steps < 3:
+                assert time.monotonic() < deadline, status
+                time.sleep(0.01)
+            assert status.engine_steps == 3  # one prefill step (first token), two decode steps
+            assert status.engine_step_wall_s > 0 and status.engine_step_cpu_s > 0
             req = pb.WorkerGenerateRequest(
                 request_id="long",
                 prompt_token_ids=[4, 5, 6],

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from deploy.cli import build_parser, up_overrides
 from deploy.client import build_request
 from deploy.config import ClusterConfig, check_model_dir, load_cluster_config
-from deploy.launcher import router_argv, worker_argv
+from deploy.launcher import router_argv, router_env, worker_argv
 from worker.cli import parse_args as parse_worker_args
 from worker.server import lower_priority
 
@@ -181,11 +181,16 @@ def test_router_config_and_command_lines() -> None:
     argv = router_argv(rc)
     assert argv[argv.index("--prefill-addr") + 1] == "127.0.0.1:1"
     assert argv[argv.index("--max-queued") + 1] == "3"
-    assert "--redis-url" not in argv
-    redis = {"kind": "redis", "url": "redis://127.0.0.1:6379/0"}
+    assert "--prefix-index-json" not in argv
+    redis = {"kind": "redis", "url": "redis://u:hunter2@127.0.0.1:6379/0", "key_prefix": "k:"}
     c2 = load_cluster_config(None, {"model": "m", "router.prefix_index": redis})
-    argv = router_argv(c2.router_config({"prefill": ["h:1"], "decode": ["h:2"]}))
-    assert argv[argv.index("--redis-url") + 1] == redis["url"]
+    rc2 = c2.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
+    argv = router_argv(rc2)
+    index = json.loads(argv[argv.index("--prefix-index-json") + 1])
+    assert (index["url"], index["key_prefix"]) == ("redis://u@127.0.0.1:6379/0", "k:")
+    assert "hunter2" not in " ".join(argv)  # the password goes through the environment
+    assert router_env(rc2, None) == {"PDSERVE_REDIS_PASSWORD": "hunter2"}
+    assert "hunter2" not in c2.model_dump_json()  # nor into the effective-config dump
     wargv = worker_argv(c, "decode-0", "decode")
     assert wargv[wargv.index("--role") + 1] == "decode"
     assert wargv[wargv.index("--nice") + 1] == "0"

@@ -20,8 +20,8 @@ from deploy.launcher import router_argv
 from router.__main__ import parse_args
 from router.config import RouterConfig
 from router.flow import RequestRun, RunTimings
+from router.lifecycle import request_outcome
 from router.ratio.config import RatioConfig
-from router.server import request_outcome
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "disagg-ratio.toml"
 ON: dict[str, Any] = {"mode": "adaptive", "slo_ttft_ms": 500, "slo_tpot_ms": 50}

@@ -73,3 +73,18 @@ def test_no_match_flushes_the_held_back_text(tok: Tokenizer) -> None:
 def test_empty_stop_string_is_refused(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="must not be empty"):
         TextStream(tok, ["ok", ""])
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("ab cd ab cd ab", add_bos=False)
+
+    def stopped_at(stream: TextStream) -> int:
+        for i, t in enumerate(ids):
+            if stream.push([t]).stopped:
+                return i
+        return len(ids)
+
+    first = stopped_at(TextStream(tok, ["ab"]))
+    assert first < len(ids) - 1  # the first "ab" ends a stream without min_tokens
+    late = stopped_at(TextStream(tok, ["ab"], min_tokens=len(ids)))
+    assert late == len(ids) - 1  # only the token that reaches min_tokens may stop it

@@ -7,7 +7,7 @@ import math
 import torch
 
 from model_runtime.sampler import Sampler, apply_top_k_top_p
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.sampling_params import GREEDY_BELOW, SamplingParams
 
 GREEDY = SamplingParams()
 
@@ -103,3 +103,31 @@ def test_seeded_rows_independent_of_batch_composition() -> None:
         sampler.sample(row.unsqueeze(0), [seeded], [gen]).token_ids[0] for _ in range(20)
     ]
     assert other_stream != alone
+
+
+def test_top_logprobs_are_the_models_own_and_banned_tokens_never_win() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0], [2.0, 1.0, 0.0, -1.0, 4.0]])
+    params = [SamplingParams(logprobs=3), SamplingParams(temperature=0.7, logprobs=0)]
+    out = Sampler().sample(logits, params, [None, _gen(3)], banned=[(1,), ()])
+    assert out.token_ids[0] == 3  # 1 is banned: the next best wins
+    lp = torch.log_softmax(logits, -1)
+    assert out.logprobs[0] == lp[0, 3].item()  # reported under the unmasked distribution
+    assert out.top_logprobs[0] == ((1, lp[0, 1].item()), (3, lp[0, 3].item()), (2, lp[0, 2].item()))
+    assert out.top_logprobs[1] == ()  # logprobs=0: the token's own logprob only
+    none = Sampler().sample(logits, [GREEDY] * 2, [None] * 2)
+    assert none.top_logprobs == [None, None]
+    for seed in range(20):  # a banned token is never sampled either
+        out = Sampler().sample(logits[1:], [params[1]], [_gen(seed)], banned=[(4, 0)])
+        assert out.token_ids[0] not in (4, 0)
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    """1e-45 / 1e-38 overflowed logits / T to inf (NaN probabilities, token 0 every time);
+    a temperature below `GREEDY_BELOW` is greedy: exact argmax, no generator needed."""
+    logits = torch.tensor([[0.5, -3.0, 7.25, 7.0, 1.0], [-50.0, 80.0, 60.0, -1.0, 0.0]])
+    for t in (1e-45, 1e-38, 1e-12, GREEDY_BELOW / 2):
+        params = SamplingParams(temperature=t)
+        assert params.greedy, t
+        out = Sampler().sample(logits, [params] * 2, [_gen(3), _gen(4)])
+        assert out.token_ids == [2, 1], t
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy

@@ -1,20 +1,34 @@
-"""The torch backend on a mixed step: decode rows beside a long prefill give what each row's
-own single-sequence attention gives (the decode gather is trimmed to the decode rows' context
-and its mask is built once per step, not per layer)."""
+"""The CPU backends (torch reference, and `cpu`: compiled decode attention) on a mixed step:
+decode rows beside a long prefill give what each row's own single-sequence attention gives
+(the decode gather is trimmed to the decode rows' context and its mask is built once per step,
+not per layer); and on an all-decode step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model_runtime.attention.base import AttentionMetadata
+from model_runtime.attention.cpu_backend import CpuAttentionBackend
 from model_runtime.attention.torch_ref import (
     TorchAttentionBackend,
     decode_mask,
     paged_decode_attention,
     prefill_attention,
 )
+from model_runtime.kernels import decode_attention
 
 BS, H, HKV, D = 4, 4, 2, 8
+BACKENDS = [
+    TorchAttentionBackend,
+    pytest.param(
+        CpuAttentionBackend,
+        marks=pytest.mark.skipif(
+            decode_attention.load() is None,
+            reason=f"decode kernel unavailable: {decode_attention.unavailable_reason()}",
+        ),
+    ),
+]
 
 
 def test_decode_mask() -> None:
@@ -22,7 +36,10 @@ def test_decode_mask() -> None:
     assert mask.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
-def test_mixed_step_matches_per_sequence_reference() -> None:
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_mixed_step_matches_per_sequence_reference(
+    backend_cls: type[TorchAttentionBackend],
+) -> None:
     torch.manual_seed(0)
     kc, vc = torch.randn(32, BS, HKV, D), torch.randn(32, BS, HKV, D)
     # Sequence 0: decode at context 5 (2 blocks); 1: a 20-token prefill (5 blocks, so
@@ -46,18 +63,18 @@ def test_mixed_step_matches_per_sequence_reference() -> None:
         decode_indices=[0, 2],
         prefill_indices=[1],
     )
-    backend = TorchAttentionBackend()
+    backend = backend_cls()
     backend.prepare(meta)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3)
-    assert backend._decode_tables.shape == (2, 2)  # trimmed from 5 blocks to the decodes' 2
     for i in range(3):
         lo, hi = starts[i], starts[i + 1]
         want = prefill_attention(q[lo:hi], kc, vc, tables[i], seq_lens[i], 0.3)
         torch.testing.assert_close(out[lo:hi], want, atol=1e-5, rtol=1e-5)
-    # A second layer of the same step reuses the trimmed tables and the mask.
-    mask = backend._decode_mask
-    backend.forward(q, k, v, kc, vc, meta, 0.3)
-    assert backend._decode_mask is mask
+    if backend_cls is TorchAttentionBackend:  # the reference's gather: trimmed, mask reused
+        assert backend._decode_tables.shape == (2, 2)  # from 5 blocks to the decodes' 2
+        mask = backend._decode_mask
+        backend.forward(q, k, v, kc, vc, meta, 0.3)  # a second layer of the same step
+        assert backend._decode_mask is mask
     # The precomputed mask changes nothing against the function building its own.
     rows = torch.tensor([starts[0], starts[2]])  # the decode rows' token positions
     lens = torch.tensor([5, 3])
@@ -65,7 +82,10 @@ def test_mixed_step_matches_per_sequence_reference() -> None:
     torch.testing.assert_close(out.index_select(0, rows), own)
 
 
-def test_all_decode_step_matches_per_sequence_reference() -> None:
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_all_decode_step_matches_per_sequence_reference(
+    backend_cls: type[TorchAttentionBackend],
+) -> None:
     """A step of decode rows only (a decode worker's every step) skips the row scatter; each
     row still gets its own sequence's attention, and K/V land in the cache."""
     torch.manual_seed(1)
@@ -85,7 +105,7 @@ def test_all_decode_step_matches_per_sequence_reference() -> None:
         decode_indices=[0, 1],
         prefill_indices=[],
     )
-    backend = TorchAttentionBackend()
+    backend = backend_cls()
     backend.prepare(meta)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3)
     assert out.shape == q.shape

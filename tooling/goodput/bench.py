@@ -4,7 +4,9 @@
 
 1. measure the machine (memory bandwidth, matmul FLOP/s) before anything else runs;
 2. start one local cluster per configuration (`clusters.start_clusters`), or use the running
-   one at `config.address`; send every cluster a warm-up request;
+   one at `config.address`; with `openai_url`, an OpenAI-compatible server (another engine, or
+   pdserve's HTTP front) joins as configuration 'openai', loaded with the same workloads and
+   arrivals (`openai_load`); send every target a warm-up request;
 3. calibrate the unloaded prefill and decode step times on `calibrate_on` and fix the SLOs:
    milliseconds when given, else `ttft_scale * prefill_ms` and `tpot_scale * decode_ms`;
 4. search each configuration's max goodput (`sweep.RateSearch`: the given rates, or
@@ -33,12 +35,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from security.channels import ClientSecurity
 from tooling.cpu import CpuMeter
 from tooling.goodput.analysis import SLO, attainment, slo_goodput_rps
 from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
-from tooling.goodput.clusters import CONFIG_NAMES, ClusterSet, EngineSizing, start_clusters
+from tooling.goodput.clusters import (
+    CONFIG_NAMES,
+    ClusterSet,
+    EngineSizing,
+    OpenAITarget,
+    start_clusters,
+)
 from tooling.goodput.loadgen import LoadJob, model_info, run_load_process
+from tooling.goodput.openai_load import list_models
 from tooling.goodput.records import RequestSpec, RunResult
 from tooling.goodput.sweep import RateSearch, run_interleaved
 from tooling.goodput.traces import read_trace, scale_to_rate
@@ -54,6 +64,20 @@ class BenchConfig(BaseModel):
     model: Path = Field(default=Path("models/small"), description="Model folder to serve.")
     address: str | None = Field(
         default=None, description="Bench this running router (host:port) instead of launching."
+    )
+    openai_url: str | None = Field(
+        default=None,
+        description="Also bench this OpenAI-compatible server (base URL, e.g. "
+        "http://host:8000/v1) as configuration 'openai', beside the others.",
+    )
+    openai_model: str | None = Field(
+        default=None, description="Model name for openai_url (default: the server's first)."
+    )
+    vocab_size: int | None = Field(
+        default=None,
+        ge=8,
+        description="Vocabulary of openai_url's prompts (token ids); default: the model "
+        "folder's, when `model` is one.",
     )
     configs: tuple[str, ...] = Field(
         default=CONFIG_NAMES, description=f"Configurations to compare, from {CONFIG_NAMES}."
@@ -92,6 +116,11 @@ class BenchConfig(BaseModel):
         default=None, gt=0, description="Per-request deadline; None = 5 x the SLO budget."
     )
     title: str = Field(default="pdserve goodput benchmark", description="Report title.")
+    client_security: dict[str, Any] = Field(
+        default_factory=dict,
+        description="How to reach `address` (TLS, client certificate, token file): "
+        "`security.channels.ClientSecurity.to_json`; file paths only.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
@@ -99,9 +128,12 @@ class BenchConfig(BaseModel):
             raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
         if self.address is None:
             bad = [c for c in self.configs if c not in CONFIG_NAMES]
-            if bad or not self.configs:
+            if bad or (not self.configs and self.openai_url is None):
                 raise ValueError(f"configs must be a non-empty subset of {CONFIG_NAMES}: {bad}")
-        if self.calibrate_on is not None and self.calibrate_on not in self.configs:
+        if self.openai_url is not None and not self.openai_url.startswith(("http://", "https://")):
+            raise ValueError(f"openai_url must be an http(s) URL, got {self.openai_url!r}")
+        known = (*self.configs, "openai") if self.openai_url else self.configs
+        if self.calibrate_on is not None and self.calibrate_on not in known:
             raise ValueError(f"calibrate_on={self.calibrate_on!r} is not in {self.configs}")
         if self.rates is not None and (not self.rates or min(self.rates) <= 0):
             raise ValueError(f"rates must be positive, got {self.rates}")
@@ -160,13 +192,15 @@ class Bench:
         prompt = max(1, int(lengths["input_p50"]))
         out = max(8, min(32, int(lengths["output_p50"])))
         self.meta["lengths"] = lengths
-        names = list(self.clusters.external) + list(self.clusters.clusters)
+        names = self.clusters.names
         ref = cfg.calibrate_on or names[0]
         unloaded = self.meta["unloaded"] = {}
         for name in names:  # every cluster: warm-up request, then its unloaded latencies
             addr = self.clusters.address(name)
             say(f"warming up and calibrating {name} ({addr}) ...")
-            calib = asyncio.run(calibrate(name, addr, prompt, out, repeats=5 if name == ref else 2))
+            repeats = 5 if name == ref else 2
+            job = {**self.clusters.job_fields(name), "security": self._security(name)}
+            calib = asyncio.run(calibrate(name, addr, prompt, out, repeats=repeats, **job))
             unloaded[name] = calib.to_json()
             say(f"  unloaded {name}: TTFT {calib.prefill_ms:.1f} ms, TPOT {calib.decode_ms:.1f} ms")
         c = self.meta["calibration"] = unloaded[ref]
@@ -181,6 +215,11 @@ class Bench:
             rates = [round(base * r, 3) for r in cfg.rel_rates]
         self.meta["sweep_rates"] = rates
         say(f"SLOs: TTFT <= {self.slo.ttft_ms} ms, TPOT <= {self.slo.tpot_ms} ms; rates {rates}")
+
+    def _security(self, name: str) -> dict[str, Any]:
+        """Client credentials for cluster `name`: the configured ones for the external router,
+        none for clusters this run launched (plaintext on 127.0.0.1)."""
+        return dict(self.cfg.client_security) if name in self.clusters.external else {}
 
     def timeout_s(self) -> float:
         if self.cfg.request_timeout_s is not None:
@@ -203,6 +242,8 @@ class Bench:
             token_seed=cfg.seed * 1000 + k,
             timeout_s=self.timeout_s(),
             label=f"{name}-{k}",
+            **self.clusters.job_fields(name),
+            security=self._security(name),
         )
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
@@ -231,6 +272,54 @@ class Bench:
         return path
 
 
+def _targets(cfg: BenchConfig, meta: dict[str, Any]) -> tuple[Any, int]:
+    """(context manager giving the `ClusterSet` of pdserve configurations, length budget):
+    the running router at `cfg.address`, or local clusters of `cfg.configs` (none: an
+    OpenAI server alone). Fills `meta["model"]`."""
+    if cfg.address is not None:
+        security = ClientSecurity.from_json(cfg.client_security)
+        info = asyncio.run(model_info(cfg.address, security=security))
+        meta["model"] = {"name": info.model, "context_length": info.context_length,
+                         "vocab_size": info.vocab_size, "mode": info.mode}  # fmt: skip
+        name = cfg.configs[0] if len(cfg.configs) == 1 else "external"
+        clusters = ClusterSet(external={name: cfg.address})
+        return contextlib.nullcontext(clusters), min(cfg.context or info.context_length,
+                                                     info.context_length)  # fmt: skip
+    if not cfg.configs:
+        return contextlib.nullcontext(ClusterSet()), cfg.context or 0
+    model_ctx = model_context(cfg.model)
+    context = min(cfg.context or model_ctx, model_ctx)
+    meta["model"] = json.loads((cfg.model / "config.json").read_text()) | {"path": str(cfg.model)}
+    sizing = EngineSizing(
+        context, cfg.chunk_tokens, 16, cfg.num_kv_blocks, cfg.max_num_seqs, cfg.device
+    )
+    say(f"starting {len(cfg.configs)} clusters: {', '.join(cfg.configs)} ...")
+    return start_clusters(cfg.configs, cfg.model, sizing, cfg.out / "logs", cfg.threads), context
+
+
+def _openai_target(cfg: BenchConfig, meta: dict[str, Any]) -> OpenAITarget:
+    """`cfg.openai_url` as a target: its model (asked for when not given), the vocabulary
+    of its prompts, and a length budget no larger than its context (`meta["context"]`)."""
+    assert cfg.openai_url is not None
+    url = cfg.openai_url.rstrip("/")
+    cards = asyncio.run(list_models(url))
+    model = cfg.openai_model or (cards[0]["id"] if cards else "")
+    if not model:
+        raise ValueError(f"openai_url {url} lists no model; give openai_model")
+    card = next((c for c in cards if c.get("id") == model), {})
+    vocab = cfg.vocab_size
+    if vocab is None and (cfg.model / "config.json").is_file():
+        vocab = int(json.loads((cfg.model / "config.json").read_text())["vocab_size"])
+    if vocab is None:
+        raise ValueError("vocab_size: needed for openai_url's token-id prompts (or a model folder)")
+    limit = card.get("max_model_len") or cfg.context
+    if limit is None:
+        raise ValueError(f"context: {url} does not report max_model_len; give context")
+    meta["context"] = min(meta["context"] or int(limit), int(limit))
+    meta["openai"] = {"url": url, "model": model, "vocab_size": vocab, "max_model_len": limit}
+    return OpenAITarget(url, model, vocab)
+
+
 def run_bench(cfg: BenchConfig, on_ready: Callable[[Bench], None] | None = None) -> Any:
     """Run the whole benchmark (module docstring); returns `report.Summary`."""
     from tooling.goodput.report import write_report
@@ -242,34 +331,19 @@ def run_bench(cfg: BenchConfig, on_ready: Callable[[Bench], None] | None = None)
     machine = measure_machine(size_mb=256, gemm_n=1024, repeats=3).to_json()
     meta: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "machine": machine}
     meta["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-    if cfg.address is not None:
-        info = asyncio.run(model_info(cfg.address))
-        context = min(cfg.context or info.context_length, info.context_length)
-        meta["model"] = {"name": info.model, "context_length": info.context_length,
-                         "vocab_size": info.vocab_size, "mode": info.mode}  # fmt: skip
-        name = cfg.configs[0] if len(cfg.configs) == 1 else "external"
-        clusters_cm: Any = contextlib.nullcontext(ClusterSet(external={name: cfg.address}))
-    else:
-        model_ctx = model_context(cfg.model)
-        context = min(cfg.context or model_ctx, model_ctx)
-        meta["model"] = json.loads((cfg.model / "config.json").read_text()) | {
-            "path": str(cfg.model)
-        }
-        sizing = EngineSizing(
-            context, cfg.chunk_tokens, 16, cfg.num_kv_blocks, cfg.max_num_seqs, cfg.device
-        )
-        say(f"starting {len(cfg.configs)} clusters: {', '.join(cfg.configs)} ...")
-        clusters_cm = start_clusters(cfg.configs, cfg.model, sizing, cfg.out / "logs", cfg.threads)
+    clusters_cm, context = _targets(cfg, meta)
     meta["context"] = context
     with clusters_cm as clusters:
+        if cfg.openai_url is not None:
+            clusters.openai["openai"] = _openai_target(cfg, meta)
+            context = meta["context"]
         meta["clusters"] = clusters.describe()
         bench = Bench(cfg, clusters, meta)
         bench.prepare(context)
         if on_ready is not None:
             on_ready(bench)
-        names = list(clusters.external) or list(cfg.configs)
         rates = meta["sweep_rates"]
-        searches = {n: RateSearch(rates, cfg.target, cfg.bisect_steps) for n in names}
+        searches = {n: RateSearch(rates, cfg.target, cfg.bisect_steps) for n in clusters.names}
         run_interleaved(searches, lambda n, r, k: bench.run_point(n, r, k, context))
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     meta["wall_s"] = round(time.time() - started, 1)

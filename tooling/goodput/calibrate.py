@@ -39,10 +39,17 @@ class Calibration:
 
 
 async def sequential(
-    address: str, prompt_len: int, output_len: int, n: int, token_seed: int, label: str
+    address: str,
+    prompt_len: int,
+    output_len: int,
+    n: int,
+    token_seed: int,
+    label: str,
+    **target: Any,
 ) -> list[tuple[float, float]]:
-    """(TTFT ms, TPOT ms) of `n` requests sent one after another. RuntimeError names the
-    status of a failed request."""
+    """(TTFT ms, TPOT ms) of `n` requests sent one after another; `target` adds `LoadJob` fields
+    (`api`, `model`, `vocab_size` for an OpenAI server). RuntimeError names the status of a
+    failed request."""
     out = []
     for i in range(n):
         job = LoadJob(
@@ -52,6 +59,7 @@ async def sequential(
             label=f"{label}-{i}",
             channels=1,
             timeout_s=600.0,
+            **target,
         )
         (rec,) = (await run_load(job, progress=False)).records
         if not rec.ok or rec.ttft_ms is None:
@@ -67,12 +75,16 @@ async def calibrate(
     output_len: int,
     repeats: int = 3,
     token_seed: int = 10**6,
+    **target: Any,
 ) -> Calibration:
-    """Measure unloaded prefill (TTFT) and decode step (TPOT) times (see module docstring)."""
+    """Measure unloaded prefill (TTFT) and decode step (TPOT) times (see module docstring);
+    `target` as in `sequential`."""
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 to measure a decode step, got {output_len}")
-    await sequential(address, prompt_len, output_len, 1, token_seed - 1, "warmup")
-    samples = await sequential(address, prompt_len, output_len, repeats, token_seed, "calib")
+    await sequential(address, prompt_len, output_len, 1, token_seed - 1, "warmup", **target)
+    samples = await sequential(
+        address, prompt_len, output_len, repeats, token_seed, "calib", **target
+    )
     ttft = tuple(s[0] for s in samples)
     tpot = tuple(s[1] for s in samples)
     return Calibration(

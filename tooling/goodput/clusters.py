@@ -80,22 +80,42 @@ def cluster_config(
     )
 
 
+@dataclass(frozen=True)
+class OpenAITarget:
+    """An OpenAI-compatible server to bench: base URL (``http://host:port/v1``), model name,
+    and the vocabulary its token-id prompts are drawn from."""
+
+    url: str
+    model: str
+    vocab_size: int
+
+
 @dataclass
 class ClusterSet:
-    """Running clusters by configuration name; `address(name)` is the router to load."""
+    """Running clusters by configuration name; `address(name)` is the router to load (a gRPC
+    host:port), or for an `openai` entry the server's /v1 URL (`job_fields` says which)."""
 
     clusters: dict[str, LocalCluster] = field(default_factory=dict)
     external: dict[str, str] = field(default_factory=dict)
+    openai: dict[str, OpenAITarget] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Every configuration, external and OpenAI ones first."""
+        return [*self.external, *self.openai, *self.clusters]
 
     def address(self, name: str) -> str:
         if name in self.external:
             return self.external[name]
+        if name in self.openai:
+            return self.openai[name].url
         return self.clusters[name].address
 
     def pids(self, name: str) -> dict[str, int]:
         """{label: pid} of a launched configuration's processes: "router" and each worker as
-        "<role>-<id>" (empty for an external cluster: its processes are not ours to read)."""
-        if name in self.external:
+        "<role>-<id>" (empty for an external cluster or OpenAI server: its processes are not
+        ours to read)."""
+        if name in self.external or name in self.openai:
             return {}
         c = self.clusters[name]
         out = {"router": c.router.process.pid}
@@ -103,11 +123,20 @@ class ClusterSet:
             out[f"{w.role}-{w.worker_id}"] = w.process.pid
         return out
 
+    def job_fields(self, name: str) -> dict[str, Any]:
+        """`LoadJob` fields that say how to reach `name` (none for pdserve's gRPC API)."""
+        target = self.openai.get(name)
+        if target is None:
+            return {}
+        return {"api": "openai", "model": target.model, "vocab_size": target.vocab_size}
+
     def describe(self) -> dict[str, Any]:
         """JSON-able description of each configuration (effective cluster config)."""
         out: dict[str, Any] = {
             n: {"address": a, "external": True} for n, a in self.external.items()
         }
+        for n, t in self.openai.items():
+            out[n] = {"address": t.url, "external": True, "api": "openai", "model": t.model}
         for n, c in self.clusters.items():
             out[n] = {"config": c.config.model_dump(mode="json"), "pids": c.pids()}
         return out

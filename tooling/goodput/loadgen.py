@@ -8,7 +8,9 @@ work (starting clusters, plotting) never delays a send. It imports no torch.
 
 1. builds every prompt's token ids and `GenerateRequest` before the clock starts (token ids,
    `max_tokens = output_len`, `ignore_eos`, greedy), and opens `job.channels` gRPC channels
-   (separate connections; requests go round-robin);
+   (separate connections; requests go round-robin) — or, for a job with `api="openai"`, one
+   HTTP session to an OpenAI-compatible server (`openai_load`: streaming `/v1/completions`
+   with the same token ids and lengths);
 2. a dispatcher sleeps until just before each request's scheduled time (then yields to the
    loop until the time), calls `Generate` and records the moment it did: the difference is
    the request's *send lag*; one task per request consumes its stream, timestamping every
@@ -23,22 +25,27 @@ A run whose p99 send lag exceeds `records.SEND_LAG_LIMIT_MS` is marked invalid b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 from tqdm import tqdm
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from security.channels import ClientSecurity
 from tooling.cpu import self_cpu_s
+from tooling.goodput.openai_load import completion_body, consume_openai
 from tooling.goodput.records import TIMING_FIELDS, RequestRecord, RequestSpec, RunResult
 from tooling.goodput.traces import prompt_tokens
 
@@ -53,8 +60,8 @@ NICE = -10
 @dataclass
 class LoadJob:
     """Everything one run needs; JSON-serialisable so it can cross the process boundary.
-    `vocab_size` None = ask the router (GetModelInfo). `label` names request ids and the
-    progress bar."""
+    `vocab_size` None = ask the router (GetModelInfo; an OpenAI job must give it). `label`
+    names request ids and the progress bar."""
 
     address: str
     specs: list[RequestSpec]
@@ -67,7 +74,11 @@ class LoadJob:
     vocab_size: int | None = None
     channels: int = 4
     label: str = "run"
+    api: str = "grpc"  # "grpc": pdserve's Generate at `address`; "openai": `address` is a /v1 URL
+    model: str = ""  # the OpenAI model name (api "openai")
     meta: dict[str, Any] = field(default_factory=dict)
+    # How to reach `address` (`security.channels.ClientSecurity.to_json`: paths, no token).
+    security: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +89,11 @@ class LoadJob:
         return cls(**{**data, "specs": specs})
 
 
-async def model_info(address: str, timeout_s: float = 10.0) -> inference_pb2.ModelInfo:
+async def model_info(
+    address: str, timeout_s: float = 10.0, security: ClientSecurity | None = None
+) -> inference_pb2.ModelInfo:
     """The router's `GetModelInfo` answer (raises grpc.aio.AioRpcError)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+    async with (security or ClientSecurity()).aio_channel(address, CHANNEL_OPTIONS) as ch:
         stub = inference_pb2_grpc.InferenceStub(ch)  # type: ignore[no-untyped-call]
         info: inference_pb2.ModelInfo = await stub.GetModelInfo(
             inference_pb2.GetModelInfoRequest(), timeout=timeout_s
@@ -133,13 +146,61 @@ async def consume_stream(
                 rec.prefill_worker, rec.decode_worker = f.prefill_worker, f.decode_worker
     except grpc.aio.AioRpcError as exc:
         rec.status, rec.error = exc.code().name, exc.details() or ""
-    if rec.status == "OK" and rec.num_tokens < rec.output_len:
-        rec.status, rec.error = "INCOMPLETE", f"{rec.num_tokens} of {rec.output_len} tokens"
-    if first is not None:
-        rec.ttft_ms = (first - t_sent) * 1e3
-        if rec.num_tokens > 1 and prev is not None and prev > first:
-            rec.tpot_ms = (prev - first) * 1e3 / (rec.num_tokens - 1)
-    rec.e2e_ms = ((last if last is not None else loop.time()) - t_sent) * 1e3
+    rec.close(t_sent, first, prev, last if last is not None else loop.time())
+
+
+Send = Callable[[int, int, RequestRecord, float, asyncio.AbstractEventLoop], Awaitable[None]]
+"""`send(k, i, record, t_sent, loop)`: start request `i` (the k-th sent) now; the awaitable
+reads its answer into `record`."""
+
+
+@contextlib.asynccontextmanager
+async def _grpc_sender(job: LoadJob) -> AsyncIterator[Send]:
+    """Requests built, `job.channels` channels opened (with `job.security`) and warmed; closed
+    on exit."""
+    security = ClientSecurity.from_json(job.security)
+    vocab = job.vocab_size or (await model_info(job.address, security=security)).vocab_size
+    requests = build_requests(job, vocab)
+    channels = [
+        security.aio_channel(job.address, CHANNEL_OPTIONS) for _ in range(max(1, job.channels))
+    ]
+    try:
+        stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]  # type: ignore[no-untyped-call]
+        for stub in stubs:  # connect and warm every channel's call path before the clock runs
+            await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10.0)
+
+        def send(
+            k: int, i: int, rec: RequestRecord, t_sent: float, loop: asyncio.AbstractEventLoop
+        ) -> Awaitable[None]:
+            rec.request_id = requests[i].request_id
+            call = stubs[k % len(stubs)].Generate(requests[i], timeout=job.timeout_s)
+            return consume_stream(call, rec, t_sent, loop)
+
+        yield send
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+@contextlib.asynccontextmanager
+async def _openai_sender(job: LoadJob) -> AsyncIterator[Send]:
+    """Prompts built, one aiohttp session (unlimited connections) warmed; closed on exit."""
+    if job.vocab_size is None:
+        raise ValueError("an OpenAI job needs vocab_size (its prompts are token ids)")
+    prompts = prompt_tokens(job.specs, job.vocab_size, job.token_seed)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.get(f"{job.address}/models") as r:  # connect before the clock runs
+            r.raise_for_status()
+
+        def send(
+            k: int, i: int, rec: RequestRecord, t_sent: float, loop: asyncio.AbstractEventLoop
+        ) -> Awaitable[None]:
+            rec.request_id = f"{job.label}-{job.token_seed}-{job.specs[i].index}"
+            body = completion_body(job.model, prompts[i], job.specs[i].output_len)
+            return consume_openai(session, job.address, body, rec, t_sent, loop, job.timeout_s)
+
+        yield send
 
 
 async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
@@ -147,53 +208,43 @@ async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
     `progress` None = a progress bar only when stderr is a terminal."""
     if not job.specs:
         raise ValueError("the job has no requests")
-    vocab = job.vocab_size or (await model_info(job.address)).vocab_size
-    requests = build_requests(job, vocab)
-    channels = [
-        grpc.aio.insecure_channel(job.address, options=CHANNEL_OPTIONS)
-        for _ in range(max(1, job.channels))
-    ]
-    try:
-        stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]  # type: ignore[no-untyped-call]
-        for stub in stubs:  # connect and warm every channel's call path before the clock runs
-            await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10.0)
+    sender = _openai_sender(job) if job.api == "openai" else _grpc_sender(job)
+    async with sender as send:
         show = sys.stderr.isatty() if progress is None else progress
-        bar = tqdm(total=len(requests), desc=job.label, leave=False, disable=not show, unit="req")
+        bar = tqdm(total=len(job.specs), desc=job.label, leave=False, disable=not show, unit="req")
         loop = asyncio.get_running_loop()
         gc.collect()
         gc.disable()  # a collection pause inside the dispatch loop would show as send lag
-        t0 = loop.time() + START_LEAD_S
-        tasks = []
-        records = []
-        order = sorted(range(len(job.specs)), key=lambda i: job.specs[i].arrival_s)
-        for k, i in enumerate(order):
-            spec = job.specs[i]
-            target = t0 + spec.arrival_s
-            if target - loop.time() > EARLY_WAKE_S:
-                await asyncio.sleep(target - loop.time() - EARLY_WAKE_S)
-            while loop.time() < target:  # a late wake-up (busy CPUs) still sends on time
-                await asyncio.sleep(0)
-            t_sent = loop.time()
-            call = stubs[k % len(stubs)].Generate(requests[i], timeout=job.timeout_s)
-            rec = RequestRecord(
-                index=spec.index,
-                request_id=requests[i].request_id,
-                scheduled_s=spec.arrival_s,
-                sent_s=t_sent - t0,
-                input_len=spec.input_len,
-                output_len=spec.output_len,
-                prefix_group=spec.prefix_group,
-            )
-            records.append(rec)
-            task = asyncio.create_task(consume_stream(call, rec, t_sent, loop))
-            task.add_done_callback(lambda _t: bar.update(1))
-            tasks.append(task)
-        await asyncio.gather(*tasks)
-        bar.close()
-    finally:
-        gc.enable()
-        for ch in channels:
-            await ch.close()
+        try:
+            t0 = loop.time() + START_LEAD_S
+            tasks = []
+            records = []
+            order = sorted(range(len(job.specs)), key=lambda i: job.specs[i].arrival_s)
+            for k, i in enumerate(order):
+                spec = job.specs[i]
+                target = t0 + spec.arrival_s
+                if target - loop.time() > EARLY_WAKE_S:
+                    await asyncio.sleep(target - loop.time() - EARLY_WAKE_S)
+                while loop.time() < target:  # a late wake-up (busy CPUs) still sends on time
+                    await asyncio.sleep(0)
+                t_sent = loop.time()
+                rec = RequestRecord(
+                    index=spec.index,
+                    request_id="",
+                    scheduled_s=spec.arrival_s,
+                    sent_s=t_sent - t0,
+                    input_len=spec.input_len,
+                    output_len=spec.output_len,
+                    prefix_group=spec.prefix_group,
+                )
+                records.append(rec)
+                task = asyncio.ensure_future(send(k, i, rec, t_sent, loop))
+                task.add_done_callback(lambda _t: bar.update(1))
+                tasks.append(task)
+            await asyncio.gather(*tasks)
+            bar.close()
+        finally:
+            gc.enable()
     records.sort(key=lambda r: r.index)
     lags = np.array([r.send_lag_ms for r in records])
     return RunResult(
@@ -207,6 +258,7 @@ async def run_load(job: LoadJob, progress: bool | None = None) -> RunResult:
         send_lag_p50_ms=float(np.percentile(lags, 50)),
         send_lag_p99_ms=float(np.percentile(lags, 99)),
         meta=job.meta,
+        t0_monotonic=t0,
     )
 
 

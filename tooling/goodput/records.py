@@ -112,6 +112,18 @@ class RequestRecord:
         """When the request ended, seconds after the run started (send time on errors)."""
         return self.sent_s + (self.e2e_ms or 0.0) / 1e3
 
+    def close(self, t_sent: float, first: float | None, prev: float | None, end: float) -> None:
+        """Finish a streamed record on the client's clock: `first` / `prev` = arrival of the
+        first / last token message (None: no token), `end` = the stream's end. A short OK
+        stream becomes INCOMPLETE; TTFT, TPOT and e2e are set from the times."""
+        if self.status == "OK" and self.num_tokens < self.output_len:
+            self.status, self.error = "INCOMPLETE", f"{self.num_tokens} of {self.output_len} tokens"
+        if first is not None:
+            self.ttft_ms = (first - t_sent) * 1e3
+            if self.num_tokens > 1 and prev is not None and prev > first:
+                self.tpot_ms = (prev - first) * 1e3 / (self.num_tokens - 1)
+        self.e2e_ms = (end - t_sent) * 1e3
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -136,6 +148,9 @@ class RunResult:
     send_lag_p50_ms: float
     send_lag_p99_ms: float
     meta: dict[str, Any] = field(default_factory=dict)
+    t0_monotonic: float = 0.0
+    """The run's t = 0 on the load generator's clock (`time.monotonic`, system-wide on Linux),
+    so samples taken by another process on the same host can be aligned with its records."""
 
     @property
     def valid(self) -> bool:

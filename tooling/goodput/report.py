@@ -190,6 +190,11 @@ def _setup(src: Source) -> list[str]:
                 f"chunked prefill {'on' if e['enable_chunked_prefill'] else 'off'}, step budget "
                 f"{e['max_num_batched_tokens']} tokens, {e['num_kv_blocks']} KV blocks"
             )
+        elif c.get("api") == "openai":
+            lines.append(
+                f"- `{name}`: OpenAI-compatible server at {c['address']}, model `{c['model']}` "
+                "(streaming /v1/completions; no server-side timings)"
+            )
         else:
             lines.append(f"- `{name}`: external cluster at {c['address']}")
     prio = sorted({str(r.meta.get("loadgen_priority", "?")) for r in src.runs})

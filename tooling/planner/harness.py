@@ -34,6 +34,7 @@ from router.policy import Role
 from router.pool import WorkerPool
 from router.ratio.actuator import PoolActuator
 from router.registry import InMemoryWorkerRegistry
+from security.channels import InternalAuth
 from tooling.goodput.analysis import SLO, attainment
 from tooling.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests, consume_stream
 from tooling.goodput.records import RequestRecord, RequestSpec
@@ -88,11 +89,15 @@ def cluster_pids(cluster: Any) -> dict[str, int]:
 
 
 class Sidecar:
-    """This process's own pool over the cluster's workers (module docstring)."""
+    """This process's own pool over the cluster's workers (module docstring); `internal`:
+    the cluster's worker credentials (`ProcessWorkers.internal`)."""
 
-    def __init__(self, roles: dict[str, Role], poll_s: float = 0.25) -> None:
+    def __init__(
+        self, roles: dict[str, Role], poll_s: float = 0.25, internal: InternalAuth | None = None
+    ) -> None:
         self.initial = dict(roles)
-        self.pool = WorkerPool(InMemoryWorkerRegistry(ttl_s=10.0), poll_s, 1.0)
+        registry = InMemoryWorkerRegistry(ttl_s=10.0)
+        self.pool = WorkerPool(registry, poll_s, 1.0, internal=internal)
         self.actuator = PoolActuator(self.pool)
 
     async def start(self) -> None:

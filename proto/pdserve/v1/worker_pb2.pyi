@@ -1,3 +1,4 @@
+from proto.pdserve.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,7 +12,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_waiting", "num_running", "waiting_tokens", "free_blocks", "total_blocks", "block_size", "kv_endpoint", "epoch", "node")
+    __slots__ = ("worker_id", "role", "draining", "num_waiting", "num_running", "waiting_tokens", "free_blocks", "total_blocks", "block_size", "kv_endpoint", "epoch", "metrics_port", "engine_steps", "engine_step_wall_s", "engine_step_cpu_s", "node")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +24,10 @@ class WorkerStatus(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_CPU_S_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
@@ -35,8 +40,12 @@ class WorkerStatus(_message.Message):
     block_size: int
     kv_endpoint: str
     epoch: int
+    metrics_port: int
+    engine_steps: int
+    engine_step_wall_s: float
+    engine_step_cpu_s: float
     node: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_port: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_wall_s: _Optional[float] = ..., engine_step_cpu_s: _Optional[float] = ..., node: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_name", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -95,7 +104,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, ticket: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "num_sampled")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +113,9 @@ class WorkerSampling(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -112,7 +124,10 @@ class WorkerSampling(_message.Message):
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    min_tokens: int
+    logprobs: int
+    num_sampled: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., num_sampled: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket", "timeout_s")
@@ -129,7 +144,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "finished", "finish_reason")
+    __slots__ = ("first_token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "finished", "finish_reason", "first_logprob")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +152,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cached_tokens: int
     queue_ms: float
@@ -144,7 +160,8 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     finished: bool
     finish_reason: str
-    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    first_logprob: _inference_pb2.TokenLogprob
+    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., first_logprob: _Optional[_Union[_inference_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "first_token", "sampling", "timeout_s")
@@ -175,20 +192,22 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "admission_ms", "first_step_ms")
+    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "admission_ms", "first_step_ms", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
     cached_tokens: int
     admission_ms: float
     first_step_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., admission_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., admission_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,1 @@
+"""Compiled CPU kernels (built on first use) and their plain torch references."""

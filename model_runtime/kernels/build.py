@@ -1,0 +1,85 @@
+"""Build and load the compiled CPU kernels (C sources shipped in this package). Runs in worker
+processes (and tests), once per process per kernel.
+
+`load_library(source)` compiles a C file on first use with the system C compiler
+(`cc -O3 -mavx2 -mfma -fopenmp`, about a second) into a per-user cache
+(`$PDSERVE_KERNEL_CACHE`, default `~/.cache/pdserve/kernels`), named by a hash of source, flags
+and compiler, written atomically (several workers may start at once and race to build the same
+file; the loser's identical file replaces the winner's), and loads it with ctypes.
+
+Threads: a kernel given more than one thread runs an OpenMP parallel loop on the OpenMP runtime
+torch has already loaded. torch's wheels ship their libgomp as `libgomp.so.1`, the soname the
+kernel links against, so the dynamic loader hands the kernel the runtime already in the process:
+one thread pool, sized by the `nthreads` the caller passes (`torch.get_num_threads()`).
+
+Only x86 CPUs with AVX2 and FMA (torch's capability probe says AVX2 or AVX512) are served;
+elsewhere, or without a compiler, `load_library` returns (None, reason).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_COMPILE_TIMEOUT_S = 120.0
+
+
+def cpu_has_avx2() -> bool:
+    """torch's own CPU-capability probe says AVX2 or better (AVX-512 hosts have AVX2/FMA)."""
+    return str(torch.backends.cpu.get_cpu_capability()) in ("AVX2", "AVX512")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PDSERVE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pdserve" / "kernels"
+
+
+def compile_cached(source: Path, compiler: str) -> Path:
+    """Compile `source` into the cache unless an identical build is there; return the .so.
+    The key covers the source, the headers beside it, the flags and the compiler."""
+    headers = sorted(source.parent.glob("*.h"))
+    key_material = b"".join(p.read_bytes() for p in (source, *headers))
+    key_material += " ".join((compiler, *FLAGS)).encode()
+    key = hashlib.sha256(key_material).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}_{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=_COMPILE_TIMEOUT_S,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the compiled and loaded `source`, '') or (None, why it cannot run here)."""
+    if not cpu_has_avx2():
+        return None, f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, f"no C compiler (cc/gcc) on PATH to build {source.name}"
+    try:
+        return ctypes.CDLL(str(compile_cached(source, compiler))), ""
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        return None, f"building/loading {source.name} failed: {exc}"

@@ -1,0 +1,199 @@
+"""The HTTP front's request handlers (aiohttp). Runs in the router process, on its event loop.
+
+`/v1/completions` and `/v1/chat/completions`: parse the body (pydantic; a 400 names the
+field), check the model name (404), translate to a `GenerateRequest` (`translate`) and run it
+through the router's `RequestLifecycle` — the same path, admission, deadline
+(`default_timeout_s`), aborts and metrics as a gRPC `Generate`.
+
+Streaming (`stream: true`) is Server-Sent Events: ``data: <chunk JSON>\\n\\n`` per chunk
+(`responses`), then ``data: [DONE]\\n\\n``. The 200 and its headers go out with the first
+chunk, i.e. once the first token exists, so a request refused before that (400, 429, 503,
+504) still gets its status and an error object. A failure after the stream started is sent as
+one ``data: {"error": {...}}`` event, then ``[DONE]``.
+
+Client disconnect: the server runs with aiohttp's handler cancellation, so a client that goes
+away cancels the handler task, and the lifecycle aborts the request on every worker holding
+it, exactly as a gRPC cancel does. A write that finds the connection already closed does the
+same (it raises `asyncio.CancelledError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from proto.pdserve.v1 import inference_pb2
+from router.errors import RouterError
+from router.http.chat_template import ChatTemplate
+from router.http.errors import OpenAIError, from_router_error, from_validation_error
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.http.responses import ChatFormatter, CompletionFormatter, dump
+from router.http.translate import Translated, chat_request, completion_request
+from router.lifecycle import RequestLifecycle
+
+M = TypeVar("M", bound=BaseModel)
+Formatter = CompletionFormatter | ChatFormatter
+
+
+@dataclass
+class FrontState:
+    """What every handler needs; one per HTTP front (`app[STATE]`)."""
+
+    lifecycle: RequestLifecycle
+    template: ChatTemplate | None
+    is_serving: Callable[[], bool]
+    metrics: Callable[[], tuple[bytes, str]] | None  # (body, content type) of /metrics
+    created: int  # when the front started (the model card's `created`)
+
+    @property
+    def model_name(self) -> str:
+        return self.lifecycle.config.served_model_name
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise OpenAIError(
+                404,
+                f"model: the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+
+STATE = web.AppKey("pdserve_front", FrontState)
+
+
+async def parse(request: web.Request, model: type[M]) -> M:
+    """The request body as `model`; a 400 naming the first field at fault otherwise."""
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+class SSEWriter:
+    """An SSE response, started (200 + headers) by its first event."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, data: str) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
+            await self.response.prepare(self._request)
+        try:
+            await self.response.write(f"data: {data}\n\n".encode())
+        except ConnectionResetError as exc:  # the client is gone: same path as a cancel
+            raise asyncio.CancelledError("client disconnected") from exc
+
+    async def close(self) -> web.StreamResponse:
+        assert self.response is not None, "close() before any event"
+        await self.response.write_eof()
+        return self.response
+
+
+async def _serve(request: web.Request, t: Translated, fmt: Formatter) -> web.StreamResponse:
+    lifecycle = request.app[STATE].lifecycle
+    if not t.stream:
+
+        async def collect(resp: inference_pb2.GenerateResponse) -> None:
+            fmt.add(resp)
+
+        try:
+            await lifecycle.run(t.request, collect)
+        except RouterError as exc:
+            raise from_router_error(exc, t.rename) from None
+        return web.Response(body=fmt.whole().model_dump_json(), content_type="application/json")
+
+    sse = SSEWriter(request)
+
+    async def stream(resp: inference_pb2.GenerateResponse) -> None:
+        for chunk in fmt.chunks(resp):
+            await sse.send(dump(chunk, t.include_usage))
+
+    try:
+        await lifecycle.run(t.request, stream)
+    except RouterError as exc:
+        err = from_router_error(exc, t.rename)
+        if sse.response is None:
+            raise err from None
+        await sse.send(err.body().model_dump_json())
+    else:
+        if t.include_usage:
+            await sse.send(dump(fmt.usage_chunk(), True))
+    await sse.send("[DONE]")
+    return await sse.close()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/completions`."""
+    state = request.app[STATE]
+    body = await parse(request, CompletionRequest)
+    state.check_model(body.model)
+    rid = uuid.uuid4().hex
+    t = completion_request(body, rid)
+    fmt = CompletionFormatter(
+        f"cmpl-{rid}", int(time.time()), state.model_name, state.lifecycle.tokenizer, t.logprobs
+    )
+    return await _serve(request, t, fmt)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/chat/completions`."""
+    state = request.app[STATE]
+    body = await parse(request, ChatCompletionRequest)
+    state.check_model(body.model)
+    rid = uuid.uuid4().hex
+    lc = state.lifecycle
+    t = chat_request(
+        body,
+        rid,
+        state.template,
+        lc.tokenizer,
+        lc.limits.context_length,
+        str(lc.config.model_dir),
+    )
+    created = int(time.time())
+    fmt = ChatFormatter(f"chatcmpl-{rid}", created, state.model_name, lc.tokenizer, t.logprobs)
+    return await _serve(request, t, fmt)
+
+
+async def models(request: web.Request) -> web.Response:
+    """`GET /v1/models`: the one served model."""
+    state = request.app[STATE]
+    card = ModelCard(
+        id=state.model_name,
+        created=state.created,
+        max_model_len=state.lifecycle.limits.context_length,
+    )
+    return web.json_response(text=ModelList(data=[card]).model_dump_json())
+
+
+async def health(request: web.Request) -> web.Response:
+    """`GET /health`: 200 while a request could be routed now, else 503."""
+    serving = request.app[STATE].is_serving()
+    status = "serving" if serving else "not_serving"
+    return web.json_response({"status": status}, status=200 if serving else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """`GET /metrics`: the router's Prometheus metrics (text exposition format)."""
+    source = request.app[STATE].metrics
+    if source is None:
+        raise OpenAIError(404, "this router exports no metrics", None, "not_found")
+    body, content_type = source()
+    return web.Response(body=body, headers={"Content-Type": content_type})

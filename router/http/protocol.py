@@ -1,0 +1,242 @@
+"""OpenAI API request and response schemas (pydantic v2). Runs in the router process.
+
+Requests are strict and closed: a field pdserve does not implement is refused with a 400 that
+names it (`extra="forbid"`), never silently ignored. Fields OpenAI defines that change nothing
+at one value (`n`, `presence_penalty`, ...) are accepted at that value only (`NEUTRAL_ONLY`,
+checked by `router.http.translate`). `user` is accepted: it is an end-user id for the caller's
+own abuse tracking, not an instruction.
+
+Engine extensions, as vLLM and SGLang accept them: `top_k` (-1 or 0 = off), `min_tokens`,
+`ignore_eos`.
+
+Responses follow OpenAI's shapes field for field; streaming chunks are the same objects sent
+as Server-Sent Events (`router.http.handlers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class StreamOptions(_Request):
+    """`stream_options`: only with `stream: true`."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """What completions and chat share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    user: str | None = None
+    # Accepted at their neutral value only (see NEUTRAL_ONLY).
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`. `prompt`: text, token ids, or a list with one such item."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    """A text part of a message's `content` list (other part types are refused)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """`content` as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`; `messages` are rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+NEUTRAL_ONLY: dict[str, Any] = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "echo": False,
+    "best_of": None,
+    "suffix": None,
+}
+"""Fields accepted only at the value that changes nothing (an empty `logit_bias` and
+`best_of: 1` count as neutral too)."""
+
+
+# ---------------------------------------------------------------------------------- responses
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions logprobs: parallel lists, one entry per generated token;
+    `text_offset` counts characters from the start of the completion."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    """A whole completion, or one streamed chunk of it (same object, as OpenAI sends)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    """A streamed message delta; unset keys are left out (the last chunk's delta is `{}`)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _without_unset(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo

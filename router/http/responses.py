@@ -1,0 +1,220 @@
+"""`GenerateResponse` stream -> OpenAI response objects. Runs in the router process.
+
+One formatter per request: `chunks(resp)` gives the streaming chunks for one message of the
+lifecycle's stream, `add(resp)` accumulates it for a whole (non-streaming) answer, `whole()`
+and `usage_chunk()` build the rest. Chunk rules (as OpenAI sends them):
+
+- completions: one chunk per message that carries text, logprobs or the finish reason; the
+  last one has `finish_reason`;
+- chat: the first chunk is ``delta: {"role": "assistant", "content": ""}``, then one chunk per
+  message with text or logprobs, then ``delta: {}`` with `finish_reason`;
+- with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one more chunk
+  with ``"choices": []`` and the usage comes last.
+
+Logprobs: completions use the legacy parallel lists (`tokens`, `token_logprobs`,
+`top_logprobs` as ``{token: logprob}``, `text_offset`); chat uses ``content: [{token,
+logprob, bytes, top_logprobs: [...]}]``. A token's text is its own decoding (special tokens
+kept), so a token holding part of a UTF-8 character shows U+FFFD, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from model_runtime.tokenizer import Tokenizer
+from proto.pdserve.v1 import inference_pb2
+from router.http.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+
+def usage_of(final: inference_pb2.FinalInfo) -> Usage:
+    u = final.usage
+    return Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+    )
+
+
+def dump(obj: BaseModel, include_usage: bool) -> str:
+    """A chunk's JSON; `usage` appears (null until the last chunk) only when asked for."""
+    return obj.model_dump_json(exclude=None if include_usage else {"usage"})
+
+
+class _Formatter:
+    """Shared state: ids, the accumulated answer, token text for logprobs."""
+
+    def __init__(
+        self, rid: str, created: int, model: str, tokenizer: Tokenizer, logprobs: int | None
+    ) -> None:
+        self.id, self.created, self.model = rid, created, model
+        self._tok = tokenizer
+        self.logprobs = logprobs
+        self.text: list[str] = []
+        self.final: inference_pb2.FinalInfo | None = None
+        self._offset = 0  # characters of token text so far (completions' text_offset)
+
+    def add(self, resp: inference_pb2.GenerateResponse) -> None:
+        """Accumulate one message for the whole answer."""
+        self.text.append(resp.text)
+        self._add_logprobs(resp)
+        if resp.HasField("final"):
+            self.final = resp.final
+
+    def _add_logprobs(self, resp: inference_pb2.GenerateResponse) -> None:
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def usage(self) -> Usage:
+        assert self.final is not None, "usage before the final message"
+        return usage_of(self.final)
+
+
+class CompletionFormatter(_Formatter):
+    """`/v1/completions` answers (`text_completion` objects)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+    def _logprobs(self, resp: inference_pb2.GenerateResponse) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for tok, lp in zip(resp.token_ids, resp.logprobs, strict=True):
+            text = self.token_text(tok)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text(t.token_id): t.logprob for t in lp.top})
+            out.text_offset.append(self._offset)
+            self._offset += len(text)
+        return out
+
+    def _add_logprobs(self, resp: inference_pb2.GenerateResponse) -> None:
+        part = self._logprobs(resp)
+        if part is not None:
+            self._lp.tokens.extend(part.tokens)
+            self._lp.token_logprobs.extend(part.token_logprobs)
+            self._lp.top_logprobs.extend(part.top_logprobs)
+            self._lp.text_offset.extend(part.text_offset)
+
+    def chunks(self, resp: inference_pb2.GenerateResponse) -> Sequence[BaseModel]:
+        final = resp.final if resp.HasField("final") else None
+        if final is not None:
+            self.final = final
+        logprobs = self._logprobs(resp)
+        if not resp.text and logprobs is None and final is None:
+            return ()
+        choice = CompletionChoice(
+            text=resp.text,
+            logprobs=logprobs,
+            finish_reason=final.finish_reason if final is not None else None,
+        )
+        return (self._object([choice]),)
+
+    def _object(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def whole(self) -> BaseModel:
+        assert self.final is not None, "whole() before the final message"
+        choice = CompletionChoice(
+            text="".join(self.text),
+            logprobs=self._lp if self.logprobs is not None else None,
+            finish_reason=self.final.finish_reason,
+        )
+        return self._object([choice], self.usage())
+
+    def usage_chunk(self) -> BaseModel:
+        return self._object([], self.usage())
+
+
+class ChatFormatter(_Formatter):
+    """`/v1/chat/completions` answers (`chat.completion` / `chat.completion.chunk`)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._content: list[TokenLogprob] = []
+        self._started = False
+
+    def _logprobs(self, resp: inference_pb2.GenerateResponse) -> ChatLogprobs | None:
+        if self.logprobs is None:
+            return None
+        content = []
+        for tok, lp in zip(resp.token_ids, resp.logprobs, strict=True):
+            text = self.token_text(tok)
+            top = []
+            for t in lp.top:
+                alt = self.token_text(t.token_id)
+                top.append(TopLogprob(token=alt, logprob=t.logprob, bytes=list(alt.encode())))
+            content.append(
+                TokenLogprob(
+                    token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _add_logprobs(self, resp: inference_pb2.GenerateResponse) -> None:
+        part = self._logprobs(resp)
+        if part is not None:
+            self._content.extend(part.content)
+
+    def _chunk(self, choice: ChatChunkChoice) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice]
+        )
+
+    def chunks(self, resp: inference_pb2.GenerateResponse) -> Sequence[BaseModel]:
+        out: list[BaseModel] = []
+        if not self._started:
+            self._started = True
+            out.append(self._chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))))
+        logprobs = self._logprobs(resp)
+        if resp.text or logprobs is not None:
+            delta = ChatDelta(content=resp.text)
+            out.append(self._chunk(ChatChunkChoice(delta=delta, logprobs=logprobs)))
+        if resp.HasField("final"):
+            self.final = resp.final
+            end = ChatChunkChoice(delta=ChatDelta(), finish_reason=resp.final.finish_reason)
+            out.append(self._chunk(end))
+        return out
+
+    def whole(self) -> BaseModel:
+        assert self.final is not None, "whole() before the final message"
+        choice = ChatChoice(
+            message=AssistantMessage(content="".join(self.text)),
+            logprobs=ChatLogprobs(content=self._content) if self.logprobs is not None else None,
+            finish_reason=self.final.finish_reason,
+        )
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=self.usage(),
+        )
+
+    def usage_chunk(self) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage()
+        )

@@ -1,0 +1,158 @@
+"""A decode worker killed or stopped mid-stream through a real 1P+2D cluster (issue 20).
+
+SIGKILL: the request moves to the other decode worker (prompt + tokens so far prefilled
+again) and the client sees one unbroken stream equal to an undisturbed run — greedy, and
+seeded sampling too (the new leg's generators skip the draws already made).
+SIGTERM (graceful drain, `drain_timeout_s` 0.5 s here): the worker says NOT_SERVING at once
+and takes no new work; a request that ends within the drain finishes where it runs, one that
+does not is moved when the drain times out; nothing in flight is lost.
+Every stopped or killed worker is restarted by the launcher's supervisor and every live
+worker's blocks come back.
+
+Runs in the pytest process; one cluster for the module, stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.client import CHANNEL_OPTIONS, build_request
+from model_runtime.engine import LLMEngine
+from model_runtime.engine_config import EngineConfig
+from model_runtime.sampling_params import SamplingParams
+from proto.pdserve.v1 import inference_pb2
+from tests.e2e.helpers import ENGINE, TIE_TOL, E2ECluster, Reference, wait_until
+
+pytestmark = pytest.mark.slow
+PROMPT = [(i * 29) % 1000 + 4 for i in range(40)]
+N = 120
+T = float(np.float32(0.8))  # the wire carries float32
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
+    overrides: dict[str, object] = {"drain_timeout_s": 0.5, "supervision.backoff_s": 0.1}
+    yield from start_cluster("migration", "disagg", overrides, prefill=1, decode=2)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    cfg = EngineConfig(**{**ENGINE, "enable_prefix_caching": False})  # type: ignore[arg-type]
+    return LLMEngine.from_model_dir(tiny_model_dir, cfg)
+
+
+def _until_the_router_uses_every_decoder(cluster: E2ECluster, n: int) -> None:
+    """Readiness for a test: concurrent short requests until each of the `n` decode workers
+    served one (the router's view of a restarted worker lags its restart by a poll)."""
+    req = build_request(token_ids=PROMPT[:8], max_tokens=2, temperature=0.0)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30.0
+    while len(seen) < n:
+        assert time.monotonic() < deadline, f"the router used only {seen}"
+        with ThreadPoolExecutor(4) as pool:
+            seen |= {info.decode_worker for _, info in pool.map(cluster.generate, [req] * 4)}
+
+
+def _signal_decoder_mid_stream(
+    cluster: E2ECluster,
+    req: inference_pb2.GenerateRequest,
+    after: int,
+    sig: signal.Signals = signal.SIGKILL,
+    while_draining: Callable[[str], None] | None = None,
+) -> tuple[list[int], inference_pb2.FinalInfo]:
+    """Stream `req`; once `after` tokens arrived, send `sig` to the decode worker running it
+    (then call `while_draining(its address)`); wait until the supervisor restarted it. (every
+    token, the final info)."""
+    decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
+    _until_the_router_uses_every_decoder(cluster, len(decoders))
+    restarts = sum(e.kind == "restarted" for e in cluster.local.workers.events)
+    tokens: list[int] = []
+    final = None
+    victim = None
+    for resp in cluster.stub.Generate(req, timeout=60.0):
+        tokens += resp.token_ids
+        if victim is None and len(tokens) >= after:
+            (victim,) = [w for w in decoders if cluster.status(w.address).num_running > 0]
+            os.kill(victim.process.pid, sig)
+            if while_draining is not None:
+                while_draining(victim.address)
+        if resp.HasField("final"):
+            final = resp.final
+    assert victim is not None and final is not None
+    wait_until(
+        lambda: sum(e.kind == "restarted" for e in cluster.local.workers.events) > restarts,
+        90.0,
+        "the decode worker to be restarted",
+    )
+    cluster.wait_no_leaks(30.0)
+    return tokens, final
+
+
+def test_greedy_stream_survives_its_decode_worker(
+    cluster: E2ECluster, engine: LLMEngine, reference: Reference
+) -> None:
+    req = build_request(token_ids=PROMPT, max_tokens=N, temperature=0.0, ignore_eos=True)
+    tokens, final = _signal_decoder_mid_stream(cluster, req, after=8)
+    assert final.migrations == 1 and final.usage.completion_tokens == N
+    (want,) = engine.generate([PROMPT], SamplingParams(max_tokens=N, ignore_eos=True))
+    expected = list(want.output_token_ids)
+    if tokens != expected:  # allowed only at a float32 near-tie, as in the fidelity tests
+        i = next(k for k, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
+        gap = reference.logit_gap(PROMPT + expected[:i], tokens[i])
+        assert gap <= TIE_TOL, f"token {i}: got {tokens[i]}, want {expected[i]} (gap {gap})"
+
+
+def test_seeded_stream_survives_its_decode_worker(cluster: E2ECluster, engine: LLMEngine) -> None:
+    req = build_request(
+        token_ids=PROMPT, max_tokens=N, temperature=T, top_k=50, seed=99, ignore_eos=True
+    )
+    tokens, final = _signal_decoder_mid_stream(cluster, req, after=5)
+    assert final.migrations == 1
+    params = SamplingParams(max_tokens=N, temperature=T, top_k=50, seed=99, ignore_eos=True)
+    (want,) = engine.generate([PROMPT], params)
+    assert tokens == list(want.output_token_ids)
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address, CHANNEL_OPTIONS) as ch:
+        req = health_pb2.HealthCheckRequest()
+        return int(health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status)
+
+
+def test_sigterm_lets_a_request_finish_on_its_draining_worker(cluster: E2ECluster) -> None:
+    req = build_request(token_ids=PROMPT, max_tokens=14, temperature=0.0, ignore_eos=True)
+    tokens, final = _signal_decoder_mid_stream(cluster, req, after=4, sig=signal.SIGTERM)
+    assert len(tokens) == 14 and final.migrations == 0 and final.finish_reason == "length"
+    stops = [e for e in cluster.local.workers.events if e.kind == "died"]
+    assert "exited with status 0" in stops[-1].detail, stops[-1]
+
+
+def test_sigterm_drain_flips_health_takes_no_new_work_and_moves_the_rest(
+    cluster: E2ECluster,
+) -> None:
+    seen: dict[str, object] = {}
+
+    def while_draining(address: str) -> None:
+        seen["health"] = _health(address)  # at once: well within the 0.5 s drain
+        seen["victim"] = cluster.status(address).worker_id
+        short = build_request(token_ids=PROMPT[:9], max_tokens=4, temperature=0.0)
+        _, info = cluster.generate(short)  # new work goes to the other decode worker
+        seen["new_on"] = info.decode_worker
+
+    req = build_request(token_ids=PROMPT, max_tokens=900, temperature=0.0, ignore_eos=True)
+    tokens, final = _signal_decoder_mid_stream(
+        cluster, req, after=4, sig=signal.SIGTERM, while_draining=while_draining
+    )
+    assert seen["health"] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert seen["new_on"] != seen["victim"]
+    assert len(tokens) == 900 and final.migrations == 1  # cut at the drain timeout, moved

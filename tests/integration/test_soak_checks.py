@@ -1,0 +1,102 @@
+"""The soak's judge against the real reference engine on the tiny model: it must call a wrong
+token wrong, a clean stream exact, a partial stream that ended with a clear status fine, and
+everything else what it is; and the injector's SIGSTOP / SIGCONT bookkeeping on a real child
+process. Runs in the pytest process (torch, no cluster)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tooling.redis_server import SKIP_REASON, redis_server_path
+from tooling.soak.check import judge
+from tooling.soak.client import Outcome
+from tooling.soak.cluster import SoakCluster, process_start_time
+from tooling.soak.config import SoakConfig
+from tooling.soak.reference import Reference
+from tooling.soak.workload import PlannedRequest, f32
+
+GREEDY = PlannedRequest(0, 0.0, "greedy", tuple(range(10, 50)), max_tokens=12, ignore_eos=True)
+SAMPLED = replace(GREEDY, index=1, kind="sampled", temperature=f32(0.9), top_k=40, seed=99)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Reference:
+    r = Reference(tiny_model_dir)
+    r.run([GREEDY, SAMPLED])
+    return r
+
+
+def outcome(r: PlannedRequest, ref: Reference, **kw: object) -> Outcome:
+    want = ref.expected(r)
+    base = Outcome(r.index, 0.0, 30.0, 1.0, "OK", "", list(want.tokens), want.text,
+                   want.finish_reason)  # fmt: skip
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("r", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_judge(ref: Reference, r: PlannedRequest) -> None:
+    want = list(ref.expected(r).tokens)
+    assert len(want) == 12
+
+    def verdict(**kw: object) -> str:
+        return judge(r, outcome(r, ref, **kw), ref.expected(r), ref, 2.0).category
+
+    assert verdict() == "exact"
+    wrong = want[:5] + [(want[5] + 7) % 1000 + 4] + want[6:]
+    assert verdict(tokens=wrong) == "wrong"
+    assert verdict(tokens=want[:7]) == "wrong"  # OK but tokens lost
+    assert verdict(tokens=want + [5]) == "wrong"
+    assert verdict(finish_reason="stop") == "wrong"
+    assert verdict(text="something else") == "wrong"
+    assert verdict(code="UNAVAILABLE", tokens=want[:4]) == "status"
+    assert verdict(code="DEADLINE_EXCEEDED", tokens=[]) == "status"
+    assert verdict(code="UNAVAILABLE", tokens=wrong[:7]) == "wrong"
+    assert verdict(code="CANCELLED", client_cancelled=True, tokens=want[:3]) == "status"
+    assert verdict(code="CANCELLED", tokens=want[:3]) == "unclear"  # nobody asked for it
+    assert verdict(code="INTERNAL", tokens=[]) == "unclear"
+    assert verdict(code="HUNG", hung=True) == "hung"
+    assert verdict(ended_at=33.5) == "hung"  # OK, but 3.5 s after a 30 s deadline
+
+
+def test_stop_strings_cut_expected_tokens_like_the_router(ref: Reference) -> None:
+    full = ref.expected(GREEDY)
+    stop = full.full_text[len(full.full_text) // 2 :][:3]
+    cut = ref.expected(replace(GREEDY, stop=(stop,)))
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert cut.tokens == full.tokens[: len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
+    assert full.full_text.startswith(cut.text)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_injector_resumes_only_a_process_it_stopped(tmp_path: Path) -> None:
+    """SIGSTOP / SIGCONT go by pid and process start time: a stopped process is resumed once;
+    one that died meanwhile (its pid possibly reused) gets no SIGCONT."""
+    if redis_server_path() is None:
+        pytest.skip(SKIP_REASON)
+    cluster = SoakCluster(SoakConfig(model=tmp_path, out=tmp_path))
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert cluster.send_signal(proc.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        assert _state(proc.pid) == "T"
+        assert cluster.resume(proc.pid)
+        time.sleep(0.1)
+        assert _state(proc.pid) != "T"
+        assert not cluster.resume(proc.pid)  # not stopped by the soak any more
+        assert cluster.send_signal(proc.pid, signal.SIGSTOP)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_start_time(proc.pid) is None
+    assert not cluster.resume(proc.pid) and not cluster.stopped
+    assert not cluster.send_signal(proc.pid, signal.SIGSTOP)

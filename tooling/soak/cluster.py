@@ -1,0 +1,235 @@
+"""The soak's cluster: its own redis-server, the workers started by a product launcher, and the
+router in this process. Runs in the soak process, on its event loop.
+
+The cluster is put together the way `pdserve up` does it: a `ClusterConfig` (here built from
+the `SoakConfig`), `deploy.launcher.launch_workers` or `deploy.ray_launcher.launch_ray_workers`
+for the workers (they supervise and restart them), and `router.app.start_router` with
+`ClusterConfig.router_config` in this process, which lets the soak read the router's own
+in-flight counts at the end. Worker processes are found through the launcher's handle
+(`worker_pid`), never by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from deploy.config import ClusterConfig, load_cluster_config
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.app import RouterHandle, start_router
+from tooling.redis_server import RedisServer
+from tooling.soak.config import SoakConfig
+
+log = logging.getLogger(__name__)
+CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+def cluster_config(config: SoakConfig, redis_url: str) -> ClusterConfig:
+    """The `ClusterConfig` a soak runs: tiny-model engine sizes, a Redis prefix index with a
+    short TTL, the router's queue bound and default deadline from `config`."""
+    n_prefill, n_decode = config.counts
+    overrides: dict[str, Any] = {
+        "model": str(config.model),
+        "mode": "disagg",
+        "launcher": "process" if config.launcher == "processes" else "ray",
+        "workers.prefill": n_prefill,
+        "workers.decode": n_decode,
+        "torch_threads": config.torch_threads,
+        "engine": {
+            "block_size": 16,
+            "num_kv_blocks": config.num_kv_blocks,
+            "max_num_batched_tokens": 512,
+            "max_num_seqs": 64,
+        },
+        "router.port": 0,
+        "router.max_inflight": config.max_inflight,
+        "router.max_queued": config.max_queued,
+        "router.default_timeout_s": config.default_timeout_s,
+        "router.status_poll_interval_s": 0.25,
+        "router.prefix_index": {
+            "kind": "redis",
+            "url": redis_url,
+            "ttl_s": config.index_ttl_s,
+            "heartbeat_s": min(1.0, config.index_ttl_s / 3),
+        },
+        "transfer.timeout_s": 10.0,
+    }
+    if config.launcher == "ray":
+        total = n_prefill + n_decode
+        overrides["ray.cpus_per_worker"] = min(1.0, (os.cpu_count() or 2) / total)
+        overrides["ray.max_restarts"] = 1000
+    return load_cluster_config(None, overrides)
+
+
+def _launch(config: ClusterConfig, log_dir: Path) -> Any:
+    if config.launcher == "process":
+        from deploy.launcher import launch_workers
+
+        return launch_workers(config, log_dir)
+    from deploy.ray_launcher import launch_ray_workers
+
+    return launch_ray_workers(config)
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None
+    when there is no such process or it is a zombie. Tells a process from a later one that
+    reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+@dataclass
+class WorkerRef:
+    """A worker as the soak names it: id, role at launch, address."""
+
+    worker_id: str
+    role: str
+    address: str
+
+
+class SoakCluster:
+    """Redis + workers + in-process router. `start()` then `stop()` (idempotent)."""
+
+    def __init__(self, config: SoakConfig) -> None:
+        self.config = config
+        self.log_dir = config.out / "logs"
+        self.redis = RedisServer(config.out / "redis")
+        self.cluster: ClusterConfig | None = None
+        self.workers: Any = None  # ProcessWorkers | RayWorkers
+        self.router: RouterHandle | None = None
+        # SIGSTOPped now -> the process's start time (a reused pid never gets our SIGCONT);
+        # every one is resumed at stop() whatever happened
+        self.stopped: dict[int, int] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}  # the soak's own, for GetStatus
+
+    async def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.redis.start)
+        self.cluster = cluster_config(self.config, self.redis.url)
+        self.workers = await asyncio.to_thread(_launch, self.cluster, self.log_dir)
+        self.router = await start_router(self.cluster.router_config(self.workers.addresses()))
+        await self.wait_routable(60.0)
+
+    @property
+    def address(self) -> str:
+        assert self.router is not None
+        return self.router.address
+
+    async def stop(self) -> None:
+        for pid in list(self.stopped):
+            self.resume(pid)
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        if self.router is not None:
+            await self.router.stop(grace_s=1.0)
+            self.router = None
+        if self.workers is not None:
+            await asyncio.to_thread(self.workers.stop)
+            self.workers = None
+        if self.redis.proc is not None:
+            await asyncio.to_thread(self.redis.stop)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def refs(self, role: str | None = None) -> list[WorkerRef]:
+        """Workers in launch order (prefill first), optionally of one role."""
+        out = [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers.workers]
+        return [w for w in out if role is None or w.role == role]
+
+    def _handle(self, worker_id: str) -> Any:
+        return next(w for w in self.workers.workers if w.worker_id == worker_id)
+
+    async def worker_pid(self, worker_id: str) -> int | None:
+        """The live process id of `worker_id` now (None: no process running)."""
+        w = self._handle(worker_id)
+        if hasattr(w, "process"):  # deploy.launcher.WorkerProcess
+            return int(w.process.pid) if w.process.running() else None
+        import ray
+
+        try:
+            ref = w.actor.pid.remote()
+            return int(await asyncio.to_thread(ray.get, ref, timeout=2.0))
+        except Exception as exc:  # restarting, or stopped (it cannot answer): Ray's errors
+            log.info("pid of %s: no answer (%r); the supervisor's last pid", worker_id, exc)
+        pid = int(w.pid)  # deploy.ray_launcher.RayWorker, kept current by its supervisor
+        return pid if process_start_time(pid) is not None else None
+
+    async def status(self, address: str, timeout_s: float = 1.0) -> worker_pb2.WorkerStatus | None:
+        """`GetStatus` of the worker at `address`; None when it does not answer in time."""
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(self._channels[address])  # type: ignore[no-untyped-call]
+        try:
+            st: worker_pb2.WorkerStatus = await stub.GetStatus(
+                worker_pb2.GetStatusRequest(), timeout=timeout_s
+            )
+            return st
+        except grpc.aio.AioRpcError:
+            return None
+
+    def send_signal(self, pid: int, sig: signal.Signals) -> bool:
+        """Send `sig` to `pid`; False when the process is gone. A SIGSTOPped process is
+        remembered (with its start time) until `resume`."""
+        started = process_start_time(pid)
+        if started is None:
+            return False
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
+        if sig == signal.SIGSTOP:
+            self.stopped[pid] = started
+        elif sig == signal.SIGKILL:
+            self.stopped.pop(pid, None)
+        return True
+
+    def resume(self, pid: int) -> bool:
+        """SIGCONT `pid` if this soak stopped it and it is still the same process (same start
+        time: the pid was not reused); True when a SIGCONT was sent."""
+        started = self.stopped.pop(pid, None)
+        if started is None or process_start_time(pid) != started:
+            return False
+        os.kill(pid, signal.SIGCONT)
+        return True
+
+    # -- router ----------------------------------------------------------------------------
+
+    def router_in_flight(self) -> dict[str, int]:
+        """The router's own counts: admitted-and-running, queued, and per-worker in flight."""
+        assert self.router is not None
+        adm = self.router.service.admission
+        views = self.router.pool.views()
+        return {
+            "running": adm.running,
+            "queued": adm.queued,
+            "worker_in_flight": sum(v.in_flight for v in views),
+        }
+
+    def router_views(self) -> dict[str, Any]:
+        assert self.router is not None
+        return {v.address: v for v in self.router.pool.views()}
+
+    async def wait_routable(self, timeout_s: float) -> None:
+        """Until the router sees a healthy worker of every role (TimeoutError after)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while True:
+            views = self.router_views().values()
+            if {"prefill", "decode"} <= {v.role for v in views if v.healthy}:
+                return
+            if loop.time() > end:
+                raise TimeoutError(f"router not routable after {timeout_s:.0f} s: {list(views)}")
+            await asyncio.sleep(0.1)
