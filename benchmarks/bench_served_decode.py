@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
@@ -48,6 +47,7 @@ from benchmarks import served_decode_report as report
 from benchmarks.bench_decode_step import decode_steps, ensure_model, make_engine
 from benchmarks.bench_engine import prompts_for, weight_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from security.channels import InternalAuth
 from tooling.goodput.arrivals import arrival_times
 from tooling.goodput.clusters import EngineSizing, cluster_config
 from tooling.goodput.loadgen import LoadJob, run_load_process_async
@@ -84,13 +84,15 @@ def engine_reference(
     return out, nbytes
 
 
-async def poll_status(address: str, interval_s: float, stop: asyncio.Event) -> list[list[float]]:
+async def poll_status(
+    address: str, interval_s: float, stop: asyncio.Event, auth: InternalAuth
+) -> list[list[float]]:
     """[monotonic time, num_running, engine_steps, engine_step_wall_s, engine_step_cpu_s] of
     the worker at `address` every `interval_s` until `stop` is set (each sample timed at the
     midpoint of its call)."""
     samples: list[list[float]] = []
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+    async with auth.aio_channel(address) as ch:
+        stub = auth.stub(worker_pb2_grpc.WorkerStub(ch))  # type: ignore[no-untyped-call]
         while not stop.is_set():
             t0 = time.monotonic()
             status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=2.0)
@@ -109,11 +111,11 @@ async def poll_status(address: str, interval_s: float, stop: asyncio.Event) -> l
 
 
 async def run_point(
-    job: LoadJob, decode_addr: str, poll_s: float, workdir: Path
+    job: LoadJob, decode_addr: str, auth: InternalAuth, poll_s: float, workdir: Path
 ) -> tuple[dict[str, Any], list[list[float]]]:
     """One load run with the decode worker sampled throughout: (RunResult JSON, samples)."""
     stop = asyncio.Event()
-    poller = asyncio.create_task(poll_status(decode_addr, poll_s, stop))
+    poller = asyncio.create_task(poll_status(decode_addr, poll_s, stop, auth))
     try:
         result = await run_load_process_async(job, workdir)
     finally:
@@ -246,8 +248,9 @@ async def load_phase(args: argparse.Namespace, models: dict[str, str], out_dir: 
                 )
                 cpu0 = {k: process_cpu_s(p) for k, p in pids.items()}
                 sched0 = schedstat_s(pids["decode"], engine_tid)
+                auth = clusters[d].workers.internal  # the workers take the cluster secret
                 run, samples = await run_point(
-                    job, decode_addr, args.poll_ms / 1e3, out_dir / "jobs"
+                    job, decode_addr, auth, args.poll_ms / 1e3, out_dir / "jobs"
                 )
                 sched1 = schedstat_s(pids["decode"], engine_tid)
                 summary = summarize_run(run, samples)

@@ -180,7 +180,10 @@ class EngineThread:
         """Drain for up to `grace_s` (then abort the rest), close the transport, end the
         thread. Blocks (call it off the event loop)."""
         deadline = time.monotonic() + grace_s
-        self._put(lambda: self._begin_drain(None, deadline, None), None)
+        # Urgent, like the between-layers RPCs: a `Reserve` that arrives after this call (and
+        # after health said NOT_SERVING) must find the drain begun, even mid-step.
+        self._urgent.put((lambda: self._begin_drain(None, deadline, None), None))
+        self._put(_nothing, None)  # ends an idle wait on the main queue
         self._thread.join(grace_s + 30.0)
         if self._thread.is_alive():
             log.error("engine thread did not stop within %.1f s", grace_s + 30.0)

@@ -146,18 +146,10 @@ def test_get_model_info_never_internal(channel: grpc.Channel, payload: bytes) ->
     try:
         info(payload, timeout=5.0)
     except grpc.RpcError as exc:
-        # UNKNOWN is today's answer to a malformed payload (issue 20, defect 5, being fixed):
-        # tolerated here, pinned down by the strict xfail below.
-        assert exc.code() in (  # type: ignore[attr-defined]
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.UNKNOWN,
-        ), exc
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc  # type: ignore[attr-defined]
     _still_serves(channel)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 20 defect 5: GetModelInfo answers a malformed payload UNKNOWN"
-)
 def test_get_model_info_malformed_is_invalid_argument(channel: grpc.Channel) -> None:
     info = channel.unary_unary(
         "/pdserve.v1.Inference/GetModelInfo",

@@ -141,9 +141,11 @@ async def _generate_via_router(config: ClusterConfig, workers: RayWorkers) -> li
         await handle.stop()
 
 
-async def _health_reason(config: ClusterConfig, addresses: dict[str, list[str]]) -> str:
-    """Why a router over `addresses` is NOT_SERVING ("" if it serves)."""
-    handle = await start_router(config.router_config(addresses))
+async def _health_reason(config: ClusterConfig, workers: RayWorkers) -> str:
+    """Why a router over `workers` is NOT_SERVING ("" if it serves)."""
+    handle = await start_router(
+        config.router_config(workers.addresses()), cluster_secret=workers.internal.secret
+    )
     try:
         return handle.health_reason
     finally:
@@ -201,9 +203,7 @@ def test_ray_workers_serve_restart_and_stop(local_ray: None, tiny_model_dir: Pat
         assert [e.worker_id for e in gave_up] == [decode.worker_id], workers.events
         assert "ray.max_restarts=1" in gave_up[0].detail
         assert [e.kind for e in workers.events if e.worker_id == "decode"][-1] == "role_down"
-        assert asyncio.run(_health_reason(config, workers.addresses())).startswith(
-            "no usable decode worker"
-        )
+        assert asyncio.run(_health_reason(config, workers)).startswith("no usable decode worker")
     finally:
         workers.stop()
     deadline = time.monotonic() + 20

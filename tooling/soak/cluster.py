@@ -119,7 +119,10 @@ class SoakCluster:
         await asyncio.to_thread(self.redis.start)
         self.cluster = cluster_config(self.config, self.redis.url)
         self.workers = await asyncio.to_thread(_launch, self.cluster, self.log_dir)
-        self.router = await start_router(self.cluster.router_config(self.workers.addresses()))
+        self.router = await start_router(
+            self.cluster.router_config(self.workers.addresses()),
+            cluster_secret=self.workers.internal.secret,
+        )
         await self.wait_routable(60.0)
 
     @property
@@ -169,9 +172,10 @@ class SoakCluster:
 
     async def status(self, address: str, timeout_s: float = 1.0) -> worker_pb2.WorkerStatus | None:
         """`GetStatus` of the worker at `address`; None when it does not answer in time."""
+        auth = self.workers.internal  # the workers take the cluster secret
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.WorkerStub(self._channels[address])  # type: ignore[no-untyped-call]
+            self._channels[address] = auth.aio_channel(address, CHANNEL_OPTIONS)
+        stub = auth.stub(worker_pb2_grpc.WorkerStub(self._channels[address]))  # type: ignore[no-untyped-call]
         try:
             st: worker_pb2.WorkerStatus = await stub.GetStatus(
                 worker_pb2.GetStatusRequest(), timeout=timeout_s
