@@ -45,7 +45,12 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.config import ClusterConfig, Role, check_model_dir
@@ -276,9 +281,8 @@ def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: 
 
 
 def interleave_roles(roles: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
-    """Workers in bundle order: one of each role in turn (prefill, decode, prefill, ...), so a
-    SPREAD placement, whichever way it deals bundles to nodes, gives each node both roles when
-    there are enough workers — prefill/decode pairs can then stay on one node."""
+    """Workers one of each role in turn (prefill, decode, prefill, ...): any contiguous run of
+    them holds both roles once it is long enough (see `bundles_by_node`)."""
     by_role: dict[str, list[tuple[str, Role]]] = {}
     for wid, role in roles:
         by_role.setdefault(role, []).append((wid, role))
@@ -288,6 +292,24 @@ def interleave_roles(roles: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
             if queue:
                 out.append(queue.pop(0))
     return out
+
+
+def bundles_by_node(bundle_nodes: list[str]) -> list[int]:
+    """Bundle indices grouped by the node each was placed on (nodes in order of their first
+    bundle, bundles in index order). Worker k of `interleave_roles` goes to bundle
+    `bundles_by_node(...)[k]`, so each node gets a contiguous run of the interleaved roles —
+    a prefill and a decode worker on every node with two or more bundles, whichever way Ray
+    dealt the bundles — and prefill/decode pairs can stay on one node."""
+    rank: dict[str, int] = {}
+    for node in bundle_nodes:
+        rank.setdefault(node, len(rank))
+    return sorted(range(len(bundle_nodes)), key=lambda i: (rank[bundle_nodes[i]], i))
+
+
+def _bundle_nodes(pg: PlacementGroup, n: int) -> list[str]:
+    """The node id of each of `pg`'s `n` bundles ("" where Ray does not say)."""
+    table = placement_group_table(pg).get("bundles_to_node_id", {})
+    return [str(table.get(i, "")) for i in range(n)]
 
 
 def _join_ray(config: ClusterConfig) -> bool:
@@ -386,6 +408,7 @@ def launch_ray_workers(
                 f"{r.start_timeout_s:.0f} s; available: {_available()} (lower "
                 f"ray.cpus_per_worker / ray.gpus_per_worker or the worker counts)"
             ) from None
+        bundle_of = bundles_by_node(_bundle_nodes(pg, len(roles)))
         cluster_id = uuid.uuid4().hex[:8]
         port_dir = Path(tempfile.gettempdir()) / "pdserve-ports" / cluster_id
         for i, (worker_id, role) in enumerate(roles):
@@ -397,7 +420,7 @@ def launch_ray_workers(
                 num_gpus=r.gpus_per_worker,
                 max_restarts=r.max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=i
+                    pg, placement_group_bundle_index=bundle_of[i]
                 ),
                 runtime_env={"env_vars": env},
             ).remote(

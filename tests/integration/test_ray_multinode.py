@@ -2,7 +2,8 @@
 (`ray start --head`) and a second node (`ray start --address ...`, its own resources), both
 with their own temp dir and a token of their own. Checks: the workers land on both nodes and
 report their node (Ray's node id) to the router; idle, every request's prefill/decode pair is
-on one node; with one node's decode worker switched to prefill, pairs cross nodes and that KV
+on one node; with one node's decode worker switched to prefill and the other node's prefill
+worker to decode (each node holds one role only), every pair crosses nodes and that KV
 moves as gloo bytes — the shared-memory plane is used only between workers whose node labels
 match (both "nodes" share a host here, so only the labels keep them apart); greedy output
 equals HF's throughout. Every Ray process started here is stopped by PID.
@@ -15,6 +16,7 @@ with).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -27,7 +29,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
@@ -37,6 +38,8 @@ transformers = pytest.importorskip("transformers")
 from deploy.client import build_request, stream_generate  # noqa: E402
 from deploy.processes import child_env, spawn, wait_for_lines  # noqa: E402
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from security.channels import InternalAuth  # noqa: E402
+from security.secret import ClusterSecret  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -116,15 +119,20 @@ def env_token(env: dict[str, str]) -> dict[str, str]:
     return {k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
 
 
+SECRET = ClusterSecret.generate()
+"""The cluster secret `pdserve up` is given (by environment), so the test may call workers."""
+AUTH = InternalAuth(SECRET)
+
+
 def _status(address: str) -> worker_pb2.WorkerStatus:
-    with grpc.insecure_channel(address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+    with AUTH.channel(address) as ch:
+        stub = AUTH.stub(worker_pb2_grpc.WorkerStub(ch))  # type: ignore[no-untyped-call]
         return stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
 
 
 def _set_role(address: str, role: str) -> None:
-    with grpc.insecure_channel(address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+    with AUTH.channel(address) as ch:
+        stub = AUTH.stub(worker_pb2_grpc.WorkerStub(ch))  # type: ignore[no-untyped-call]
         stub.SetRole(worker_pb2.SetRoleRequest(role=role, drain_timeout_s=10), timeout=30)
 
 
@@ -138,20 +146,31 @@ def _generate(router: str, prompt: list[int]) -> tuple[list[int], str, str]:
     return tokens, *pair
 
 
+_SHM_PEERS = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], namespace="pdserve", log_to_driver=False)
+out = {}
+for name in ray.util.list_named_actors():
+    actor = ray.get_actor(name, namespace="pdserve")
+    out[name.split("-", 1)[1]] = ray.get(actor.kv_shared_memory_peers.remote(), timeout=30)
+print(json.dumps(out))
+"""
+
+
 def _shm_peers(address: str, env: dict[str, str]) -> dict[str, list[str]]:
-    """worker id -> the receivers it sends KV to through shared memory (asks the actors)."""
-    os.environ.update(env_token(env))
-    ray.init(address=address, namespace="pdserve", log_to_driver=False)
-    try:
-        out = {}
-        for name in ray.util.list_named_actors():
-            actor = ray.get_actor(name, namespace="pdserve")
-            out[name.split("-", 1)[1]] = ray.get(actor.kv_shared_memory_peers.remote(), timeout=30)
-        return out
-    finally:
-        ray.shutdown()
-        for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
-            os.environ.pop(k, None)
+    """worker id -> the receivers it sends KV to through shared memory (asks the actors, from
+    a driver process of its own: Ray reads its auth settings once, at import)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SHM_PEERS, address],
+        env={**os.environ, **env_token(env)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    peers: dict[str, list[str]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return peers
 
 
 def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
@@ -171,7 +190,7 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
     argv += ["--mode", "disagg", "--prefill", "2", "--decode", "2", "--port", "0"]
     argv += ["--torch-threads", "1", "--ray-address", address]
-    up = spawn("pdserve-up-2nodes", argv, tmp_path, env)
+    up = spawn("pdserve-up-2nodes", argv, tmp_path, {**env, **SECRET.env()})
     try:
         pattern = re.compile(r"^pdserve ready: (\S+:\d+) \(disagg, 2 prefill: (\S+) (\S+), "
                              r"2 decode: (\S+) (\S+)\)", re.M)  # fmt: skip
@@ -186,16 +205,20 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
         for p, w in zip(prompts[:4], want[:4], strict=True):
             tokens, pre, dec = _generate(router, p)
             assert tokens == w and node[pre] == node[dec], (pre, dec, node)
-        # one node's decode worker becomes prefill: requests prefilled there must cross
+        # node A holds only prefill workers, node B only decode workers: every pair crosses
         moved = next(a for a, s in status.items() if s.role == "decode")
+        other = next(
+            a for a, s in status.items() if s.role == "prefill" and s.node != status[moved].node
+        )
         _set_role(moved, "prefill")
+        _set_role(other, "decode")
         time.sleep(2.0)  # the router's status poll sees the new role
         crossed = 0
         for p, w in zip(prompts[4:], want[4:], strict=True):
             tokens, pre, dec = _generate(router, p)
             assert tokens == w, (pre, dec)
             crossed += node[pre] != node[dec]
-        assert crossed >= 1
+        assert crossed == len(prompts[4:])
         peers = _shm_peers(address, env)
         for sender, receivers in peers.items():
             assert all(node[r] == node[sender] for r in receivers), (sender, receivers, node)

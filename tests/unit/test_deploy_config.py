@@ -303,3 +303,19 @@ def test_ray_bundles_deal_the_roles_in_turn() -> None:
     roles = [("prefill-0", p), ("prefill-1", p), ("decode-0", d), ("decode-1", d)]
     got = [wid for wid, _ in interleave_roles(roles)]
     assert got == ["prefill-0", "decode-0", "prefill-1", "decode-1"]
+
+
+def test_ray_bundles_by_node_give_every_node_both_roles() -> None:
+    """However Ray dealt the bundles (in turn, or in halves), worker k of the interleaved roles
+    goes to a bundle such that each node holds a prefill and a decode worker."""
+    from deploy.ray_launcher import bundles_by_node
+
+    roles = ["prefill", "decode", "prefill", "decode"]  # interleave_roles' order
+    for dealt in (["A", "B", "A", "B"], ["A", "A", "B", "B"], ["B", "A", "A", "B"]):
+        order = bundles_by_node(dealt)
+        assert sorted(order) == [0, 1, 2, 3]
+        per_node: dict[str, set[str]] = {}
+        for k, bundle in enumerate(order):
+            per_node.setdefault(dealt[bundle], set()).add(roles[k])
+        assert all(r == {"prefill", "decode"} for r in per_node.values()), (dealt, per_node)
+    assert bundles_by_node(["", "", ""]) == [0, 1, 2]  # one node (or unknown): as placed
