@@ -1,7 +1,7 @@
 """Worker supervision shared by both launchers: the event log, restart backoff, role coverage.
 
 Runs in the launching process (`pdserve up`, test fixtures). The process launcher's
-`deploy.launcher.Supervisor` and the Ray launcher's supervisor thread both report what they
+`ProcessSupervisor` (below) and the Ray launcher's supervisor thread both report what they
 see here, so an operator reads one vocabulary whichever launcher runs the workers:
 
 - ``died``: a worker process ended (exit status or signal); ``restarting``: a restart is

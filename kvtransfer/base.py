@@ -5,7 +5,7 @@ Runs inside the engine thread of prefill and decode workers. Implementations:
 `kvtransfer.torch_dist.TorchDistTransport` (torch.distributed point-to-point between processes:
 gloo for CPU caches, NCCL for CUDA caches). One contract test runs against both.
 
-Life of one transfer (numbered as in docs/architecture.md):
+Life of one transfer:
 
 1. The decode worker reserves destination blocks, builds a `TransferTicket` (`new_ticket`) and
    calls ``expect(ticket)``. The ticket travels to the prefill worker (router / gRPC).
