@@ -1,7 +1,8 @@
 """The short soak CI runs: `run_soak` (what `pdserve soak` runs) on a 2P+2D tiny-model cluster
-with its own redis-server, about 300 requests and at least 5 overlapping faults. Every request
-must end exact or with a clear status in time, and the cluster must end clean (no leaked block,
-nothing in flight in the router, no stale Redis entry, restarted workers serving).
+with its own redis-server, about 300 requests and 7 overlapping faults (a prefill and a decode
+worker SIGKILLed and restarted by the launcher, two SIGSTOPs, a Redis restart, two KV stalls).
+Every request must end exact or with a clear status in time, and the cluster must end clean (no
+leaked block, nothing in flight in the router, no stale Redis entry, restarted workers serving).
 
 Runs in the pytest process; the soak starts and stops every process itself, by PID.
 """
@@ -21,8 +22,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(redis_server_path() is None, reason=SKIP_REASON),
 ]
-# TODO(#20): add kill-prefill:1,kill-decode:1 once the process launcher restarts killed workers
-CI_FAULTS = "stop:2,redis:1,kv-stall:2"
+CI_FAULTS = "kill-prefill:1,kill-decode:1,stop:2,redis:1,kv-stall:2"
 
 
 def test_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -40,10 +40,11 @@ def test_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     detail = json.dumps({k: s[k] for k in ("failures", "examples", "faults")}, indent=1)
     assert s["passed"], detail
     assert (s["wrong"], s["hung"], s["unclear"], s["leaked_blocks"]) == (0, 0, 0, 0), detail
-    assert s["requests"] >= 300 and len(s["faults"]) >= 5
+    assert s["requests"] >= 300 and len(s["faults"]) >= 7
     assert s["completed_exact"] + s["near_tie"] >= 150, s["ended_with_status"]
     assert s["ended_with_status"].get("RESOURCE_EXHAUSTED", 0) > 0, "the burst was not shed"
-    assert {f["kind"] for f in s["faults"]} == {"stop", "redis", "kv-stall"}
+    kinds = {"kill-prefill", "kill-decode", "stop", "redis", "kv-stall"}
+    assert {f["kind"] for f in s["faults"]} == kinds
     for name in ("soak.json", "requests.jsonl", "report.md", "timeline.png"):
         assert (config.out / name).is_file(), name
     assert json.loads((config.out / "soak.json").read_text())["passed"] is True
