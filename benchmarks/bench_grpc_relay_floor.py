@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from benchmarks.output import write_json
 
 SERVICE = "pdserve.bench.Relay"
 MESSAGES = 8
@@ -237,14 +238,7 @@ def main() -> None:
             f"+{res[key + 'e2e_overhead_p99_ms']:.3f} p99",
             file=sys.stderr,
         )
-    text = json.dumps(res, indent=2) + "\n"
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(f"wrote {out}", file=sys.stderr)
+    write_json(res, args.out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import aiohttp
 import grpc
 
 from benchmarks.bench_router_overhead import _make_model, _quantile
+from benchmarks.output import write_json
 from deploy.config import load_cluster_config
 from deploy.launcher import launch_local_cluster
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
@@ -215,14 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             f"median {row['pair_diff_median_ms']:+.2f} ms",
             file=sys.stderr,
         )
-    text = json.dumps(result, indent=2)
-    if args.out == "-":
-        print(text)
-    else:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+    write_json(result, args.out)
     return 0
 
 

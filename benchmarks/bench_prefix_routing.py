@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.output import write_json
 from benchmarks.prefix_workload import BLOCK, REPO, make_model, oracle_hit_rate, workload
 from proto.pdserve.v1 import inference_pb2 as ipb
 from proto.pdserve.v1 import inference_pb2_grpc
@@ -401,14 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = asyncio.run(main_async(args))
     print_table(report)
-    text = json.dumps(report, indent=2)
-    if args.out == "-":
-        print(text)
-    else:
-        out_path = Path(args.out)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(text + "\n")
-        print(f"wrote {out_path}", file=sys.stderr)
+    write_json(report, args.out)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.output import write_json
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.process import WorkerProcess
 
@@ -270,14 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or _make_model(Path(tmp) / "tiny")
         result = asyncio.run(run(args, model))
     print(_table(result), file=sys.stderr)
-    text = json.dumps(result, indent=2)
-    if args.out == "-":
-        print(text)
-    else:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+    write_json(result, args.out)
     return 0
 
 
