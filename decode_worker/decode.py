@@ -20,10 +20,12 @@ Runs in the engine thread of a decode worker. One request's life here::
    after the first one (the router already sent that). The first chunk carries `admission_ms`
    (Decode arrival until the step that ran it: transfer wait + admission) and
    `first_step_ms`.
-4. A reservation with no `Decode` within its `timeout_s` is released; `Abort` or a cancelled
-   RPC releases it from any state. A transfer still in flight is cancelled first and its
-   blocks are freed when its result arrives (the transport's ownership rule); the request id
-   is free for a new `Reserve` at once (a router retrying after an abort reuses it).
+4. A reservation with no `Decode` within its `timeout_s` is released, and a late `Decode`
+   gets DEADLINE_EXCEEDED (also when the transfer's own deadline, never the earlier of the
+   two, noticed it first). `Abort` or a cancelled RPC releases it from any state. A transfer
+   still in flight is cancelled first and its blocks are freed when its result arrives (the
+   transport's ownership rule); the request id is free for a new `Reserve` at once (a router
+   retrying after an abort reuses it).
 
 A request that ended without decoding leaves a short-lived tombstone, so a late `Decode`
 gets the reason (transfer failed, expired, aborted) instead of "no reservation".
@@ -136,6 +138,10 @@ class DecodeRole(Role):
             )
         life = timeout_s or self.ctx.transfer_timeout_s
         transport = self.ctx.transport
+        # Read before `expect` starts the transport's clock: the reservation expires no later
+        # than its transfer's deadline, so a transfer that times out with no Decode call is
+        # always seen as the reservation's expiry.
+        started = time.monotonic()
         try:
             ticket = new_ticket(
                 transport.endpoint, transport.layout, rid, blocks, n, life, epoch=self.ctx.epoch
@@ -144,7 +150,7 @@ class DecodeRole(Role):
         except ValueError as exc:
             pool.free(list(reversed(blocks)))
             raise WorkerError(grpc.StatusCode.INTERNAL, f"expect failed: {exc}") from exc
-        res = _Reservation(ticket, blocks, m, time.monotonic() + life, sink)
+        res = _Reservation(ticket, blocks, m, started + ticket.timeout_ms / 1000, sink)
         self._res[rid] = res
         self._by_tid[ticket.transfer_id] = res
         self._gone.pop(rid, None)
@@ -252,6 +258,9 @@ class DecodeRole(Role):
                 res.state = "ready"
                 if res.decode is not None:
                     self._admit(res)
+            elif res.decode is None and time.monotonic() >= res.expires:
+                self._free(res)  # the transfer ran out with its reservation: no one came
+                self._end(rid, self._expiry(res))
             else:
                 self._free(res)
                 error = WorkerError(
@@ -268,22 +277,23 @@ class DecodeRole(Role):
     def expire(self, now: float) -> None:
         for rid, res in list(self._res.items()):
             if res.decode is None and now >= res.expires:
-                life = res.ticket.timeout_ms / 1000
-                self.abort(
-                    rid,
-                    None,
-                    WorkerError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"reservation for request {rid!r} on decode worker {self.ctx.worker_id} "
-                        f"expired: no Decode call within {life:.3f} s; its blocks were released",
-                    ),
-                )
+                self.abort(rid, None, self._expiry(res))
             elif res.decode is not None and now >= res.decode.deadline:
                 what = "decoding" if res.state == "decoding" else "waiting for the KV transfer"
                 self.abort(rid, None, self.expired(rid, what))
         for rid, (_, until) in list(self._gone.items()):
             if now >= until:
                 del self._gone[rid]
+
+    def _expiry(self, res: _Reservation) -> WorkerError:
+        """What a late `Decode` of a reservation that outlived its lifetime gets."""
+        life = res.ticket.timeout_ms / 1000
+        return WorkerError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"reservation for request {res.ticket.request_id!r} on decode worker "
+            f"{self.ctx.worker_id} expired: no Decode call within {life:.3f} s; its blocks were "
+            "released",
+        )
 
     def abort(self, request_id: str, sink: Sink | None, error: WorkerError) -> bool:
         res = self._res.get(request_id)

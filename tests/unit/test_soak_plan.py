@@ -10,7 +10,14 @@ import pytest
 from pydantic import ValidationError
 
 from tooling.soak.config import FAULT_KINDS, SoakConfig, parse_faults, parse_topology
-from tooling.soak.workload import PROBE_TIMEOUT_S, f32, make_plan, with_stop_strings
+from tooling.soak.workload import (
+    PROBE_TIMEOUT_S,
+    PlannedFault,
+    burst_times,
+    f32,
+    make_plan,
+    with_stop_strings,
+)
 
 VOCAB = 1024
 
@@ -72,6 +79,23 @@ def test_plan_is_seeded_and_complete() -> None:
     assert mix["greedy"] and mix["sampled"] and mix["text"]
     assert any(r.cancel_after_tokens for r in reqs) and any(r.cancel_after_s for r in reqs)
     assert any(r.timeout_s and r.kind != "probe" for r in reqs)
+
+
+def test_bursts_keep_away_from_kills_and_freezes() -> None:
+    """A burst inside a kill's or freeze's recovery would be answered UNAVAILABLE, not shed:
+    it goes to the quietest moment instead; Redis restarts and KV stalls do not push it."""
+    faults = [
+        PlannedFault(0, 10.0, "kill-prefill"),
+        PlannedFault(1, 40.0, "stop", duration_s=3.0),
+        PlannedFault(2, 30.0, "redis"),
+        PlannedFault(3, 31.0, "kv-stall"),
+    ]
+    (at,) = burst_times(faults, 1, 50.0)  # candidates: 7.5 .. 42.5 s
+    assert at == pytest.approx(28.0, abs=0.2)  # middle of the gap between 16 s and 40 s
+    two = burst_times(faults, 2, 50.0)
+    assert two == sorted(two) and all(not 10 <= t <= 16 and not 40 <= t <= 49 for t in two)
+    assert abs(two[1] - two[0]) >= 5
+    assert burst_times([], 1, 50.0) == [7.5]  # nothing to avoid: the earliest candidate
 
 
 def test_too_few_requests_for_bursts_and_probes_is_refused() -> None:

@@ -10,7 +10,8 @@ Runs in the soak process (`pdserve soak`). Request kinds, as fractions of the Po
   it triggers: `with_stop_strings`), stop token ids, a client cancel after k tokens or after a
   delay (0..300 ms: while `Reserve` may still be in flight), a short deadline (0.15..2 s);
 - `burst`: `config.num_bursts` groups of `config.burst_size` requests sent at one instant,
-  more than the router admits, so the excess must get RESOURCE_EXHAUSTED;
+  more than the router admits, so the excess must get RESOURCE_EXHAUSTED; placed away from
+  worker kills and freezes (`burst_times`);
 - `probe`: one per `kv-stall` fault: a long prompt with a short deadline, sent at the fault's
   time; the injector stalls its KV transfer (see `faults`).
 
@@ -32,6 +33,10 @@ VOCAB_FLOOR = 4  # ids 0..3 are the random model's special tokens
 PROBE_PROMPT = 800
 PROBE_TIMEOUT_S = 1.5
 _PREFIX_LENGTHS = (48, 96, 160, 256)
+# How long a killed worker takes to be restarted and rejoin, or a thawed one to be polled
+# healthy again (tiny model, process launcher): bursts keep this far from such faults.
+_RECOVERY_ALLOWANCE_S = 6.0
+_BURST_SPACING_S = 5.0
 
 
 def f32(x: float) -> float:
@@ -176,12 +181,11 @@ def make_plan(config: SoakConfig, vocab: int) -> SoakPlan:
         times.append(t)
     duration = t
     out = [_stream_request(rng, 0, at, prefixes, vocab) for at in times]
-    for b in range(config.num_bursts):
-        at = duration * rng.uniform(0.15, 0.85)
+    faults = _fault_schedule(rng, config, duration)
+    for b, at in enumerate(burst_times(faults, config.num_bursts, duration)):
         for _ in range(config.burst_size):
             ids = tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(rng.randint(16, 64)))
             out.append(PlannedRequest(0, at, "burst", ids, max_tokens=32, ignore_eos=True, burst=b))
-    faults = _fault_schedule(rng, config, duration)
     for f in faults:
         if f.kind == "kv-stall":
             ids = tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(PROBE_PROMPT))
@@ -192,6 +196,34 @@ def make_plan(config: SoakConfig, vocab: int) -> SoakPlan:
     probe_at = {r.at_s: r.index for r in requests if r.kind == "probe"}
     faults = [replace(f, probe=probe_at[f.at_s]) if f.kind == "kv-stall" else f for f in faults]
     return SoakPlan(requests, tuple(faults), duration)
+
+
+def burst_times(faults: list[PlannedFault], num_bursts: int, duration: float) -> list[float]:
+    """When the bursts go out: each at the moment of 15..85 % of the load that is farthest from
+    every worker kill or freeze (and from the bursts placed before it).
+
+    A burst proves admission control: the excess must get RESOURCE_EXHAUSTED. While a kill or a
+    freeze leaves a role without a usable worker, the router answers UNAVAILABLE at once and
+    each refused request frees its slot before the next arrives, so a burst then proves
+    nothing; the other faults (Redis, KV stalls) leave both roles serving and may overlap it.
+    """
+    busy = [
+        (f.at_s, f.at_s + f.duration_s + _RECOVERY_ALLOWANCE_S)
+        for f in faults
+        if f.kind in ("kill-prefill", "kill-decode", "stop")
+    ]
+    candidates = [duration * (0.15 + 0.7 * i / 200) for i in range(201)]
+    out: list[float] = []
+    for _ in range(num_bursts):
+        windows = busy + [(t - _BURST_SPACING_S, t + _BURST_SPACING_S) for t in out]
+        out.append(max(candidates, key=lambda t: _distance(t, windows)))
+    return sorted(out)
+
+
+def _distance(t: float, windows: list[tuple[float, float]]) -> float:
+    """How far `t` is from the nearest window (0 inside one; infinite when there is none)."""
+    gaps = [max(lo - t, t - hi, 0.0) for lo, hi in windows]
+    return min(gaps, default=float("inf"))
 
 
 def _fault_schedule(rng: random.Random, config: SoakConfig, duration: float) -> list[PlannedFault]:
