@@ -7,9 +7,12 @@ the same scheduler, runner and sampler a worker's engine thread runs, without gR
 1. prefill: one request at a time, `max_tokens=1`, prefix caching off, step budget `chunk`;
    a prompt of n <= chunk tokens is one step of (start 0, n tokens); a longer prompt runs as
    chunks, each step one (start, chunk) sample — so both terms (tokens, attention) are seen;
-2. decode: `batch` requests of `context` prompt tokens each are prefilled (untimed), then
-   `decode_steps` steps are timed; the median step over `repeats` runs is one
-   (batch, sum of contexts) sample;
+2. decode: per context, `max(batches)` requests of `context` prompt tokens each are
+   prefilled once (untimed); then, from the largest batch down, the batch is cut to size by
+   aborting requests, one warm-up step runs and `decode_steps * repeats` steps are timed; their
+   median is one (batch, sum of contexts) sample. Prefilling once per context rather than once
+   per (batch, repetition) is what keeps this affordable on a CPU: the prefills were most of
+   the profile's time;
 3. every prefill sample is the median of `repeats` runs (after one warm-up of each shape); the
    coefficients are fitted with `costs.fit_linear` (non-negative, relative error).
 
@@ -81,11 +84,16 @@ def measure_prefill(
     return [(s, k, statistics.median(v)) for (s, k), v in sorted(times.items())]
 
 
-def decode_headroom(batches: Sequence[int], contexts: Sequence[int], chunk: int, steps: int) -> int:
-    """max_tokens of a decode-profile request: enough that none finishes while the last of
-    its batch is still prefilling (each step prefills at most `chunk` tokens)."""
+def decode_headroom(
+    batches: Sequence[int], contexts: Sequence[int], chunk: int, steps: int, repeats: int = 1
+) -> int:
+    """max_tokens of a decode-profile request: enough that none finishes before the last
+    timed step (`measure_decode`): the tokens it decodes while the rest of its batch is still
+    prefilling (each step prefills at most `chunk` tokens), then a warm-up step and
+    `steps * repeats` timed steps at every batch size."""
     b = max(batches)
-    return -(-b * max(contexts) // max(1, chunk - b)) + steps + 8  # decodes share the budget
+    during_prefill = -(-b * max(contexts) // max(1, chunk - b))  # decodes share the budget
+    return during_prefill + len(batches) * (1 + steps * repeats) + 8
 
 
 def measure_decode(
@@ -97,31 +105,33 @@ def measure_decode(
     vocab: int,
     headroom: int,
 ) -> list[tuple[int, int, float]]:
-    """[(batch, total context, seconds)] samples (module docstring, step 2)."""
+    """[(batch, total context, seconds)] samples (module docstring, step 2). Every request it
+    adds is finished or aborted when it returns."""
     from model_runtime.sampling_params import SamplingParams
 
+    params = SamplingParams(max_tokens=headroom, ignore_eos=True)
     out = []
     for ctx in contexts:
-        for b in batches:
+        ids = [f"d{ctx}-{i}" for i in range(max(batches))]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, _prompt(ctx, vocab, i), params)
+        reqs = [engine.scheduler.requests[rid] for rid in ids]
+        while any(not r.output_token_ids for r in reqs):  # prefill, untimed
+            engine.step()
+        for b in sorted(batches, reverse=True):
+            for rid in ids[b : len(reqs)]:
+                engine.abort_request(rid)
+            reqs = reqs[:b]
+            engine.step()  # warm-up of the new batch shape
             shapes: list[tuple[int, float]] = []  # (context at the step, seconds)
-            for rep in range(repeats + 1):
-                params = SamplingParams(max_tokens=headroom, ignore_eos=True)
-                ids = [f"d{ctx}-{b}-{rep}-{i}" for i in range(b)]
-                for i, rid in enumerate(ids):
-                    engine.add_request(rid, _prompt(ctx, vocab, i), params)
-                reqs = [engine.scheduler.requests[rid] for rid in ids]
-                while any(not r.output_token_ids for r in reqs):  # prefill, untimed
-                    engine.step()
-                for _ in range(decode_steps):
-                    context = sum(r.num_prompt_tokens + len(r.output_token_ids) for r in reqs)
-                    dt = _timed_step(engine)
-                    if rep > 0:  # repetition 0 is the warm-up
-                        shapes.append((context, dt))
-                for rid in ids:
-                    engine.abort_request(rid)
+            for _ in range(decode_steps * repeats):
+                context = sum(r.num_prompt_tokens + len(r.output_token_ids) for r in reqs)
+                shapes.append((context, _timed_step(engine)))
             context = round(statistics.median(c for c, _ in shapes))
             out.append((b, context, statistics.median(t for _, t in shapes)))
-    return out
+        for rid in ids[: len(reqs)]:
+            engine.abort_request(rid)
+    return sorted(out)
 
 
 def profile_engine(
@@ -147,7 +157,11 @@ def profile_engine(
         lengths.append(max_prompt)
     batches = [b for b in DECODE_BATCHES if b <= max_batch]
     headroom = decode_headroom(
-        batches or [1], [c for c in DECODE_CONTEXTS if c <= max_context], chunk, decode_steps
+        batches or [1],
+        [c for c in DECODE_CONTEXTS if c <= max_context],
+        chunk,
+        decode_steps,
+        repeats,
     )
     contexts = [c for c in DECODE_CONTEXTS if c <= min(max_context, limit - headroom)]
     if not lengths or not batches or not contexts:
