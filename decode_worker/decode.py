@@ -21,11 +21,11 @@ Runs in the engine thread of a decode worker. One request's life here::
    (Decode arrival until the step that ran it: transfer wait + admission) and
    `first_step_ms`.
 4. A reservation with no `Decode` within its `timeout_s` is released, and a late `Decode`
-   gets DEADLINE_EXCEEDED (also when the transfer's own deadline, never the earlier of the
-   two, noticed it first). `Abort` or a cancelled RPC releases it from any state. A transfer
-   still in flight is cancelled first and its blocks are freed when its result arrives (the
-   transport's ownership rule); the request id is free for a new `Reserve` at once (a router
-   retrying after an abort reuses it).
+   gets DEADLINE_EXCEEDED, also when the transfer's own deadline (never earlier than the
+   reservation's) is what noticed it. `Abort` or a cancelled RPC releases it from any state.
+   A transfer still in flight is cancelled first and its blocks are freed when its result
+   arrives (the transport's ownership rule); the request id is free for a new `Reserve` at
+   once (a router retrying after an abort reuses it).
 
 A request that ended without decoding leaves a short-lived tombstone, so a late `Decode`
 gets the reason (transfer failed, expired, aborted) instead of "no reservation".

@@ -25,6 +25,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -391,7 +392,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or getattr(args, "default_log_level", "WARNING")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    if threading.current_thread() is not threading.main_thread():  # signals: main thread only
+        return int(args.func(args))
+    # SIGTERM unwinds every subcommand like Ctrl-C, so the clusters, redis-servers and load
+    # generators it started are stopped by the same `finally` blocks (a bench killed by its
+    # job runner left its clusters running); `up`'s router loop installs its own handlers.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return int(args.func(args))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -301,12 +301,18 @@ def run_load_process(job: LoadJob, workdir: Path | None = None) -> RunResult:
 
 async def run_load_process_async(job: LoadJob, workdir: Path | None = None) -> RunResult:
     """`run_load_process` without blocking the caller's event loop (e.g. a test that serves
-    a fake cluster on that loop)."""
+    a fake cluster on that loop). Cancelling it kills the load-generator process."""
     job_path, out_path = _files(job, workdir)
     proc = await asyncio.create_subprocess_exec(
         *_argv(job_path, out_path), env=_env(), stdin=subprocess.DEVNULL
     )
-    return _read(out_path, await proc.wait())
+    try:
+        code = await proc.wait()
+    except BaseException:  # cancelled or interrupted: the load must not go on without us
+        if proc.returncode is None:
+            proc.kill()
+        raise
+    return _read(out_path, code)
 
 
 def raise_priority() -> str:
