@@ -7,7 +7,7 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
                  [--workers 2] [--threads 1] [--colocated-workers 1] [--context 1024]
                  [--num-requests 200] [--cores 2] [--chunk-tokens 128,256] [--search-rate]
                  [--adaptive] [--json OUT.json]
-    pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json
+    pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--anchor-unloaded]
                  [--cores 2] [--report validation.md] [--json validation.json]
 
 `plan` simulates the alternatives for a budget of --workers workers of --threads threads:
@@ -120,6 +120,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "--report", help="--validate: write the Markdown report here (default: print only)"
     )
     p.add_argument(
+        "--anchor-unloaded",
+        action="store_true",
+        help="--validate: scale the profile's step costs to each bench's own unloaded probes "
+        "of the configuration first (tests the load model with the environment's unloaded "
+        "costs)",
+    )
+    p.add_argument(
         "--json", help="write the rows (or the validation) as JSON here (default: print only)"
     )
     p.set_defaults(func=plan_main)
@@ -155,7 +162,9 @@ def _profile(args: argparse.Namespace) -> Any:
 def validate_main(args: argparse.Namespace, profile: Any) -> int:
     from tooling.planner.validate import validate, validation_markdown
 
-    v = validate(args.validate, profile, args.cores if args.cores > 0 else None)
+    v = validate(
+        args.validate, profile, args.cores if args.cores > 0 else None, anchor=args.anchor_unloaded
+    )
     text = validation_markdown(v, args.profile or args.model)
     print(text)
     if args.report:

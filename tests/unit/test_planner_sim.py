@@ -13,6 +13,7 @@ from tooling.planner.costs import (
     calibrate_overheads,
     fit_cpu_overheads,
     fit_linear,
+    fit_robust_line,
 )
 from tooling.planner.planner import goodput_rps, max_rate, plan, rank
 from tooling.planner.sim import ClusterSpec, SimRequest, attainment, charged, simulate
@@ -143,6 +144,22 @@ def test_calibrate_overheads() -> None:
     assert cal.transfer(1000) == 0.0
     back = CostModel.from_json(cal.to_json())
     assert back == cal
+
+
+def test_overhead_fit_is_robust_to_a_near_zero_sample() -> None:
+    """The residuals of a real 1P+1D calibration (ms over the engine's prefill step): one 6 ms
+    outlier must not pull the overhead to 0, as the 1/y-weighted fit did (2..27 ms)."""
+    residual_ms = {32: (47.8, 50.1, 49.2), 128: (123.0, 5.8, 112.8), 384: (29.5, 52.1, 49.7)}
+    samples = [
+        (n, COST.prefill_s([(0, n)]) + ms / 1e3, None) for n, v in residual_ms.items() for ms in v
+    ]
+    over = calibrate_overheads(COST, samples).ttft_overhead
+    for n in residual_ms:
+        assert 0.040 < over(n) < 0.060, (n, over(n))
+    line = fit_robust_line([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 30.0, 4.0])  # one wild point
+    assert line.coef == pytest.approx((0.0, 1.0))
+    assert fit_robust_line([5.0, 5.0], [0.2, 0.4]).coef == pytest.approx((0.3, 0.0))
+    assert fit_robust_line([1.0, 2.0], [3.0, 1.0]).coef[1] == 0.0  # never a negative slope
 
 
 def test_planner_prefers_decode_for_long_outputs_and_prefill_for_long_prompts() -> None:

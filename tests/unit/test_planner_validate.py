@@ -16,7 +16,7 @@ from tooling.planner.costs import CostModel, Linear
 from tooling.planner.profiles import Profile
 from tooling.planner.sim import ClusterSpec, simulate
 from tooling.planner.sim_types import SimRequest
-from tooling.planner.validate import load_cases, validate
+from tooling.planner.validate import anchored_cost, load_cases, validate
 
 COST = CostModel(prefill=Linear((0.010, 0.001, 0.0)), decode=Linear((0.005, 0.001, 0.0)))
 SLOW_DECODE = CostModel(prefill=COST.prefill, decode=Linear((0.030, 0.001, 0.0)))
@@ -35,8 +35,9 @@ CLUSTER = {
 }
 
 
-def bench_folder(path: Path, cost: CostModel, rate: float) -> Path:
-    """A `pdserve bench` results.json whose one run's latencies are `cost`'s simulation."""
+def bench_folder(path: Path, cost: CostModel, rate: float, probe: bool = False) -> Path:
+    """A `pdserve bench` results.json whose one run's latencies are `cost`'s simulation;
+    `probe`: with the bench's unloaded probe of the configuration (one request alone)."""
     reqs = [SimRequest(i / rate, 50 + 10 * (i % 5), 10) for i in range(30)]
     outs = simulate(reqs, ClusterSpec(1, 1), cost)
     records = []
@@ -63,6 +64,17 @@ def bench_folder(path: Path, cost: CostModel, rate: float) -> Path:
         "slo": {"ttft_ms": 200.0, "tpot_ms": 12.0},
         "clusters": {"disagg": {"config": CLUSTER}},
     }
+    if probe:
+        (alone,) = simulate([SimRequest(0.0, 60, 10)], ClusterSpec(1, 1), cost)
+        assert alone.ttft_s is not None and alone.tpot_s is not None
+        meta["unloaded"] = {
+            "disagg": {
+                "prompt_len": 60,
+                "output_len": 10,
+                "prefill_ms": alone.ttft_s * 1e3,
+                "decode_ms": alone.tpot_s * 1e3,
+            }
+        }
     path.mkdir(parents=True)
     (path / "results.json").write_text(json.dumps({"meta": meta, "runs": [run.to_json()]}))
     return path
@@ -84,6 +96,26 @@ def test_a_slower_decode_than_modelled_is_outside_and_named(tmp_path: Path) -> N
     (point,) = v.points
     assert not point.inside and point.runs[0].measured["attainment"] == 0.0
     assert "TPOT" in point.diagnosis and "decode step" in point.diagnosis
+
+
+def test_anchoring_to_the_unloaded_probe_scales_the_steps_to_the_environment(
+    tmp_path: Path,
+) -> None:
+    """The runs decode 5x slower than the profile says, and so did the bench's own unloaded
+    probe: anchored, the replay uses the probe's step costs and lands in the band."""
+    dirs = [bench_folder(tmp_path / f"r{k}", SLOW_DECODE, 5.0, probe=True) for k in range(2)]
+    plain = validate(dirs, Profile(costs={1: COST}), machine_cores=None)
+    assert not plain.points[0].inside and plain.points[0].runs[0].scale is None
+    v = validate(dirs, Profile(costs={1: COST}), machine_cores=None, anchor=True)
+    (point,) = v.points
+    assert point.inside and v.anchored
+    prefill, decode = point.runs[0].scale or (0.0, 0.0)
+    assert prefill == pytest.approx(1.0, abs=0.01)
+    assert decode == pytest.approx(SLOW_DECODE.decode(1, 70) / COST.decode(1, 70), rel=0.05)
+    cost, _ = anchored_cost(COST, ClusterSpec(1, 1), {"prompt_len": 60, "output_len": 10,
+                                                      "prefill_ms": 1e3 * 0.07,
+                                                      "decode_ms": 1e3 * 0.006})  # fmt: skip
+    assert cost.prefill.coef == pytest.approx(COST.prefill.coef, rel=0.01)  # already right
 
 
 def test_plan_validate_cli_writes_the_report(tmp_path: Path) -> None:

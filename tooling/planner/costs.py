@@ -20,13 +20,15 @@ worker, `decode_token_cpu_s` per token on the decode worker, and on the host's o
 `s` attends over `s + n` positions); for one whole prompt of `n` tokens it is `n**2`.
 
 Coefficients come from measurements only: `fit_linear` (non-negative least squares) over the
-samples `profiler.profile_engine` takes on this machine, `calibrate_overheads` over the
-records of a real low-load run, and `fit_cpu_overheads` over per-process CPU time of real
-loaded runs. A `CostModel` keeps its samples and fit errors for the report.
+samples `profiler.profile_engine` takes on this machine, `calibrate_overheads` (a robust line,
+`fit_robust_line`) over the records of a real low-load run, and `fit_cpu_overheads` over
+per-process CPU time of real loaded runs. A `CostModel` keeps its samples and fit errors for
+the report.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -171,14 +173,36 @@ class CostModel:
         )
 
 
+def fit_robust_line(x: Sequence[float], y: Sequence[float]) -> Linear:
+    """y = a + b * x with a, b >= 0, robust to outliers (Theil-Sen): b is the median slope
+    between the medians of every two distinct x, a the median of y - b * x.
+
+    For residuals such as serving overheads, which are small, noisy and can come out near 0:
+    `fit_linear`'s 1/y weighting lets one near-0 sample pull the whole line to 0 (a disagg
+    calibration with overheads of 49, 50, 49, 123, 6, 113, 30, 52, 50 ms fitted 2..27 ms)."""
+    if not x or len(x) != len(y):
+        raise ValueError(f"need matching, non-empty samples, got {len(x)} xs and {len(y)} ys")
+    groups: dict[float, list[float]] = {}
+    for xi, yi in zip(x, y, strict=True):
+        groups.setdefault(float(xi), []).append(float(yi))
+    pts = sorted((k, float(np.median(v))) for k, v in groups.items())
+    slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in itertools.combinations(pts, 2)]
+    b = max(0.0, float(np.median(slopes))) if slopes else 0.0
+    a = max(0.0, float(np.median([yi - b * xi for xi, yi in zip(x, y, strict=True)])))
+    ys = np.asarray(y, dtype=float)
+    rel = np.abs(a + b * np.asarray(x, dtype=float) - ys) / np.maximum(ys, 1e-9)
+    return Linear((a, b), float(np.median(rel)), float(rel.max()))
+
+
 def calibrate_overheads(
     cost: CostModel, samples: list[tuple[int, float, float | None]]
 ) -> CostModel:
     """Fit the serving overheads from a real run with nothing queued (one request at a time).
 
     `samples` = [(prompt tokens, client TTFT s, client TPOT s or None), ...]. The TTFT
-    overhead is what TTFT has beyond one whole-prompt prefill step (transfer included: the
-    transfer term is set to 0 and folded in here, since the client cannot tell them apart);
+    overhead is a robust line (`fit_robust_line`) through what TTFT has beyond one
+    whole-prompt prefill step (transfer included: the transfer term is set to 0 and folded in
+    here, since the client cannot tell them apart);
     the token overhead is the median of what TPOT has beyond a batch-1 decode step.
     """
     if not samples:
@@ -191,9 +215,7 @@ def calibrate_overheads(
         ys.append(max(1e-6, ttft - cost.prefill_s([(0, n)])))
         if tpot is not None:
             extra_tok.append(tpot - cost.decode(1, n))
-    over = (
-        fit_linear(xs, ys) if len({x[0] for x in xs}) > 1 else Linear((float(np.median(ys)), 0.0))
-    )
+    over = fit_robust_line([x[0] for x in xs], ys)
     tok = max(0.0, float(np.median(extra_tok))) if extra_tok else 0.0
     meta = {**cost.meta, "calibration_samples": len(samples)}
     return replace(

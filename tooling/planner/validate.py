@@ -13,6 +13,15 @@ For every run of every RUN_DIR (its `results.json`):
 3. predicted and measured SLO attainment (both SLOs, the bench's definition) and TTFT / TPOT
    percentiles are compared.
 
+With `anchor` (`--anchor-unloaded`), step 2 first scales the profile's prefill and decode
+step costs (`anchored_cost`) so that one request alone reproduces what the bench itself
+measured unloaded for that configuration (`meta.unloaded`: TTFT and TPOT of one request at a
+time, taken before the loaded runs, with every configuration's cluster up). Those probes
+belong to the same bench, but not to the loaded runs being judged: an anchored replay tests
+the load model (queueing, batching, chunking, CPU sharing) with unloaded costs as they were
+in that environment, which a profile taken on a quiet machine can miss (served steps slower
+than the bare engine's while other clusters share the cores).
+
 Repeats of the same run (same workload, SLOs, configuration and rate, in different RUN_DIRs)
 form one *point*: the measured band is [min, max] of their attainments widened by `margin`
 (5 points), and the point's prediction is the median of its runs' predictions. A point outside
@@ -31,6 +40,7 @@ from typing import Any
 
 from tooling.goodput.analysis import SLO, attainment
 from tooling.goodput.records import RequestRecord, RunResult
+from tooling.planner.costs import CostModel, Linear
 from tooling.planner.profiles import Profile
 from tooling.planner.sim import simulate
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
@@ -51,6 +61,7 @@ class RunCase:
     threads: int
     slo: SLO
     external_cores: float | None
+    unloaded: dict[str, Any] | None = None  # the bench's own unloaded probe of this config
 
 
 @dataclass
@@ -64,6 +75,7 @@ class RunCheck:
     cores: float | None
     measured: dict[str, float | None]
     predicted: dict[str, float | None]
+    scale: tuple[float, float] | None = None  # (prefill, decode) step scale when anchored
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Point:
 class Validation:
     points: list[Point] = field(default_factory=list)
     margin: float = 0.05
+    anchored: bool = False  # step costs scaled to each bench's unloaded probes
 
     @property
     def share_inside(self) -> float:
@@ -92,6 +105,7 @@ class Validation:
     def to_json(self) -> dict[str, Any]:
         return {
             "margin": self.margin,
+            "anchored": self.anchored,
             "share_inside": self.share_inside,
             "points": [asdict(p) for p in self.points],
         }
@@ -162,6 +176,7 @@ def load_cases(run_dir: str | Path) -> list[RunCase]:
                 threads=threads,
                 slo=slo,
                 external_cores=cpu.get("external_cores"),
+                unloaded=(meta.get("unloaded") or {}).get(run.config),
             )
         )
     return out
@@ -197,14 +212,46 @@ def predicted_stats(outs: Sequence[SimOutcome], slo: SLO) -> dict[str, float | N
     return _stats(both, ttft_att, tpot_att, ttft, tpot)
 
 
-def check_run(case: RunCase, profile: Profile, machine_cores: float | None) -> RunCheck:
+def anchored_cost(
+    cost: CostModel, spec: ClusterSpec, unloaded: dict[str, Any]
+) -> tuple[CostModel, tuple[float, float]]:
+    """`cost` with its prefill and decode step costs scaled so that the bench's unloaded probe
+    (`unloaded`: prompt_len, output_len, prefill_ms = its TTFT, decode_ms = its TPOT) is what
+    the simulator predicts for that one request alone on `spec`; and the two scales. The
+    overheads (TTFT, per token) are kept: only the model steps are scaled."""
+    probe = [SimRequest(0.0, int(unloaded["prompt_len"]), max(2, int(unloaded["output_len"])))]
+    (alone,) = simulate(probe, spec, cost)
+    if not alone.ok or alone.ttft_s is None or alone.tpot_s is None:
+        return cost, (1.0, 1.0)
+    n = probe[0].input_len
+    ttft_over = cost.ttft_overhead(n)
+    prefill = (unloaded["prefill_ms"] / 1e3 - ttft_over) / max(alone.ttft_s - ttft_over, 1e-9)
+    tok_over = cost.token_overhead_s
+    decode = (unloaded["decode_ms"] / 1e3 - tok_over) / max(alone.tpot_s - tok_over, 1e-9)
+    prefill, decode = max(prefill, 0.05), max(decode, 0.05)
+
+    def times(line: Linear, k: float) -> Linear:
+        return Linear(tuple(c * k for c in line.coef), line.rel_err_p50, line.rel_err_max)
+
+    scaled = replace(cost, prefill=times(cost.prefill, prefill), decode=times(cost.decode, decode))
+    return scaled, (prefill, decode)
+
+
+def check_run(
+    case: RunCase, profile: Profile, machine_cores: float | None, anchor: bool = False
+) -> RunCheck:
     """Replay one run (module docstring, steps 1-3); `machine_cores` None: every worker has
-    its own cores (no sharing modelled)."""
+    its own cores (no sharing modelled). `anchor`: scale the step costs to the bench's own
+    unloaded probe of the configuration first (`anchored_cost`; runs without one are not
+    scaled)."""
     cores = None
     if machine_cores is not None:
         cores = max(0.25, machine_cores - (case.external_cores or 0.0))
     spec = replace(case.spec, cores=cores)
-    outs = simulate(case.requests, spec, profile.cost(case.threads))
+    cost, scale = profile.cost(case.threads), None
+    if anchor and case.unloaded:
+        cost, scale = anchored_cost(cost, spec, case.unloaded)
+    outs = simulate(case.requests, spec, cost)
     return RunCheck(
         source=case.source,
         config=case.config,
@@ -213,6 +260,7 @@ def check_run(case: RunCase, profile: Profile, machine_cores: float | None) -> R
         cores=cores,
         measured=measured_stats(case.records, case.slo),
         predicted=predicted_stats(outs, case.slo),
+        scale=scale,
     )
 
 
@@ -258,15 +306,16 @@ def validate(
     profile: Profile,
     machine_cores: float | None,
     margin: float = 0.05,
+    anchor: bool = False,
 ) -> Validation:
     """Replay every run of `run_dirs` and judge every point (module docstring)."""
     checks: dict[tuple[str, float], list[RunCheck]] = {}
     for d in run_dirs:
         for case in load_cases(d):
             checks.setdefault((case.key, round(case.rate, 6)), []).append(
-                check_run(case, profile, machine_cores)
+                check_run(case, profile, machine_cores, anchor)
             )
-    out = Validation(margin=margin)
+    out = Validation(margin=margin, anchored=anchor)
     for (key, rate), runs in sorted(checks.items()):
         meas = [float(r.measured["attainment"] or 0.0) for r in runs]
         pred = statistics.median(float(r.predicted["attainment"] or 0.0) for r in runs)
@@ -284,6 +333,23 @@ def validate(
     return out
 
 
+def _scales(v: Validation) -> set[str]:
+    """'configuration prefill x a..b, decode x c..d' per configuration of an anchored run."""
+    by: dict[str, list[tuple[float, float]]] = {}
+    for p in v.points:
+        for r in p.runs:
+            if r.scale is not None:
+                by.setdefault(r.config, []).append(r.scale)
+    out = set()
+    for config, scales in by.items():
+        pre, dec = [s[0] for s in scales], [s[1] for s in scales]
+        out.add(
+            f"{config} prefill x{min(pre):.2f}..{max(pre):.2f}, "
+            f"decode x{min(dec):.2f}..{max(dec):.2f}"
+        )
+    return out
+
+
 def validation_markdown(v: Validation, profile_name: str) -> str:
     """The validation report: one row per run, grouped by point, verdict and diagnosis."""
     lines = [
@@ -293,6 +359,16 @@ def validation_markdown(v: Validation, profile_name: str) -> str:
         f"({v.share_inside:.0%}) predicted inside the measured band** (min..max attainment of "
         f"the repeats, widened by {v.margin * 100:g} points). Profile: `{profile_name}`.",
         "",
+        *(
+            [
+                "Step costs anchored to each bench's own unloaded probes (`--anchor-unloaded`): "
+                "scale = measured / profiled unloaded step, prefill and decode, per repeat: "
+                + "; ".join(sorted(_scales(v))),
+                "",
+            ]
+            if v.anchored
+            else []
+        ),
         "| workload, SLOs, configuration | rate | measured att. (repeats) | band | predicted | "
         "inside | TTFT p50/p90 ms meas. / pred. | TPOT p50/p90 ms meas. / pred. | cores |",
         "|---|---|---|---|---|---|---|---|---|",
