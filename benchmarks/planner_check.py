@@ -12,8 +12,10 @@ and disagg at fixed rates):
 2. `tooling.planner.planner` on the same requests (workload, context, output length, SLOs,
    engine settings as the bench launched them, this machine's cores) ranks the same three
    alternatives by predicted max rate (the simulator's max goodput);
-3. verdict: the recommended configuration's measured max goodput (interpolated) is within
-   `tolerance` (10 %) of the best measured one.
+3. verdict: `ok` when the recommended configuration's measured max goodput (interpolated) is
+   within `tolerance` (10 %) of the best measured one, `miss` when not, `inconclusive` when no
+   configuration met the target at any tested rate (nothing to compare). Alternatives
+   predicted within 2 % of the recommendation are reported as tied with it.
 
 Writes DIR/planner_check.json and DIR/planner_check.md. Runs in its own process (pure
 simulation plus reading the bench folders).
@@ -37,6 +39,7 @@ from tooling.planner.validate import spec_of
 from tooling.planner.workload import to_sim
 
 NAMES = {"colocated": "colocated chunked", "colocated-nochunk": "colocated whole prompts"}
+TIE = 0.02  # predicted max goodputs this close are a tie
 
 
 def measured(run_dirs: list[Path], target: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -120,7 +123,12 @@ def check(
         "recommended": rec,
         "best_measured": best,
         "recommended_vs_best": got / top if top > 0 else None,
-        "ok": top <= 0 or got >= (1 - tol) * top,
+        "tied_with": [
+            p["config"]
+            for p in ranking[1:]
+            if p["predicted_max_goodput"] >= (1 - TIE) * ranking[0]["predicted_max_goodput"]
+        ],
+        "verdict": "inconclusive" if top <= 0 else "ok" if got >= (1 - tol) * top else "miss",
     }
 
 
@@ -134,12 +142,14 @@ def cfg_summary(meta: dict[str, Any]) -> str:
 
 
 def markdown(results: list[dict[str, Any]], tol: float) -> str:
-    ok = sum(r["ok"] for r in results)
+    ok = sum(r["verdict"] == "ok" for r in results)
+    undecided = sum(r["verdict"] == "inconclusive" for r in results)
     lines = [
         "# `pdserve plan`'s mode choice against measured `pdserve bench` runs",
         "",
         f"**{ok} of {len(results)} workloads: the recommended configuration's measured max "
-        f"goodput is within {tol:.0%} of the best measured one.**",
+        f"goodput is within {tol:.0%} of the best measured one** ({undecided} inconclusive: "
+        "no configuration met the target at any tested rate).",
         "",
         "| workload | recommended (predicted max goodput) | predicted ranking | measured max "
         "goodput per configuration (interpolated; highest passing rate) | best measured | "
@@ -156,10 +166,14 @@ def markdown(results: list[dict[str, Any]], tol: float) -> str:
             for c, m in sorted(r["measured"].items())
         )
         ratio = "-" if r["recommended_vs_best"] is None else f"{r['recommended_vs_best']:.2f}"
+        rec = NAMES.get(r["recommended"], r["recommended"])
+        if r["tied_with"]:
+            rec += " (tied with " + ", ".join(NAMES.get(c, c) for c in r["tied_with"]) + ")"
+        best = "none" if r["verdict"] == "inconclusive" else NAMES.get(r["best_measured"])
+        verdict = {"ok": "yes", "miss": "**no**", "inconclusive": "inconclusive"}[r["verdict"]]
         lines.append(
-            f"| {r['workload']}: {r['bench']} | {NAMES.get(r['recommended'], r['recommended'])} | "
-            f"{pred} | {meas} | {NAMES.get(r['best_measured'], r['best_measured'])} | {ratio} | "
-            f"{'yes' if r['ok'] else '**no**'} |"
+            f"| {r['workload']}: {r['bench']} | {rec} | {pred} | {meas} | {best} | {ratio} | "
+            f"{verdict} |"
         )
     lines += [
         "",
@@ -167,7 +181,9 @@ def markdown(results: list[dict[str, Any]], tol: float) -> str:
         "rate where that median crosses the 90 % target, interpolated between the last passing "
         "and first failing rate (in brackets: the highest passing tested rate). Predicted: the "
         "simulator's max rate meeting the target (bisection), same requests, same engine "
-        "settings, this machine's cores.",
+        "settings, this machine's cores. Tied: predicted within "
+        f"{TIE:.0%} of the recommendation (the planner cannot tell them apart; the check still "
+        "judges the one it lists first).",
     ]
     return "\n".join(lines)
 
