@@ -46,7 +46,8 @@ from kvtransfer.recv_stream import (
     post_receives,
     settle,
 )
-from kvtransfer.shm import PeerCache, ShmUnavailable
+from kvtransfer.same_host import PeerKV, control_device, map_offer, pair_backend
+from kvtransfer.shm import ShmUnavailable
 from kvtransfer.staging import StagingPool, write_layer
 from kvtransfer.types import (
     Code,
@@ -94,7 +95,7 @@ class Receiver:
         self._node = node
         self._seal = seal  # with it, only records signed with the cluster secret count
         self.refusals = rdv.Refusals(worker_id)
-        self._shared_memory = shared_memory and cache.device.type == "cpu"
+        self._shared_memory = shared_memory
         self._cache = cache
         self._layout = cache.layout
         self._device = cache.device
@@ -224,15 +225,17 @@ class Receiver:
         """Store the verdict on a join (signed with the cluster secret's seal, if any)."""
         self._ctl.set(rdv.join_key(sender, gen), rdv.verdict_text(verdict, sender, gen, self._seal))
 
-    def _map_peer_cache(self, sender: str, shm: Any) -> PeerCache | None:
-        """The sender's cache mapped read-only, when both sides want shared memory and the
-        segment checks out; else None (the pair's layers come as bytes over gloo)."""
+    def _map_peer_cache(self, sender: str, shm: Any) -> PeerKV | None:
+        """The sender's cache mapped (memfd read-only, or CUDA IPC; `kvtransfer.same_host`),
+        when both sides want the same-host plane and the offer checks out; else None (the
+        pair's layers come as bytes over gloo or NCCL)."""
         if shm is None or not self._shared_memory:
             return None
         try:
-            return PeerCache.for_receiver(shm, self._cache, self._node)
+            return map_offer(shm, self._cache, self._node)
         except ShmUnavailable as exc:
-            log.info("kvtransfer: no shared memory with %s, bytes go over gloo: %s", sender, exc)
+            log.info("kvtransfer: no same-host plane with %s, bytes go over %s: %s",
+                     sender, self._backend, exc)  # fmt: skip
             return None
 
     def _build_pair(self, pair: RecvPair) -> None:
@@ -243,7 +246,7 @@ class Receiver:
                 pair.sender,
                 pair.gen,
                 0,
-                self._backend,
+                pair_backend(self._device, pair.peer_cache is not None),
                 self._host,
                 self._connect_timeout_s,
                 self._seal,
@@ -364,7 +367,8 @@ class Receiver:
             decided = tr.decided.wait(remaining(tr.deadline) + ACK_TIMEOUT_S)
             code = tr.final_code if decided else Code.RECEIVER_FAILED
         try:
-            group.send([control_tensor(code, self._device)], 1, tag).wait(td(ACK_TIMEOUT_S))
+            ctl = control_device(self._device, pair.peer_cache is not None)
+            group.send([control_tensor(code, ctl)], 1, tag).wait(td(ACK_TIMEOUT_S))
         except RuntimeError as exc:
             log.warning("kvtransfer: acknowledging %s to %s failed: %s", tid, pair.sender, exc)
 

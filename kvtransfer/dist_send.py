@@ -40,8 +40,8 @@ from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
 from kvtransfer.lifecycle import Mover
+from kvtransfer.same_host import Offer, control_device, pair_backend
 from kvtransfer.send_state import SendPair, SendState, SendTransfer
-from kvtransfer.shm import SegmentInfo
 from kvtransfer.staging import StagingPool, read_layer
 from kvtransfer.types import Code, PeerEndpoint, TransferError
 from kvtransfer.wire import (
@@ -72,7 +72,7 @@ class Sender:
         connect_timeout_s: float,
         events: EventQueue,
         staging: StagingPool,
-        segment: SegmentInfo | None = None,
+        segment: Offer | None = None,
         seal: RecordSeal | None = None,
     ) -> None:
         self._worker_id = worker_id
@@ -113,18 +113,26 @@ class Sender:
         """Post layer `layer`, and after the last one the OK trailer (caller holds `tr.cond`)."""
         self._post(tr, self._message(tr, layer), by)
         if layer == tr.ticket.layout.num_layers - 1 and tr.state is not SendState.POST_FAILED:
-            self._post(tr, control_tensor(Code.OK, self._device), by)
+            self._post(tr, control_tensor(Code.OK, self._ctl(tr.shm)), by)
 
     def _message(self, tr: SendTransfer, layer: int) -> torch.Tensor:
         """What goes over the group for one layer (caller holds `tr.cond`, after announcing)."""
         if tr.shm:
-            return control_tensor(layer, self._device)
+            if self._device.type == "cuda":
+                # The receiver reads the layer from this device as soon as it is notified:
+                # the layer's K/V (enqueued on this stream) must be written by then.
+                torch.cuda.current_stream(self._device).synchronize()
+            return control_tensor(layer, self._ctl(True))
         if tr.run_start is not None:  # zero-copy: a view of the cache
             return self._cache.layer_slice(layer, tr.run_start, len(tr.src))
         shape = self._cache.message_shape(len(tr.src))
         buf = self.staging.take(math.prod(shape), self._dtype, self._device)
         tr.pooled.append(buf)
         return read_layer(self._cache, layer, tr.src, StagingPool.view(buf, shape))
+
+    def _ctl(self, notified: bool) -> torch.device:
+        """Where this pair's control messages live (`kvtransfer.same_host.control_device`)."""
+        return control_device(self._device, notified)
 
     def stop(self, tr: SendTransfer, cancelled: bool) -> None:
         """The engine gave up (deadline, close, a failed result) or cancelled; the thread winds
@@ -192,13 +200,15 @@ class Sender:
             pair = self._pair_for(tr.ticket.receiver)
             fresh = self._connect(pair, tr.deadline)
             tr.pair = pair
-            if self._serialize and not pair.serial.acquire(timeout=remaining(tr.deadline)):
+            # NCCL has no message tags: one transfer at a time (a notified pair is gloo).
+            serial = self._serialize and not pair.shm
+            if serial and not pair.serial.acquire(timeout=remaining(tr.deadline)):
                 raise TimeoutError("another transfer held the pair until the deadline")
             try:
                 if self._exchange(tr, pair, verify=not fresh):
                     return
             finally:
-                if self._serialize:
+                if serial:
                     pair.serial.release()
             log.info(
                 "kvtransfer: %s dropped our pair (gen %d); re-joining",
@@ -240,17 +250,18 @@ class Sender:
                 pair.broken = True
                 why = verdict.removeprefix("reject:")
                 raise TransferError(f"receiver {ep.worker_id} refused prefill {me}: {why}")
+            notified = verdict == rdv.JOIN_OK_SHM
             pair.group = rdv.make_pair_group(
                 store,
                 me,
                 gen,
                 1,
-                self._backend,
+                pair_backend(self._device, notified),
                 self._host,
                 min(self._connect_timeout_s, remaining(deadline)),
                 self._seal,
             )
-            pair.store, pair.gen, pair.shm = store, gen, verdict == rdv.JOIN_OK_SHM
+            pair.store, pair.gen, pair.shm = store, gen, notified
             return True
         except BaseException:
             # Past our own deadline the failure is ours (the join was cut short), not the
@@ -303,7 +314,7 @@ class Sender:
         # The sends are done reading the cache (a shared-memory receiver is not: see
         # `SendTransfer.source_released`).
         tr.move(SendState.SENT, by="helper")
-        ack = empty_control(self._device)
+        ack = empty_control(self._ctl(pair.shm))
         group.recv([ack], 0, tag).wait(td(remaining(deadline)))
         code = read_code(ack)
         if code is not Code.OK:
@@ -327,7 +338,7 @@ class Sender:
                 return tr.works[i]
             tr.move(SendState.FILLING, by="helper")  # cancelled: the engine posts nothing more
         filler = (
-            empty_control(self._device)
+            empty_control(self._ctl(True))
             if tr.shm
             else torch.zeros(
                 self._message_shape(tr.ticket.num_blocks), dtype=self._dtype, device=self._device
@@ -337,7 +348,7 @@ class Sender:
             while len(tr.works) < tr.ticket.layout.num_layers and tr.state is not failed:
                 self._post(tr, filler, "helper")
             if tr.state is not failed:  # the receiver checks it before completing
-                self._post(tr, control_tensor(Code.SENDER_CANCELLED, self._device), "helper")
+                self._post(tr, control_tensor(Code.SENDER_CANCELLED, self._ctl(tr.shm)), "helper")
             if tr.state is failed:
                 raise RuntimeError(tr.post_error)
             return tr.works[i]

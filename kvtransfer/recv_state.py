@@ -49,7 +49,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from kvtransfer import rendezvous as rdv
 from kvtransfer.lifecycle import Edge, Mover, check_move
-from kvtransfer.shm import PeerCache
+from kvtransfer.same_host import PeerKV
 from kvtransfer.types import Code, TransferTicket
 
 
@@ -107,7 +107,7 @@ class RecvPair:
     group: rdv.PairGroup | None = None
     error: str | None = None
     store: TCPStore | None = None  # the connection the group was built on, kept with it
-    peer_cache: PeerCache | None = None  # shared-memory pair: the sender's cache, mapped
+    peer_cache: PeerKV | None = None  # notified pair: the sender's cache, mapped
 
 
 @dataclass

@@ -33,6 +33,7 @@ from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
 from kvtransfer.recv_state import RecvState, RecvTransfer
+from kvtransfer.same_host import control_device
 from kvtransfer.staging import StagingPool
 from kvtransfer.types import Code
 from kvtransfer.wire import control_tensor, empty_control, remaining, td
@@ -84,9 +85,12 @@ def post_receives(
     already posted can land either, and the transfer settles before the error propagates.
     """
     t = tr.ticket
-    device, layers = cache.device, t.layout.num_layers
+    layers = t.layout.num_layers
+    notified = tr.src_ids is not None
+    # A notified pair is gloo with CPU control messages (`kvtransfer.same_host`).
+    device = control_device(cache.device, notified)
     trailer = empty_control(device)
-    if tr.src_ids is not None:
+    if notified:
         notes = [empty_control(device) for _ in range(layers)]
         works = [group.recv([n], 1, tag) for n in [*notes, trailer]]
         return Posted("notified", notes, works, trailer)
@@ -144,12 +148,13 @@ def drain_and_answer(
 ) -> None:
     """Receive a refused transfer's stream into scratch memory, then send `code` as the
     acknowledgement. Raises when a wait fails or times out."""
+    ctl = control_device(cache.device, notified)
     scratch = (
-        empty_control(cache.device)
+        empty_control(ctl)
         if notified
         else torch.empty(cache.message_shape(n_blocks), dtype=cache.dtype, device=cache.device)
     )
     for _ in range(cache.num_layers):
         group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
-    group.recv([empty_control(cache.device)], 1, tag).wait(td(remaining(deadline)))
-    group.send([control_tensor(code, cache.device)], 1, tag).wait(td(ACK_TIMEOUT_S))
+    group.recv([empty_control(ctl)], 1, tag).wait(td(remaining(deadline)))
+    group.send([control_tensor(code, ctl)], 1, tag).wait(td(ACK_TIMEOUT_S))

@@ -75,6 +75,7 @@ class SegmentInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "kind": "memfd",
             "pid": self.pid,
             "fd": self.fd,
             "boot_id": self.boot_id,

@@ -35,8 +35,8 @@ from kvtransfer.base import check_expect, check_open, deadline_text, make_result
 from kvtransfer.dist_recv import Receiver
 from kvtransfer.dist_send import Sender
 from kvtransfer.recv_state import RecvState, RecvTransfer
+from kvtransfer.same_host import share_cache
 from kvtransfer.send_state import SendTransfer
-from kvtransfer.shm import SegmentInfo, SharedCacheSegment, ShmUnavailable
 from kvtransfer.staging import STAGING_POOL_BYTES, StagingPool
 from kvtransfer.types import Code, PeerEndpoint, TransferResult, TransferTicket
 from kvtransfer.wire import Event, EventQueue
@@ -53,12 +53,14 @@ class TorchDistTransport:
     its gloo pairs bind to it. `connect_timeout_s` bounds joining a peer (store connect, layout
     handshake, group rendezvous) — and never exceeds the transfer's own deadline.
     `staging_pool_bytes` bounds the message buffers kept for reuse between transfers
-    (`kvtransfer.staging.StagingPool`; 0 keeps none). `shared_memory` (CPU caches): move this
-    worker's cache into shared memory and use the same-host data plane with every peer that
-    also has it on (`kvtransfer.shm`) — the receiver copies the blocks straight from the
-    sender's cache; other peers still get the bytes over gloo. `node`: this worker's node
-    label; the shared-memory plane is used only between equal labels (workers placed on
-    different nodes move bytes over gloo even when they share a host). Build the transport
+    (`kvtransfer.staging.StagingPool`; 0 keeps none). `shared_memory`: make this worker's cache
+    mappable by same-host peers and use the same-host data plane with every peer that also has
+    it on — a CPU cache moves into shared memory (`kvtransfer.shm`), a CUDA cache is exported
+    through CUDA IPC to peers on the same GPU (`kvtransfer.cuda_ipc`); the receiver copies the
+    blocks straight from the sender's cache, and the pair's group is gloo (control messages
+    only). Other peers still get the bytes (gloo between CPU caches, NCCL between GPUs).
+    `node`: this worker's node label; the same-host plane is used only between equal labels
+    (workers placed on different nodes move bytes even when they share a host). Build the transport
     before the cache serves a step (it moves the cache's tensor). `seal` (`security.kvseal`,
     from the cluster secret): sign every control record, seal the shared-memory offer, and act
     only on records that carry the secret's MAC (`rendezvous`); None: an open rendezvous.
@@ -87,8 +89,8 @@ class TorchDistTransport:
         # Message buffers kept for reuse (copies of scattered layers, receives), shared by both
         # directions: at most `staging_pool_bytes` beyond what transfers in flight hold.
         pool = StagingPool(staging_pool_bytes)
-        # CPU caches only: CUDA caches move over NCCL.
-        segment = _share(cache, node) if shared_memory and cache.device.type == "cpu" else None
+        # memfd for a CPU cache, CUDA IPC for a CUDA one (`kvtransfer.same_host`).
+        segment = share_cache(cache, node) if shared_memory else None
         self.shared_memory = segment is not None
         self._receiver = (
             Receiver(
@@ -291,13 +293,3 @@ class TorchDistTransport:
     def _check_usable(self) -> None:
         if self._closed:
             raise ValueError(f"transport {self._endpoint.worker_id} is closed")
-
-
-def _share(cache: KVCache, node: str = "") -> SegmentInfo | None:
-    """Move `cache` into shared memory; None (bytes over gloo only) where that cannot be done.
-    `node`: this worker's node label (receivers share memory only with an equal label)."""
-    try:
-        return SharedCacheSegment(cache, node).info
-    except ShmUnavailable as exc:
-        log.warning("kvtransfer: shared memory off: %s", exc)
-        return None
