@@ -9,7 +9,7 @@ MODEL_DIR ?= models/small
 RUN_DIR ?= runs/demo
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup demo up test test-fast lint typecheck proto bench clean
+.PHONY: setup demo up test test-fast lint typecheck proto bench gpu-check gpu-wheels clean
 
 setup: $(STAMP)  ## virtualenv with pdserve, its test tools and redis-server (CPU torch first)
 
@@ -54,6 +54,16 @@ proto: setup  ## regenerate the gRPC stubs from proto/pdserve/v1/*.proto
 bench: setup  ## engine throughput benchmark on the small preset (JSON + table in runs/)
 	$(PY) -m deploy.cli make-model --preset small --out $(MODEL_DIR) --if-missing
 	$(PY) -m benchmarks.bench_engine --model $(MODEL_DIR) --out runs/bench/engine.json
+
+# GPU readiness check (docs/gpu.md). Options go in ARGS, e.g. `make gpu-check ARGS=--dry-run`
+# (not `make gpu-check --dry-run`: that is make's own -n). On a lent GPU machine use
+# `bash benchmarks/gpu_check.sh $$OUT` instead (no virtualenv there).
+OUT ?= runs/gpu-check
+gpu-check: setup  ## GPU readiness report into $(OUT) (ARGS=--dry-run on a CPU machine)
+	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.gpu_check --out $(OUT) $(ARGS)
+
+gpu-wheels:  ## download the wheels a lent GPU machine lacks into .whl/ (docs/gpu.md)
+	PYTHON=$(PYTHON) bash benchmarks/gpu_wheels.sh
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
