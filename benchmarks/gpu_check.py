@@ -23,11 +23,13 @@ and in one child process per step; scratch files go to ``--work`` (default: a te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -59,13 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="report folder (gpu_check.json, gpu_check.md)")
     p.add_argument("--dry-run", action="store_true", help="CPU, small sizes (CI)")
     p.add_argument("--only", default="", help=f"comma-separated steps of {list(STEPS)}")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                   help="wall-clock cap of the whole run (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="wall-clock cap of the whole run (default %(default)s)",
+    )
     p.add_argument("--work", help="scratch folder (models, inputs); default: a temp folder")
     p.add_argument("--step", help=argparse.SUPPRESS)  # internal: run one step here
     p.add_argument("--result", help=argparse.SUPPRESS)
+    # Tests only: the named step blocks forever (to test the timeout path deterministically).
+    p.add_argument("--hang", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.step:
+        if args.step == args.hang:
+            threading.Event().wait()
         return _run_step(args.step, args.dry_run, Path(args.work), Path(args.result))
     only = [s for s in args.only.split(",") if s]
     unknown = [s for s in only if s not in STEPS]
@@ -75,19 +85,26 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="pdserve-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    return run_all(out, work, args.dry_run, only or list(STEPS), args.budget_s)
+    return run_all(out, work, args.dry_run, only or list(STEPS), args.budget_s, args.hang)
 
 
-def run_all(out: Path, work: Path, dry_run: bool, steps: list[str], budget_s: float) -> int:
+def run_all(
+    out: Path, work: Path, dry_run: bool, steps: list[str], budget_s: float, hang: str = ""
+) -> int:
     """Run `steps` in order, each in a subprocess; write the report after each. Exit code 0
     when no step failed, timed out or crashed."""
     start = time.monotonic()
-    header = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dry_run": dry_run,
-              "steps_planned": steps, "budget_s": budget_s, "host": os.uname().nodename}  # fmt: skip
+    header = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "dry_run": dry_run,
+        "steps_planned": steps,
+        "budget_s": budget_s,
+        "host": os.uname().nodename,
+    }
     runs = [StepRun(s, "not run", 0.0, {}, "not reached") for s in steps]
     _write_reports(out, header, runs)
     for i, name in enumerate(steps):
-        limit = STEPS[name][1 if dry_run else 0]
+        limit = float(STEPS[name][1 if dry_run else 0])
         left = budget_s - (time.monotonic() - start)
         if left < 10:
             runs[i] = StepRun(name, "skipped", 0.0, {}, f"budget spent ({budget_s:g}s)")
@@ -95,9 +112,11 @@ def run_all(out: Path, work: Path, dry_run: bool, steps: list[str], budget_s: fl
             continue
         timeout = min(limit, left)
         print(f"== step {name} (limit {timeout:.0f}s): {STEPS[name][2]}", flush=True)
-        runs[i] = _spawn(name, dry_run, work, timeout)
-        print(f"== step {name}: {runs[i].status} in {runs[i].seconds:.1f}s {runs[i].reason}",
-              flush=True)  # fmt: skip
+        runs[i] = _spawn(name, dry_run, work, timeout, hang)
+        print(
+            f"== step {name}: {runs[i].status} in {runs[i].seconds:.1f}s {runs[i].reason}",
+            flush=True,
+        )
         _write_reports(out, header, runs)
     header["seconds"] = round(time.monotonic() - start, 1)
     _write_reports(out, header, runs)
@@ -105,13 +124,26 @@ def run_all(out: Path, work: Path, dry_run: bool, steps: list[str], budget_s: fl
     return 0 if all(r.status in ("pass", "skipped") for r in runs) else 1
 
 
-def _spawn(name: str, dry_run: bool, work: Path, timeout: float) -> StepRun:
+def _spawn(name: str, dry_run: bool, work: Path, timeout: float, hang: str = "") -> StepRun:
     result_file = work / f"step-{name}.json"
     result_file.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "benchmarks.gpu_check", "--step", name, "--out", str(work),
-            "--work", str(work), "--result", str(result_file)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--step",
+        name,
+        "--out",
+        str(work),
+        "--work",
+        str(work),
+        "--result",
+        str(result_file),
+    ]
     if dry_run:
         argv.append("--dry-run")
+    if hang:
+        argv += ["--hang", hang]
     env = os.environ.copy()
     env["PYTHONUNBUFFERED"] = "1"
     if name == "kernels" and dry_run:
@@ -126,8 +158,7 @@ def _spawn(name: str, dry_run: bool, work: Path, timeout: float) -> StepRun:
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         res = _read(result_file)
-        return StepRun(name, "timeout", time.monotonic() - t0, res,
-                       f"killed after {timeout:.0f}s")  # fmt: skip
+        return StepRun(name, "timeout", time.monotonic() - t0, res, f"killed after {timeout:.0f}s")
     _kill_group(proc)  # anything the step left behind
     seconds = time.monotonic() - t0
     res = _read(result_file)
@@ -140,10 +171,8 @@ def _spawn(name: str, dry_run: bool, work: Path, timeout: float) -> StepRun:
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     import signal
 
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -167,23 +196,38 @@ def _run_step(name: str, dry_run: bool, work: Path, result: Path) -> int:
     except BaseException as exc:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
-        write_json(result, {"status": "crashed", "error": f"{type(exc).__name__}: {exc}",
-                            "traceback": tb[-4000:]})  # fmt: skip
+        write_json(
+            result,
+            {"status": "crashed", "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-4000:]},
+        )
         return 1
     write_json(result, rep.to_json())
     return 0
 
 
 def _write_reports(out: Path, header: dict[str, Any], runs: list[StepRun]) -> None:
-    from benchmarks.gpucheck.common import write_json
-
-    doc = {**header, "steps": [
-        {"name": r.name, "status": r.status, "seconds": round(r.seconds, 1), "reason": r.reason,
-         **{k: v for k, v in r.result.items() if k != "status"}}
-        for r in runs
-    ]}  # fmt: skip
-    write_json(out / "gpu_check.json", doc)
-    (out / "gpu_check.md").write_text(render_markdown(doc))
+    """Both reports, each replaced whole (a reader never sees half a file). Imports no torch:
+    the orchestrator stays light and quick."""
+    doc = {
+        **header,
+        "steps": [
+            {
+                "name": r.name,
+                "status": r.status,
+                "seconds": round(r.seconds, 1),
+                "reason": r.reason,
+                **{k: v for k, v in r.result.items() if k != "status"},
+            }
+            for r in runs
+        ],
+    }
+    for name, text in (
+        ("gpu_check.json", json.dumps(doc, indent=2, default=str) + "\n"),
+        ("gpu_check.md", render_markdown(doc)),
+    ):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
@@ -196,8 +240,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for s in doc["steps"]:
         checks = s.get("checks", [])
         ok = sum(1 for c in checks if c["ok"])
-        lines.append(f"| {s['name']} | **{s['status']}** | {s['seconds']} | {ok}/{len(checks)} "
-                     f"| {s.get('reason', '') or s.get('error', '')} |")  # fmt: skip
+        lines.append(
+            f"| {s['name']} | **{s['status']}** | {s['seconds']} | {ok}/{len(checks)} "
+            f"| {s.get('reason', '') or s.get('error', '')} |"
+        )
     for s in doc["steps"]:
         lines += ["", f"## {s['name']}: {s['status']}", ""]
         for c in s.get("checks", []):

@@ -70,8 +70,9 @@ def _check_model(ctx: Ctx, rep: StepReport, preset: str) -> None:
                     ok, why = True, "equal"
                 else:  # judged by HF's logits, the oracle of both
                     ok, why = greedy_agrees(o, c, hf_logits[i], None)
-                rep.check(f"{preset} float32 {ctx.device.type} len{LENGTHS[i]} vs CPU engine",
-                          ok, why)  # fmt: skip
+                rep.check(
+                    f"{preset} float32 {ctx.device.type} len{LENGTHS[i]} vs CPU engine", ok, why
+                )
 
 
 def _engine_tokens(mdir: Path, ps: list[list[int]]) -> list[list[int]]:
@@ -80,8 +81,14 @@ def _engine_tokens(mdir: Path, ps: list[list[int]]) -> list[list[int]]:
     from model_runtime.engine_config import EngineConfig
     from model_runtime.sampling_params import SamplingParams
 
-    cfg = EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
-                       linear_kernel="torch", num_kv_blocks=256, enable_prefix_caching=False)  # fmt: skip
+    cfg = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        linear_kernel="torch",
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine.from_model_dir(mdir, cfg)
     outs = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     return [list(o.output_token_ids) for o in outs]
@@ -95,21 +102,23 @@ def _hf_greedy(
 
     torch_dtype = getattr(torch, dtype)
     model = transformers.LlamaForCausalLM.from_pretrained(mdir, dtype=torch_dtype)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]
     tokens, logits = [], []
     with torch.no_grad():
         for p in ps:
             ids = torch.tensor([p], device=device)
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                return_dict_in_generate=True, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
             tokens.append(out.sequences[0, len(p) :].tolist())
             logits.append([s[0].float().cpu() for s in out.scores])
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return tokens, logits
 
 
@@ -118,16 +127,39 @@ def _pdserve_batch(ctx: Ctx, mdir: Path, ps: list[list[int]], dtype: str) -> lis
     d = ctx.work / "batch"
     d.mkdir(parents=True, exist_ok=True)
     inp, out = d / f"{mdir.name}-{dtype}-in.jsonl", d / f"{mdir.name}-{dtype}-out.jsonl"
-    lines = [{"id": i, "prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0}
-             for i, p in enumerate(ps)]  # fmt: skip
+    lines = [
+        {"id": i, "prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+        for i, p in enumerate(ps)
+    ]
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    argv = [sys.executable, "-m", "deploy.cli", "batch", "--model", str(mdir), "--input",
-            str(inp), "--output", str(out), "--device", ctx.device.type, "--dtype", dtype,
-            "--num-kv-blocks", "512"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "batch",
+        "--model",
+        str(mdir),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--device",
+        ctx.device.type,
+        "--dtype",
+        dtype,
+        "--num-kv-blocks",
+        "512",
+    ]
     if ctx.dry_run:  # the reference kernels: no compiler needed
         argv += ["--attention-backend", "torch", "--linear-kernel", "torch"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=BATCH_TIMEOUT_S,
-                          env=os.environ.copy(), check=False)  # fmt: skip
+    proc = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=BATCH_TIMEOUT_S,
+        env=os.environ.copy(),
+        check=False,
+    )
     print(proc.stderr[-2000:], flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"pdserve batch exited {proc.returncode}: {proc.stderr[-1500:]}")

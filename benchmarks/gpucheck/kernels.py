@@ -21,14 +21,27 @@ TOL = {torch.float32: (2e-5, 0.0), torch.float16: (1e-3, 4e-3), torch.bfloat16: 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # decode: (block_size, heads, kv_heads, head_dim, dtype, long contexts?)
 DECODE = [
-    (8, 2, 2, 16, F32, False), (16, 4, 2, 32, F32, False), (32, 8, 2, 64, F32, False),
-    (16, 8, 2, 128, F32, False), (8, 4, 2, 24, F32, False), (16, 4, 2, 64, F16, False),
-    *[(bs, h, kv, d, dt, True) for dt in (BF16, F16, F32)
-      for bs, h, kv, d in ((16, 32, 32, 128), (16, 32, 8, 128), (32, 14, 2, 64), (8, 16, 2, 96))],
-]  # fmt: skip
+    (8, 2, 2, 16, F32, False),
+    (16, 4, 2, 32, F32, False),
+    (32, 8, 2, 64, F32, False),
+    (16, 8, 2, 128, F32, False),
+    (8, 4, 2, 24, F32, False),
+    (16, 4, 2, 64, F16, False),
+    *[
+        (bs, h, kv, d, dt, True)
+        for dt in (BF16, F16, F32)
+        for bs, h, kv, d in ((16, 32, 32, 128), (16, 32, 8, 128), (32, 14, 2, 64), (8, 16, 2, 96))
+    ],
+]
 # prefill (varlen, causal, after a cached prefix): (block_size, group, head_dim, dtype)
-PREFILL = [(8, 1, 32, F32), (16, 2, 32, F32), (32, 4, 32, F32), (16, 4, 128, BF16),
-           (16, 4, 64, F16), (16, 4, 128, F32)]  # fmt: skip
+PREFILL = [
+    (8, 1, 32, F32),
+    (16, 2, 32, F32),
+    (32, 4, 32, F32),
+    (16, 4, 128, BF16),
+    (16, 4, 64, F16),
+    (16, 4, 128, F32),
+]
 
 
 def run(ctx: Ctx) -> StepReport:
@@ -59,8 +72,9 @@ def run(ctx: Ctx) -> StepReport:
     return rep
 
 
-def _close(rep: StepReport, name: str, got: torch.Tensor, want: torch.Tensor,
-           dtype: torch.dtype) -> None:  # fmt: skip
+def _close(
+    rep: StepReport, name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
+) -> None:
     atol, rtol = TOL[dtype]
     err = (got.float() - want.float()).abs()
     bad = int((err > atol + rtol * want.float().abs()).sum())
@@ -78,15 +92,26 @@ def _tables(lens: list[int], bs: int, num_blocks: int, dev: torch.device) -> tor
     return table.to(dev)
 
 
-def _caches(num_blocks: int, bs: int, kv_heads: int, hd: int, dtype: torch.dtype,
-            dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _caches(
+    num_blocks: int, bs: int, kv_heads: int, hd: int, dtype: torch.dtype, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer view of a KVCache-shaped tensor, strided like the real ones."""
     kv = torch.randn(2, num_blocks, 2, bs, kv_heads, hd, device=dev).to(dtype)
     return kv[1, :, 0], kv[1, :, 1]
 
 
-def _decode_case(rep: StepReport, tk: object, dev: torch.device, name: str, bs: int, heads: int,
-                 kv_heads: int, hd: int, dtype: torch.dtype, long: bool) -> None:  # fmt: skip
+def _decode_case(
+    rep: StepReport,
+    tk: object,
+    dev: torch.device,
+    name: str,
+    bs: int,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    dtype: torch.dtype,
+    long: bool,
+) -> None:
     from model_runtime.attention.torch_ref import paged_decode_attention
 
     torch.manual_seed(bs * 131 + heads * 7 + hd)
@@ -104,8 +129,16 @@ def _decode_case(rep: StepReport, tk: object, dev: torch.device, name: str, bs: 
     _close(rep, name, got, want, dtype)
 
 
-def _prefill_case(rep: StepReport, tk: object, dev: torch.device, name: str, bs: int,
-                  group: int, hd: int, dtype: torch.dtype) -> None:  # fmt: skip
+def _prefill_case(
+    rep: StepReport,
+    tk: object,
+    dev: torch.device,
+    name: str,
+    bs: int,
+    group: int,
+    hd: int,
+    dtype: torch.dtype,
+) -> None:
     from model_runtime.attention.torch_ref import prefill_attention
 
     torch.manual_seed(bs + group + hd)
@@ -121,13 +154,21 @@ def _prefill_case(rep: StepReport, tk: object, dev: torch.device, name: str, bs:
     q = torch.randn(qsl[-1], kv_heads * group, hd, device=dev).to(dtype)
     out = torch.full_like(q, float("nan"))
     tk.paged_attention_triton(  # type: ignore[attr-defined]
-        q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32, device=dev),
+        q,
+        kc,
+        vc,
+        tables,
+        torch.tensor(lens, dtype=torch.int32, device=dev),
         torch.tensor(qsl, dtype=torch.int32, device=dev),
         torch.arange(len(steps), dtype=torch.int32, device=dev),
-        max_query_len=max(n for _, n in steps), scale=hd**-0.5, out=out,
-    )  # fmt: skip
-    want = torch.cat([
-        prefill_attention(q[qsl[b]:qsl[b + 1]], kc, vc, tables[b], lens[b], hd**-0.5)
-        for b in range(len(steps))
-    ])  # fmt: skip
+        max_query_len=max(n for _, n in steps),
+        scale=hd**-0.5,
+        out=out,
+    )
+    want = torch.cat(
+        [
+            prefill_attention(q[qsl[b] : qsl[b + 1]], kc, vc, tables[b], lens[b], hd**-0.5)
+            for b in range(len(steps))
+        ]
+    )
     _close(rep, name, out, want, dtype)

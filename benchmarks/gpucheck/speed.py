@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,10 +63,17 @@ def make_model(out: Path, s: Shape, dtype: str) -> Path:
 
     if (out / "model.safetensors").is_file():
         return out
-    p = RandomModelPreset(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.inter,
-                          num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                          num_key_value_heads=s.kv_heads, max_position_embeddings=4096,
-                          rope_theta=500000.0, corpus_words=0)  # fmt: skip
+    p = RandomModelPreset(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.inter,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        corpus_words=0,
+    )
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", hf_config(p, s.vocab, dtype))  # type: ignore[arg-type]
     cast = getattr(torch, dtype)
@@ -81,8 +89,9 @@ def run(ctx: Ctx) -> StepReport:
     batches = (1, 2) if ctx.dry_run else (1, 8, 32, 128)
     prompt_len, decode_steps, iters = (32, 3, 1) if ctx.dry_run else (512, 16, 3)
     t0 = time.perf_counter()
-    mdir = make_model(ctx.work / "models" / ("speed-dry" if ctx.dry_run else "llama-1b"),
-                      shape, dtype)  # fmt: skip
+    mdir = make_model(
+        ctx.work / "models" / ("speed-dry" if ctx.dry_run else "llama-1b"), shape, dtype
+    )
     rep.metric("model_make_s", round(time.perf_counter() - t0, 1))
     rep.metric("model", f"{shape} {dtype}, {shape.matmul_params() / 1e9:.2f}B matmul params")
     peak_flops, peak_bw = _peaks(dev)
@@ -93,13 +102,24 @@ def run(ctx: Ctx) -> StepReport:
         fn = _pdserve_times if impl == "pdserve" else _hf_times
         try:
             times = fn(mdir, dev, dtype, batches, prompt_len, decode_steps, iters)
-        except Exception as exc:  # noqa: BLE001 - one side failing must not hide the other
+        except Exception as exc:  # one side failing must not hide the other
             rep.check(f"{impl} ran", False, f"{type(exc).__name__}: {exc}")
             continue
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # the side's model went with its function
         for b, (prefill_s, decode_s) in times.items():
             tokens = b * prompt_len
-            flops = 2 * shape.matmul_params() * tokens + 2 * 2 * shape.layers * b * (
-                prompt_len * (prompt_len + 1) // 2) * shape.heads * shape.head_dim
+            flops = (
+                2 * shape.matmul_params() * tokens
+                + 2
+                * 2
+                * shape.layers
+                * b
+                * (prompt_len * (prompt_len + 1) // 2)
+                * shape.heads
+                * shape.head_dim
+            )
             ctx_len = prompt_len + decode_steps // 2
             step_bytes = weight_bytes + b * ctx_len * shape.kv_bytes_per_token(itemsize)
             row = {
@@ -110,7 +130,7 @@ def run(ctx: Ctx) -> StepReport:
                 "decode_tok_s": round(b / decode_s),
                 "decode_GBps": round(step_bytes / decode_s / 1e9, 1),
             }
-            if peak_flops:
+            if peak_flops and peak_bw:
                 row["MFU"] = round(flops / prefill_s / peak_flops, 3)
                 row["MBU"] = round(step_bytes / decode_s / peak_bw, 3)
             rows[f"{impl}_b{b}"] = row
@@ -131,25 +151,37 @@ def _peaks(dev: torch.device) -> tuple[float | None, float | None]:
     return None, None
 
 
-def _pdserve_times(mdir: Path, dev: torch.device, dtype: str, batches: tuple[int, ...],
-                   prompt_len: int, decode_steps: int, iters: int
-                   ) -> dict[int, tuple[float, float]]:  # fmt: skip
+def _pdserve_times(
+    mdir: Path,
+    dev: torch.device,
+    dtype: str,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    decode_steps: int,
+    iters: int,
+) -> dict[int, tuple[float, float]]:
     """(prefill seconds, decode seconds per step) per batch, through `ModelRunner.execute`."""
     from model_runtime.model_runner import ModelRunner, StepInput
 
     bs = 16
     per_seq = -(-(prompt_len + decode_steps + 2) // bs)
-    runner = ModelRunner.from_model_dir(mdir, num_blocks=max(batches) * per_seq + 1,
-                                        block_size=bs, device=dev, dtype=dtype,
-                                        attention_backend="auto" if dev.type == "cuda" else "torch",
-                                        linear_kernel="auto" if dev.type == "cuda" else "torch")  # fmt: skip
+    kernels: Any = "auto" if dev.type == "cuda" else "torch"  # dry run: reference kernels
+    runner = ModelRunner.from_model_dir(
+        mdir,
+        num_blocks=max(batches) * per_seq + 1,
+        block_size=bs,
+        device=dev,
+        dtype=dtype,
+        attention_backend=kernels,
+        linear_kernel=kernels,
+    )
     gen = torch.Generator().manual_seed(0)
     out: dict[int, tuple[float, float]] = {}
     for b in batches:
         tables = [list(range(i * per_seq + 1, (i + 1) * per_seq + 1)) for i in range(b)]
         prompts = torch.randint(4, 500, (b, prompt_len), generator=gen).tolist()
         items = [StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
-        prefill = _median(lambda items=items: runner.execute(items), dev, iters)  # type: ignore[misc]
+        prefill = _median(lambda items=items: runner.execute(items), dev, iters)
         step_times = []
         for k in range(decode_steps + 2):
             items = [StepInput([7], prompt_len + k, t) for t in tables]
@@ -159,47 +191,53 @@ def _pdserve_times(mdir: Path, dev: torch.device, dtype: str, batches: tuple[int
             if k >= 2:
                 step_times.append(time.perf_counter() - t0)
         out[b] = (prefill, sorted(step_times)[len(step_times) // 2])
-        print(f"  pdserve b={b}: prefill {prefill * 1e3:.1f} ms, decode step "
-              f"{out[b][1] * 1e3:.2f} ms", flush=True)  # fmt: skip
-    del runner
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        print(
+            f"  pdserve b={b}: prefill {prefill * 1e3:.1f} ms, decode step "
+            f"{out[b][1] * 1e3:.2f} ms",
+            flush=True,
+        )
     return out
 
 
-def _hf_times(mdir: Path, dev: torch.device, dtype: str, batches: tuple[int, ...],
-              prompt_len: int, decode_steps: int, iters: int
-              ) -> dict[int, tuple[float, float]]:  # fmt: skip
+def _hf_times(
+    mdir: Path,
+    dev: torch.device,
+    dtype: str,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    decode_steps: int,
+    iters: int,
+) -> dict[int, tuple[float, float]]:
     """The same for HF transformers: a forward over the prompts (building its cache), then
     one-token forwards on that cache."""
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(mdir, dtype=getattr(torch, dtype))
-    model = model.to(dev).eval()
+    model = model.to(dev).eval()  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(0)
     out: dict[int, tuple[float, float]] = {}
     with torch.no_grad():
         for b in batches:
             ids = torch.randint(4, 500, (b, prompt_len), generator=gen).to(dev)
-            prefill = _median(lambda ids=ids: model(ids, use_cache=True, logits_to_keep=1),
-                              dev, iters)  # type: ignore[misc]  # fmt: skip
+            prefill = _median(
+                lambda ids=ids: model(ids, use_cache=True, logits_to_keep=1), dev, iters
+            )
             cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
             nxt = torch.full((b, 1), 7, device=dev)
             step_times = []
             for k in range(decode_steps + 2):
                 t0 = time.perf_counter()
-                cache = model(nxt, past_key_values=cache, use_cache=True,
-                              logits_to_keep=1).past_key_values  # fmt: skip
+                cache = model(
+                    nxt, past_key_values=cache, use_cache=True, logits_to_keep=1
+                ).past_key_values
                 sync(dev)
                 if k >= 2:
                     step_times.append(time.perf_counter() - t0)
             out[b] = (prefill, sorted(step_times)[len(step_times) // 2])
-            print(f"  hf b={b}: prefill {prefill * 1e3:.1f} ms, decode step "
-                  f"{out[b][1] * 1e3:.2f} ms", flush=True)  # fmt: skip
-            del cache
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+            print(
+                f"  hf b={b}: prefill {prefill * 1e3:.1f} ms, decode step {out[b][1] * 1e3:.2f} ms",
+                flush=True,
+            )
     return out
 
 

@@ -39,7 +39,7 @@ LAYERS, BLOCK, BLOCKS, HEADS, HEAD_DIM = 3, 4, 64, 2, 8
 LONG = 30.0  # a transfer's default deadline (joins may meet the sandbox's 5 s connect stalls)
 
 
-def _cache(seed: int | None, head_dim: int = HEAD_DIM) -> KVCache:
+def _cache(seed: int | None, head_dim: int = HEAD_DIM, device: str = "cpu") -> KVCache:
     cfg = ModelConfig(
         architecture="llama",
         vocab_size=64,
@@ -53,7 +53,7 @@ def _cache(seed: int | None, head_dim: int = HEAD_DIM) -> KVCache:
         rms_norm_eps=1e-5,
         rope_theta=1e4,
     )
-    cache = KVCache(cfg, BLOCKS, BLOCK, torch.float32, model_name="m")
+    cache = KVCache(cfg, BLOCKS, BLOCK, torch.float32, device=device, model_name="m")
     if seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
     return cache
@@ -62,15 +62,21 @@ def _cache(seed: int | None, head_dim: int = HEAD_DIM) -> KVCache:
 def _digest(cache: KVCache, blocks: list[int]) -> str:
     h = hashlib.sha256()
     for layer in range(LAYERS):
-        h.update(cache.gather_layer(layer, blocks).numpy().tobytes())
+        h.update(cache.gather_layer(layer, blocks).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 def _worker_main(
-    conn: Connection, role: str, worker_id: str, seed: int, head_dim: int, shm: bool
+    conn: Connection,
+    role: str,
+    worker_id: str,
+    seed: int,
+    head_dim: int,
+    shm: bool,
+    device: str = "cpu",
 ) -> None:
     """One worker process: engine loop over commands, transport polls and layer pacing."""
-    cache = _cache(seed if role != "decode" else None, head_dim)
+    cache = _cache(seed if role != "decode" else None, head_dim, device)
     scribble = torch.Generator().manual_seed(seed + 1000)
     tr = TorchDistTransport(
         cache, worker_id, serve=role != "prefill", connect_timeout_s=LONG, shared_memory=shm
@@ -164,14 +170,18 @@ class Peer:
         seed: int = 0,
         head_dim: int = HEAD_DIM,
         shm: bool = False,
+        device: str = "cpu",
     ) -> None:
         """`role`: "prefill" (sends), "decode" (receives) or "both" (a worker that does both,
-        as after a role switch). `shm`: the transport's same-host shared-memory data plane."""
+        as after a role switch). `shm`: the transport's same-host data plane (memfd for a CPU
+        cache, CUDA IPC for a CUDA one). `device`: where the worker's KV cache lives."""
         ctx = mp.get_context("forkserver")
         self.role, self.worker_id, self.shm = role, worker_id, shm
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_worker_main, args=(child, role, worker_id, seed, head_dim, shm), daemon=True
+            target=_worker_main,
+            args=(child, role, worker_id, seed, head_dim, shm, device),
+            daemon=True,
         )
         self.proc.start()
         self.results: list[dict[str, Any]] = []
