@@ -166,9 +166,9 @@ class TransferSection(_Frozen):
     )
     shared_memory: bool = Field(
         default=True,
-        description="Same-host data plane for CPU workers: a decode worker copies the KV "
-        "blocks straight out of the prefill worker's cache (shared memory) instead of "
-        "receiving them over gloo; pairs on different hosts fall back to gloo by themselves.",
+        description="Same-host data plane: a decode worker copies the KV blocks straight out "
+        "of the prefill worker's cache (CPU: shared memory; CUDA: CUDA IPC on the same GPU) "
+        "instead of receiving them over gloo / NCCL; other pairs fall back by themselves.",
     )
 
 

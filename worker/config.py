@@ -73,7 +73,8 @@ class WorkerConfig(BaseModel):
     kv_shared_memory: bool = Field(
         default=True,
         description="Keep the KV cache in shared memory and use the same-host data plane "
-        "with peers that do too (CPU only; see kvtransfer.shm).",
+        "with peers that do too (CPU: memfd, kvtransfer.shm; CUDA: CUDA IPC on the same GPU, "
+        "kvtransfer.cuda_ipc).",
     )
     node: str = Field(
         default="",
