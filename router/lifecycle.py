@@ -40,10 +40,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -67,6 +67,8 @@ from router.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class OutcomeObserver(Protocol):
@@ -138,6 +140,11 @@ class RequestLifecycle:
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         # Text prompts are tokenized here, never on the event loop (a long one takes seconds).
         self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the tokenizer threads (rendering and tokenizing a chat request: CPU work
+        that must not hold the event loop); its exception propagates."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn)
 
     def close(self) -> None:
         """Stop the tokenizer threads (after the edges stopped taking requests)."""
