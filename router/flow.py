@@ -72,6 +72,7 @@ class RequestRun:
     excluded: set[str] = field(default_factory=set)  # workers that failed this request
     migrations: int = 0
     streaming_from: str = ""  # address of the worker whose stream the client is fed from
+    placed_on: list[str] = field(default_factory=list)  # workers it was in flight on, in order
     _tracking: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -91,8 +92,15 @@ class RequestRun:
         return left
 
     def track(self, address: str) -> None:
-        """Count this request as in flight on `address` until the leg ends (`close`)."""
+        """Count this request as in flight on `address` until the leg ends (`close`); it
+        joins `placed_on`."""
         self._tracking.enter_context(self.pool.track(address))
+        self.note_placed(address)
+
+    def note_placed(self, address: str) -> None:
+        """Remember that this request was sent to `address` (`placed_on`, first time only)."""
+        if address not in self.placed_on:
+            self.placed_on.append(address)
 
     def close(self) -> None:
         """Drop this request's in-flight counts on its workers (at the end of a leg and of the

@@ -84,6 +84,8 @@ class OutcomeObserver(Protocol):
 class RequestRecord:
     """What the metrics learn about one request, filled in as it goes (seconds)."""
 
+    request_id: str = ""  # "" until validated (the router's id when the client sent none)
+    workers: tuple[str, ...] = ()  # addresses it was placed on, in order (migrations too)
     status: str = "OK"  # a grpc.StatusCode name; "CANCELLED" when the client went away
     finish_reason: str = ""  # "stop" | "length" when status is OK
     queue_s: float | None = None  # None: never admitted
@@ -215,6 +217,7 @@ class RequestLifecycle:
         rec: RequestRecord,
     ) -> None:
         request_id = req.request_id or uuid.uuid4().hex
+        rec.request_id = request_id
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -279,6 +282,7 @@ class RequestLifecycle:
             if run.holders:
                 self.abort_later(request_id, sorted(run.holders))
             rec.completion_tokens = run.completion_tokens
+            rec.workers = tuple(run.placed_on)
             rec.ttft_s, rec.tpot_s = request_outcome(run, time.perf_counter() - t_arrival)
         # Reached only when the caller was not cancelled (the client did not go away).
         self._report(run, error is None, time.perf_counter() - t_arrival)

@@ -107,6 +107,7 @@ async def reserve_and_prefill(
     facts.prefill_worker, facts.decode_worker = p.worker_id, d.worker_id
     sampling = leg.sampling(run.req)
     d_stub, p_stub = run.pool.stub(d.address), run.pool.stub(p.address)
+    run.note_placed(p.address)
     run.track(d.address)  # D is busy until the end of the leg
     # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a cancel
     # from here on must still send D an Abort.
