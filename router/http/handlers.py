@@ -55,6 +55,7 @@ class FrontState:
     is_serving: Callable[[], bool]
     metrics: Callable[[], tuple[bytes, str]] | None  # (body, content type) of /metrics
     created: int  # when the front started (the model card's `created`)
+    body_timeout_s: float = 60.0  # a request body must arrive within this (408 otherwise)
 
     @property
     def model_name(self) -> str:
@@ -77,7 +78,11 @@ async def parse(request: web.Request, model: type[M], limits: ModelLimits, chat:
     """The request body as `model`; a 400 naming the first field at fault otherwise. A body
     beyond `limits.max_json_body_bytes` is refused before it is parsed (`oversized_body`):
     parsing holds the GIL, i.e. this event loop, for tens of milliseconds per 10 MB."""
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(request.app[STATE].body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise OpenAIError(408, "request body not received in time", None, "timeout") from None
     if limits.max_json_body_bytes and len(raw) > limits.max_json_body_bytes:
         raise oversized_body(raw, limits, chat)
     try:

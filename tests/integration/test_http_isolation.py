@@ -13,10 +13,13 @@ machine does not pass for a stall).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -145,3 +148,125 @@ def test_huge_chat_body_is_refused_without_stalling_the_loop(
             await c.assert_no_leaks()
 
     asyncio.run(scenario())
+
+
+TOKEN = "tok-Zq81-secret-do-not-log"
+
+
+def raw_exchange(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send `data` on a fresh connection and read the answer (the server closes after it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        return read_response(sock)
+
+
+GARBAGE = {
+    "token_then_9000_spaces": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + TOKEN.encode()
+        + b" " * 9000
+        + b"\r\nContent-Length: 2\r\n\r\n{}"
+    ),
+    "http2_preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "tls_hello_bytes": bytes.fromhex("160301020001000200030399") + TOKEN.encode() + b"\r\n\r\n",
+    "control_byte_in_header": (
+        b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + TOKEN.encode()
+        + b"\x01\r\n\r\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GARBAGE))
+def test_parser_errors_are_openai_json_and_never_log_the_token(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    from security.config import SecurityConfig
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    tokens.chmod(0o600)
+    caplog.set_level(logging.DEBUG)
+
+    async def scenario() -> tuple[int, dict[str, str], bytes]:
+        security = SecurityConfig(auth_token_file=tokens)
+        async with fake_cluster(model_dir, http_port=0, security=security) as c:
+            return await asyncio.to_thread(raw_exchange, http_port(c), GARBAGE[name])
+
+    status, headers, body = asyncio.run(scenario())
+    assert headers["content-type"].startswith("application/json")
+    assert status == 400, body
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "bad_request", err
+    assert err["message"].startswith("bad request: ")
+    assert TOKEN.encode() not in body
+    formatter = logging.Formatter()
+    for rec in caplog.records:
+        text = formatter.format(rec)
+        assert TOKEN not in text, text
+        assert rec.levelno < logging.ERROR and rec.exc_info is None, text
+    assert any("refused a malformed request" in r.getMessage() for r in caplog.records)
+
+
+def wait_closed(sock: socket.socket, limit_s: float) -> float:
+    """Seconds until the server closed `sock` (EOF or reset); `limit_s` when it did not."""
+    start = time.monotonic()
+    sock.settimeout(0.05)
+    while time.monotonic() - start < limit_s:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - start
+    return limit_s
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["silent", "trickle"])
+def test_slow_header_socket_is_closed_within_the_bound(model_dir: Path, trickle: bool) -> None:
+    bound_s = 1.0
+
+    def slow_client(port: int) -> float:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            start = time.monotonic()
+            if trickle:  # a byte every 50 ms never completes the head
+                while time.monotonic() - start < bound_s + 10:
+                    try:
+                        sock.sendall(b"X")
+                    except OSError:
+                        break
+                    if wait_closed(sock, 0.05) < 0.05:
+                        break
+                return time.monotonic() - start
+            return wait_closed(sock, bound_s + 10)
+
+    async def scenario() -> float:
+        async with fake_cluster(model_dir, http_port=0, http_header_timeout_s=bound_s) as c:
+            return await asyncio.to_thread(slow_client, http_port(c))
+
+    held = asyncio.run(scenario())
+    assert bound_s * 0.9 <= held < bound_s + 10, held
+
+
+def test_body_too_large_is_an_openai_invalid_request(model_dir: Path) -> None:
+    async def scenario() -> tuple[int, dict[str, str], bytes]:
+        async with fake_cluster(model_dir, http_port=0) as c:
+            port = http_port(c)
+            data = request_head(port, "/v1/completions", 33 * 2**20) + b" " * (33 * 2**20)
+
+            def send() -> tuple[int, dict[str, str], bytes]:
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                    # the server may answer and close before it read everything
+                    with contextlib.suppress(OSError):
+                        sock.sendall(data)
+                    return read_response(sock)
+
+            return await asyncio.to_thread(send)
+
+    status, headers, body = asyncio.run(scenario())
+    assert status == 413 and headers["content-type"].startswith("application/json")
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error", err
+    assert err["code"] == "request_entity_too_large", err
