@@ -274,7 +274,9 @@ class RequestLifecycle:
             error = exc
         except Exception as exc:  # a bug: answer INTERNAL, keep the traceback in the log
             log.exception("request %s failed with an unexpected error", request_id)
-            error = RouterError(grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
+            error = RouterError(
+                grpc.StatusCode.INTERNAL, f"router error: {exc!r}", "internal router error"
+            )
         finally:
             self._in_flight_ids.discard(request_id)
             run.close()
@@ -287,7 +289,10 @@ class RequestLifecycle:
         # Reached only when the caller was not cancelled (the client did not go away).
         self._report(run, error is None, time.perf_counter() - t_arrival)
         if error is not None:
-            raise error
+            # the whole story stays here; the client gets `public` and the request id
+            log.info("request %s ended %s: %s", request_id, error.code.name, error.message)
+            public = f"{error.public} (request {request_id})"
+            raise RouterError(error.code, error.message, public) from error
 
     def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
         """Tell the observer how `run` ended; never raises (a failing hook is logged)."""

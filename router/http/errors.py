@@ -73,7 +73,7 @@ def from_router_error(err: RouterError, rename: FieldRename | None = None) -> Op
     if isinstance(err, InvalidRequest):
         param = field_name(err.field, rename or FieldRename())
         return OpenAIError(status, f"{param}: {err.problem}", param, "invalid_argument")
-    return OpenAIError(status, err.message, None, err.code.name.lower())
+    return OpenAIError(status, err.public, None, err.code.name.lower())
 
 
 @dataclass(frozen=True)
