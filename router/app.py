@@ -291,6 +291,8 @@ async def start_router(
                 metrics.exposition,
                 middlewares=[auth.http_middleware()],
                 ssl_context=auth.ssl_context(),
+                header_timeout_s=config.http_header_timeout_s,
+                body_timeout_s=config.http_body_timeout_s,
             )
         except (RuntimeError, ValueError):
             await server.stop(None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from proto.pdserve.v1 import inference_pb2
 from router.textstream import TextStream
 
 Send = Callable[[inference_pb2.GenerateResponse], Awaitable[None]]
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,6 +117,7 @@ class ClientStream:
         self._outbox.append(resp)
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_all())
+            self._writer.add_done_callback(self._writer_ended)
         elif self._writer.done():
             await self._writer  # it failed: raise its error here
         self._wake.set()
@@ -124,6 +129,13 @@ class ClientStream:
         """Stop the writer (the request ended without a final message); idempotent."""
         if self._writer is not None and not self._writer.done():
             self._writer.cancel()
+
+    def _writer_ended(self, task: asyncio.Task[None]) -> None:
+        """Retrieve a failed writer's error (a send to a client that went away): `push` raises
+        it if it runs again; if the request was ended instead (`close`), it is logged here at
+        DEBUG rather than by asyncio as an unretrieved task exception at ERROR."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.debug("request %s: writing to the client failed: %r", self.request_id, exc)
 
     async def _write_all(self) -> None:
         """Send queued messages in order, joining what piled up; end after the final one."""

@@ -87,6 +87,16 @@ class RouterConfig(BaseModel):
         description="Port of the OpenAI-compatible HTTP front (and /metrics) on `host`; "
         "0 picks a free one; None serves no HTTP.",
     )
+    http_header_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="HTTP front: a connection that has not sent a complete request head this "
+        "long after connecting or after its previous response is closed (slow-header clients; "
+        "also the idle keep-alive time).",
+    )
+    http_body_timeout_s: float = Field(
+        default=60.0, gt=0, description="HTTP front: a request body must arrive within this (408)."
+    )
     max_inflight: int = Field(
         default=64, ge=1, description="Requests running worker calls at once."
     )

@@ -72,6 +72,7 @@ class RequestRun:
     excluded: set[str] = field(default_factory=set)  # workers that failed this request
     migrations: int = 0
     streaming_from: str = ""  # address of the worker whose stream the client is fed from
+    placed_on: list[str] = field(default_factory=list)  # workers it was in flight on, in order
     _tracking: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -91,8 +92,15 @@ class RequestRun:
         return left
 
     def track(self, address: str) -> None:
-        """Count this request as in flight on `address` until the leg ends (`close`)."""
+        """Count this request as in flight on `address` until the leg ends (`close`); it
+        joins `placed_on`."""
         self._tracking.enter_context(self.pool.track(address))
+        self.note_placed(address)
+
+    def note_placed(self, address: str) -> None:
+        """Remember that this request was sent to `address` (`placed_on`, first time only)."""
+        if address not in self.placed_on:
+            self.placed_on.append(address)
 
     def close(self) -> None:
         """Drop this request's in-flight counts on its workers (at the end of a leg and of the
@@ -119,7 +127,7 @@ class RequestRun:
         """Move the request off the worker that failed mid-stream (see the module docstring)."""
         left = self.req.sampling.max_tokens - len(self.client.tokens)
         if self.migrations >= self.max_migrations or left <= 0:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, lost.message)
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, lost.message, lost.public)
         self.migrations += 1
         self.client.facts.migrations = self.migrations
         self.excluded.add(lost.address)
@@ -141,7 +149,8 @@ class RequestRun:
             return await self._place(leg)
         except RouterError as exc:
             why = f"{lost.message}; moving the request failed: {exc.message}"
-            raise RouterError(exc.code, why) from exc
+            public = f"{lost.public}; moving the request failed: {exc.public}"
+            raise RouterError(exc.code, why, public) from exc
 
     # -- routing and the first token -------------------------------------------------------
 
@@ -171,7 +180,7 @@ class RequestRun:
                         self.request_id, [a for a in holders if a not in self.excluded]
                     )
         assert last is not None
-        raise RouterError(last.code, last.message)
+        raise RouterError(last.code, last.message, last.public)
 
     async def _prefix_lookup(self, leg: Leg) -> PromptPrefix:
         """The prompt's chain and the index's matches (block size: the workers', if they agree;
@@ -207,11 +216,15 @@ class RequestRun:
         if decision is not None:
             return decision
         if last is not None:
-            raise RouterError(last.code, last.message)
+            raise RouterError(last.code, last.message, last.public)
         for role in roles:
             if not any(v.usable for v in views(role)):
                 why = "; ".join(v.why_unusable() for v in views(role)) or "none left to try"
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker ({why})")
+                raise RouterError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no healthy {role} worker ({why})",
+                    f"no healthy {role} worker",
+                )
         raise RouterError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"no worker has KV room for {route.total_tokens} tokens now",

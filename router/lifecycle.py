@@ -40,10 +40,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -68,6 +68,8 @@ from router.validation import (
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class OutcomeObserver(Protocol):
     """Told how each request ended (`router.ratio.RatioController` satisfies it). `observe`
@@ -82,6 +84,8 @@ class OutcomeObserver(Protocol):
 class RequestRecord:
     """What the metrics learn about one request, filled in as it goes (seconds)."""
 
+    request_id: str = ""  # "" until validated (the router's id when the client sent none)
+    workers: tuple[str, ...] = ()  # addresses it was placed on, in order (migrations too)
     status: str = "OK"  # a grpc.StatusCode name; "CANCELLED" when the client went away
     finish_reason: str = ""  # "stop" | "length" when status is OK
     queue_s: float | None = None  # None: never admitted
@@ -138,6 +142,11 @@ class RequestLifecycle:
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         # Text prompts are tokenized here, never on the event loop (a long one takes seconds).
         self._tokenize = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    async def run_blocking(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the tokenizer threads (rendering and tokenizing a chat request: CPU work
+        that must not hold the event loop); its exception propagates."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn)
 
     def close(self) -> None:
         """Stop the tokenizer threads (after the edges stopped taking requests)."""
@@ -208,6 +217,7 @@ class RequestLifecycle:
         rec: RequestRecord,
     ) -> None:
         request_id = req.request_id or uuid.uuid4().hex
+        rec.request_id = request_id
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -264,7 +274,9 @@ class RequestLifecycle:
             error = exc
         except Exception as exc:  # a bug: answer INTERNAL, keep the traceback in the log
             log.exception("request %s failed with an unexpected error", request_id)
-            error = RouterError(grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
+            error = RouterError(
+                grpc.StatusCode.INTERNAL, f"router error: {exc!r}", "internal router error"
+            )
         finally:
             self._in_flight_ids.discard(request_id)
             run.close()
@@ -272,11 +284,15 @@ class RequestLifecycle:
             if run.holders:
                 self.abort_later(request_id, sorted(run.holders))
             rec.completion_tokens = run.completion_tokens
+            rec.workers = tuple(run.placed_on)
             rec.ttft_s, rec.tpot_s = request_outcome(run, time.perf_counter() - t_arrival)
         # Reached only when the caller was not cancelled (the client did not go away).
         self._report(run, error is None, time.perf_counter() - t_arrival)
         if error is not None:
-            raise error
+            # the whole story stays here; the client gets `public` and the request id
+            log.info("request %s ended %s: %s", request_id, error.code.name, error.message)
+            public = f"{error.public} (request {request_id})"
+            raise RouterError(error.code, error.message, public) from error
 
     def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
         """Tell the observer how `run` ended; never raises (a failing hook is logged)."""

@@ -91,7 +91,7 @@ class InferenceService:
             await self.lifecycle.run(decoded, send, context.time_remaining())
         except RouterError as err:
             context.set_code(err.code)  # no exception raised here: cheaper under a burst
-            context.set_details(err.message)
+            context.set_details(err.public)
 
     async def wait_cleanup(self, timeout_s: float) -> None:
         """Wait (bounded) for pending cleanup aborts; used at shutdown and in tests."""

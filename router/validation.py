@@ -51,6 +51,13 @@ class ModelLimits:
     characters). `max_request_bytes` bounds a whole serialized request: such a text in UTF-8
     (4 bytes a character at most), every context token as a 10-byte varint, and 64 KiB for the
     rest. 0 means no bound (tests that build limits by hand).
+
+    `max_json_body_bytes` is the same bound for an HTTP JSON body (`/v1/completions`,
+    `/v1/chat/completions`): such a text JSON-escaped (12 bytes a character at most: an astral
+    character is two ``\\uXXXX`` escapes), 64 bytes per context token (a token id with its
+    separator and whitespace, or one chat message's keys and role), and 64 KiB for the rest.
+    A body beyond it cannot hold a request the model can serve, so the HTTP front refuses it
+    before parsing it (parsing a large JSON body holds the GIL, i.e. the event loop).
     """
 
     vocab_size: int
@@ -62,6 +69,13 @@ class ModelLimits:
     def for_model(cls, vocab_size: int, context_length: int, max_token_chars: int) -> ModelLimits:
         chars = 2 * max(1, max_token_chars) * (context_length - 1)
         return cls(vocab_size, context_length, chars, 4 * chars + 10 * context_length + 65536)
+
+    @property
+    def max_json_body_bytes(self) -> int:
+        """Largest HTTP JSON body worth parsing (class docstring); 0: no bound."""
+        if not self.max_prompt_chars:
+            return 0
+        return 12 * self.max_prompt_chars + 64 * self.context_length + 65536
 
 
 @dataclass(frozen=True)

@@ -75,10 +75,13 @@ class Leg:
 class WorkerLost(Exception):
     """The worker streaming a request's tokens failed after some reached the client."""
 
-    def __init__(self, address: str, message: str) -> None:
+    def __init__(
+        self, address: str, message: str, public: str = "a worker failed mid-stream"
+    ) -> None:
         super().__init__(message)
         self.address = address
         self.message = message
+        self.public = public  # for the client: no address (`errors.RouterError.public`)
 
 
 async def blame(
@@ -107,6 +110,7 @@ async def reserve_and_prefill(
     facts.prefill_worker, facts.decode_worker = p.worker_id, d.worker_id
     sampling = leg.sampling(run.req)
     d_stub, p_stub = run.pool.stub(d.address), run.pool.stub(p.address)
+    run.note_placed(p.address)
     run.track(d.address)  # D is busy until the end of the leg
     # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a cancel
     # from here on must still send D an Abort.
@@ -126,9 +130,11 @@ async def reserve_and_prefill(
         if exc.code() in NOTHING_RESERVED:
             run.holders.discard(d.address)
         await blame(run, exc, "Reserve", d.address)
-        err = worker_error(exc, f"Reserve on decode worker {d.address}")
+        err = worker_error(
+            exc, f"Reserve on decode worker {d.address}", "Reserve on a decode worker"
+        )
         if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-            raise Retryable(err.code, err.message, d.address) from exc
+            raise Retryable(err.code, err.message, d.address, err.public) from exc
         raise err from exc
     run.holders.add(p.address)
     try:
@@ -146,9 +152,11 @@ async def reserve_and_prefill(
             )
     except grpc.aio.AioRpcError as exc:
         culprit = await blame(run, exc, "Prefill", p.address, d.address)
-        err = worker_error(exc, f"Prefill on prefill worker {p.address}")
+        err = worker_error(
+            exc, f"Prefill on prefill worker {p.address}", "Prefill on a prefill worker"
+        )
         if err.code == grpc.StatusCode.UNAVAILABLE:
-            raise Retryable(err.code, err.message, culprit) from exc
+            raise Retryable(err.code, err.message, culprit, err.public) from exc
         raise err from exc
     run.holders.discard(p.address)  # P frees its blocks once the transfer result is known
     if not run.migrations:
@@ -195,9 +203,11 @@ async def start_colocated(run: RequestRun, leg: Leg, w: WorkerView) -> Chunks:
             first = await anext(stream)
     except StreamFailed as failed:
         await blame(run, failed.exc, "Generate", w.address)
-        err = worker_error(failed.exc, f"Generate on colocated worker {w.address}")
+        err = worker_error(
+            failed.exc, f"Generate on colocated worker {w.address}", "Generate on a worker"
+        )
         if err.code == grpc.StatusCode.UNAVAILABLE:
-            raise Retryable(err.code, err.message, w.address) from failed.exc
+            raise Retryable(err.code, err.message, w.address, err.public) from failed.exc
         raise err from failed.exc
     except StopAsyncIteration:
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "colocated stream was empty") from None
@@ -253,9 +263,9 @@ async def lost_on_failure(run: RequestRun, chunks: Chunks, what: str, addr: str)
                 yield chunk
     except StreamFailed as failed:
         await blame(run, failed.exc, what, addr)
-        err = worker_error(failed.exc, f"{what} on worker {addr}")
+        err = worker_error(failed.exc, f"{what} on worker {addr}", f"{what} on a worker")
         if failed.exc.code() in LOST:
-            raise WorkerLost(addr, err.message) from failed.exc
+            raise WorkerLost(addr, err.message, err.public) from failed.exc
         raise err from failed.exc
 
 

@@ -12,6 +12,9 @@ same request would have got), `param` the OpenAI field at fault when there is on
 | UNAVAILABLE (no healthy worker)       | 503  | service_unavailable     |
 | DEADLINE_EXCEEDED                     | 504  | timeout_error           |
 | INTERNAL and anything else            | 500  | server_error            |
+
+Any other 4xx (413 body too large, 408 body too slow, a malformed request) is an
+`invalid_request_error` with a `code` naming it.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ class OpenAIError(Exception):
         return cls(400, f"{param}: {problem}", param, "invalid_argument")
 
     def body(self) -> ErrorResponse:
-        kind = _BY_STATUS.get(self.status, "server_error" if self.status >= 500 else "error")
+        kind = _BY_STATUS.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         )
@@ -68,7 +73,7 @@ def from_router_error(err: RouterError, rename: FieldRename | None = None) -> Op
     if isinstance(err, InvalidRequest):
         param = field_name(err.field, rename or FieldRename())
         return OpenAIError(status, f"{param}: {err.problem}", param, "invalid_argument")
-    return OpenAIError(status, err.message, None, err.code.name.lower())
+    return OpenAIError(status, err.public, None, err.code.name.lower())
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The HTTP front's request handlers (aiohttp). Runs in the router process, on its event loop.
 
 `/v1/completions` and `/v1/chat/completions`: parse the body (pydantic; a 400 names the
-field), check the model name (404), translate to a `GenerateRequest` (`translate`) and run it
+field; a body too large for any request the model can serve is refused unparsed), check the
+model name (404), translate to a `GenerateRequest` (`translate`; a chat request's render and
+tokenization on the lifecycle's tokenizer threads, off the event loop) and run it
 through the router's `RequestLifecycle` — the same path, admission, deadline
 (`default_timeout_s`), aborts and metrics as a gRPC `Generate`.
 
@@ -20,6 +22,7 @@ same (it raises `asyncio.CancelledError`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -35,8 +38,9 @@ from router.http.chat_template import ChatTemplate
 from router.http.errors import OpenAIError, from_router_error, from_validation_error
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.http.responses import ChatFormatter, CompletionFormatter, dump
-from router.http.translate import Translated, chat_request, completion_request
+from router.http.translate import Translated, chat_request, completion_request, oversized_body
 from router.lifecycle import RequestLifecycle
+from router.validation import ModelLimits
 
 M = TypeVar("M", bound=BaseModel)
 Formatter = CompletionFormatter | ChatFormatter
@@ -51,6 +55,7 @@ class FrontState:
     is_serving: Callable[[], bool]
     metrics: Callable[[], tuple[bytes, str]] | None  # (body, content type) of /metrics
     created: int  # when the front started (the model card's `created`)
+    body_timeout_s: float = 60.0  # a request body must arrive within this (408 otherwise)
 
     @property
     def model_name(self) -> str:
@@ -69,9 +74,17 @@ class FrontState:
 STATE = web.AppKey("pdserve_front", FrontState)
 
 
-async def parse(request: web.Request, model: type[M]) -> M:
-    """The request body as `model`; a 400 naming the first field at fault otherwise."""
-    raw = await request.read()
+async def parse(request: web.Request, model: type[M], limits: ModelLimits, chat: bool) -> M:
+    """The request body as `model`; a 400 naming the first field at fault otherwise. A body
+    beyond `limits.max_json_body_bytes` is refused before it is parsed (`oversized_body`):
+    parsing holds the GIL, i.e. this event loop, for tens of milliseconds per 10 MB."""
+    try:
+        async with asyncio.timeout(request.app[STATE].body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise OpenAIError(408, "request body not received in time", None, "timeout") from None
+    if limits.max_json_body_bytes and len(raw) > limits.max_json_body_bytes:
+        raise oversized_body(raw, limits, chat)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -142,7 +155,7 @@ async def _serve(request: web.Request, t: Translated, fmt: Formatter) -> web.Str
 async def completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/completions`."""
     state = request.app[STATE]
-    body = await parse(request, CompletionRequest)
+    body = await parse(request, CompletionRequest, state.lifecycle.limits, chat=False)
     state.check_model(body.model)
     rid = uuid.uuid4().hex
     t = completion_request(body, rid)
@@ -155,18 +168,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/chat/completions`."""
     state = request.app[STATE]
-    body = await parse(request, ChatCompletionRequest)
+    lc = state.lifecycle
+    body = await parse(request, ChatCompletionRequest, lc.limits, chat=True)
     state.check_model(body.model)
     rid = uuid.uuid4().hex
-    lc = state.lifecycle
-    t = chat_request(
-        body,
-        rid,
-        state.template,
-        lc.tokenizer,
-        lc.limits.context_length,
-        str(lc.config.model_dir),
+    render = functools.partial(
+        chat_request, body, rid, state.template, lc.tokenizer, lc.limits, str(lc.config.model_dir)
     )
+    t = await lc.run_blocking(render)  # render + tokenize: never on the event loop
     created = int(time.time())
     fmt = ChatFormatter(f"chatcmpl-{rid}", created, state.model_name, lc.tokenizer, t.logprobs)
     return await _serve(request, t, fmt)

@@ -11,6 +11,16 @@ its traceback in the log), then the `middlewares` the caller passes to `build_ap
 `OpenAIError(401, ...)` and is answered with an OpenAI error object like every other refusal.
 With an `ssl_context` the front serves HTTPS (the public API's certificate, and mutual TLS
 when the gRPC port asks for client certificates).
+
+What never reaches a handler is answered here too (`OpenAIRequestHandler.handle_error`): a
+request aiohttp's parser refuses (a header line over `max_line_size`, an HTTP/2 preface, bytes
+that are not HTTP) gets a JSON OpenAI error object that names the kind of problem and echoes
+none of the request — its headers may carry a token — and is logged as one INFO line with the
+peer and the exception's class, no text and no traceback: unauthenticated clients cannot write
+tokens or ERROR tracebacks into the log. A connection must deliver a complete request head
+within `header_timeout_s` of connecting or of its previous response (aiohttp's keep-alive
+timer, which closes a connection still waiting for a request), so slow-header sockets are
+closed; a body must arrive within `FrontState.body_timeout_s` (408 otherwise).
 """
 
 from __future__ import annotations
@@ -22,7 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, InvalidHeader, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from router.http import handlers
 from router.http.chat_template import ChatTemplate
@@ -46,7 +59,8 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error_response(OpenAIError(exc.status, exc.reason, None, None))
+        code = exc.reason.lower().replace(" ", "_")  # "Request Entity Too Large" -> ...
+        return _error_response(OpenAIError(exc.status, exc.reason, None, code))
     except Exception as exc:
         log.exception("HTTP %s %s failed", request.method, request.path)
         return _error_response(OpenAIError(500, f"router error: {exc!r}", None, "internal"))
@@ -54,6 +68,67 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 
 def _error_response(err: OpenAIError) -> web.Response:
     return web.json_response(text=err.body().model_dump_json(), status=err.status)
+
+
+_PARSER_PROBLEMS: tuple[tuple[type[BaseException], str], ...] = (
+    (LineTooLong, "a request line or header is too long"),
+    (BadHttpMethod, "not an HTTP/1.x request"),
+    (BadStatusLine, "malformed request line"),
+    (InvalidHeader, "malformed header"),
+)
+
+
+class OpenAIRequestHandler(RequestHandler):
+    """aiohttp's connection handler, with requests its parser refused answered as OpenAI error
+    objects and logged without their content (module docstring)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:  # not the client's doing: a bug, logged with its traceback
+            log.error("HTTP front: unhandled error from %s", request.remote, exc_info=exc)
+            err = OpenAIError(status, "internal server error", None, "internal")
+        else:
+            problem = next(
+                (text for kind, text in _PARSER_PROBLEMS if isinstance(exc, kind)),
+                "malformed HTTP request",
+            )
+            log.info(
+                "HTTP front: refused a malformed request from %s: %d %s",
+                request.remote,
+                status,
+                type(exc).__name__,
+            )
+            err = OpenAIError(status, f"bad request: {problem}", None, "bad_request")
+        if request.writer.output_size > 0:  # as aiohttp: the response already started
+            raise ConnectionError("response already sent, cannot send an error")
+        resp = _error_response(err)
+        resp.force_close()
+        return resp
+
+
+class _OpenAIServer(web.Server):
+    """`web.Server` whose connections are `OpenAIRequestHandler`s."""
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = OpenAIRequestHandler  # same slots: a subclass without state
+        return handler
+
+
+class _OpenAIAppRunner(web.AppRunner):
+    """`web.AppRunner` serving through `_OpenAIServer`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _OpenAIServer  # a subclass without state of its own
+        return server
 
 
 def build_app(state: FrontState, middlewares: Sequence[Middleware] = ()) -> web.Application:
@@ -96,19 +171,23 @@ async def start_http_front(
     middlewares: Sequence[Middleware] = (),
     shutdown_timeout_s: float = 1.0,
     ssl_context: ssl.SSLContext | None = None,
+    header_timeout_s: float = 15.0,
+    body_timeout_s: float = 60.0,
 ) -> HttpFront:
     """Serve the HTTP front on `host:port` (0: a free port) on the running loop.
+    `header_timeout_s` / `body_timeout_s`: module docstring.
 
     Raises ValueError for a model folder whose chat template is unusable and RuntimeError
     when the port cannot be bound.
     """
     template = ChatTemplate.load(lifecycle.config.model_dir)
-    state = FrontState(lifecycle, template, is_serving, metrics, int(time.time()))
-    runner = web.AppRunner(
+    state = FrontState(lifecycle, template, is_serving, metrics, int(time.time()), body_timeout_s)
+    runner = _OpenAIAppRunner(
         build_app(state, middlewares),
         handler_cancellation=True,  # a client that goes away cancels its handler (= abort)
         access_log=None,
         shutdown_timeout=shutdown_timeout_s,
+        keepalive_timeout=header_timeout_s,  # no complete request head in time: closed
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)

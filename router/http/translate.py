@@ -10,7 +10,11 @@ only does what OpenAI's shape needs first:
   request without `max_tokens` / `max_completion_tokens` may use the rest of the context (a
   decode worker books KV blocks for all of it, so set a limit where throughput matters);
 - render chat messages with the model's template and tokenize them (no BOS added: the
-  template writes its own special tokens);
+  template writes its own special tokens). The content is bounded first, before any render
+  (`ModelLimits.max_prompt_chars`, the same bound a text prompt gets: a 400 naming
+  ``messages[i].content``), and so is the rendered text; `chat_request` does the rendering and
+  tokenizing, so the handler runs it on the lifecycle's tokenizer threads, never on the event
+  loop. A body too large to parse at all is refused unparsed (`oversized_body`);
 - keep values protobuf cannot hold (negative seeds, > int32) from reaching it: they get the
   validation's own message.
 """
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2
+from router.http.body_scan import oversized_content
 from router.http.chat_template import ChatTemplate, ChatTemplateError
 from router.http.errors import FieldRename, OpenAIError
 from router.http.protocol import (
@@ -29,7 +34,7 @@ from router.http.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
-from router.validation import MAX_SEED
+from router.validation import MAX_SEED, ModelLimits
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 _INT32 = 2**31
@@ -117,15 +122,56 @@ def completion_request(req: CompletionRequest, request_id: str) -> Translated:
     return Translated(out, rename, req.stream, include_usage, req.logprobs)
 
 
+def oversized_body(raw: bytes, limits: ModelLimits, chat: bool) -> OpenAIError:
+    """The 400 for a request body beyond `limits.max_json_body_bytes`, decided unparsed: for a
+    chat body, naming ``messages[i].content`` where the content outgrows what the context can
+    hold (`body_scan`), else naming the prompt field."""
+    ctx, chars = limits.context_length, limits.max_prompt_chars
+    if chat:
+        i = oversized_content(raw, 12 * chars + 2)
+        if i is not None:
+            return OpenAIError.invalid(
+                f"messages[{i}].content",
+                f"too long: the messages' content up to here is over {12 * chars + 2} bytes of "
+                f"JSON; the context length {ctx} allows at most {chars} characters",
+            )
+    return OpenAIError.invalid(
+        "messages" if chat else "prompt",
+        f"too long: the request body is {len(raw)} bytes; a request that fits the context "
+        f"length {ctx} is at most {limits.max_json_body_bytes} bytes",
+    )
+
+
+def check_chat_content(req: ChatCompletionRequest, limits: ModelLimits) -> None:
+    """Refuse messages whose content cannot fit the context, before rendering them: a 400
+    naming ``messages[i].content``, the first message at which the running total of content
+    characters passes `limits.max_prompt_chars` (0: no bound)."""
+    bound = limits.max_prompt_chars
+    if not bound:
+        return
+    total = 0
+    for i, m in enumerate(req.messages):
+        total += len(m.text())
+        if total > bound:
+            raise OpenAIError.invalid(
+                f"messages[{i}].content",
+                f"too long: the messages' content up to here is {total} characters; the "
+                f"context length {limits.context_length} allows at most {bound} characters",
+            )
+
+
 def chat_request(
     req: ChatCompletionRequest,
     request_id: str,
     template: ChatTemplate | None,
     tokenizer: Tokenizer,
-    context_length: int,
+    limits: ModelLimits,
     model_dir: str,
 ) -> Translated:
-    """`/v1/chat/completions` -> `GenerateRequest`: messages rendered and tokenized here."""
+    """`/v1/chat/completions` -> `GenerateRequest`: messages bounded (`check_chat_content`),
+    rendered and tokenized here — seconds of CPU for a long conversation, so the caller runs
+    it off the event loop. Raises `OpenAIError` (400) naming the field at fault."""
+    context_length = limits.context_length
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise OpenAIError.invalid(
             "max_completion_tokens", "set max_tokens or max_completion_tokens, not both"
@@ -146,10 +192,17 @@ def chat_request(
     if req.logprobs:
         logprobs = _int32("top_logprobs", req.top_logprobs or 0)
         sp.logprobs = logprobs
+    check_chat_content(req, limits)
     try:
         text = template.render(req.messages)
     except ChatTemplateError as exc:
         raise OpenAIError.invalid("messages", str(exc)) from exc
+    if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
+        raise OpenAIError.invalid(
+            "messages",
+            f"too long: the rendered prompt is {len(text)} characters; the context length "
+            f"{context_length} allows at most {limits.max_prompt_chars} characters",
+        )
     ids = tokenizer.encode(text, add_bos=False)
     if max_tokens is None:  # OpenAI: up to the rest of the context
         sp.max_tokens = max(1, context_length - len(ids))

@@ -1,7 +1,9 @@
 """The short soak CI runs: `run_soak` (what `pdserve soak` runs) on a 2P+2D tiny-model cluster
 with its own redis-server, about 300 requests and 7 overlapping faults (a prefill and a decode
 worker SIGKILLed and restarted by the launcher, two SIGSTOPs, a Redis restart, two KV stalls).
-Every request must end exact or with a clear status in time, and the cluster must end clean (no
+Every request must end exact, or with a clear status in time that the soak explains (a fault
+on a worker it used, a role outage, its own deadline or cancel, a shed burst; the mix has
+deadline storms, oversized HTTP bodies and HTTP disconnects), and the cluster must end clean (no
 leaked block, nothing in flight in the router, no stale Redis entry, restarted workers serving).
 
 Runs in the pytest process; the soak starts and stops every process itself, by PID.

@@ -56,3 +56,36 @@ def test_close_stops_a_writer_that_waits_for_more(tiny_model_dir: Path) -> None:
         return written
 
     assert asyncio.run(scenario()) == [[5, 6]]
+
+
+def test_a_failed_write_after_the_client_left_is_not_an_unretrieved_task_error(
+    tiny_model_dir: Path,
+) -> None:
+    """The client went away: the writer's send fails, nobody pushes again, the request is
+    closed. The writer's exception must not reach the loop's "Task exception was never
+    retrieved" (logged at ERROR)."""
+    import gc
+
+    tok = Tokenizer.from_model_dir(tiny_model_dir)
+    reported: list[dict[str, object]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        failed = asyncio.Event()
+
+        async def send(resp: inference_pb2.GenerateResponse) -> None:
+            failed.set()
+            raise RuntimeError("the client's connection is gone")
+
+        c = ClientStream("r", send, tok, (), 0.0, FinalFacts(prompt_tokens=3))
+        await c.push([5, 6], finished=False)
+        await failed.wait()
+        await asyncio.sleep(0)  # the writer task finishes with its error
+        c.close()
+        del c
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    gc.collect()
+    assert not [r for r in reported if "never retrieved" in str(r.get("message"))], reported

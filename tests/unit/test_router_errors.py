@@ -23,7 +23,13 @@ CASES = [
 
 @pytest.mark.parametrize("worker_code,client_code", CASES, ids=[c[0].name for c in CASES])
 def test_worker_error_mapping(worker_code: grpc.StatusCode, client_code: grpc.StatusCode) -> None:
-    exc = grpc.aio.AioRpcError(worker_code, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom")
-    err = worker_error(exc, "Decode on decode worker h:1")
+    detail = "gloo: connection to 10.0.0.7:29500 closed, transfer 7f3a"
+    exc = grpc.aio.AioRpcError(worker_code, grpc.aio.Metadata(), grpc.aio.Metadata(), detail)
+    err = worker_error(exc, "Decode on decode worker h:1", "Decode on a decode worker")
     assert err.code == client_code
-    assert err.message == f"Decode on decode worker h:1 failed: {worker_code.name}: boom"
+    assert err.message == f"Decode on decode worker h:1 failed: {worker_code.name}: {detail}"
+    # the client's text names the call, never the worker's address or the transport's words
+    assert err.public.startswith("Decode on a decode worker failed")
+    assert "h:1" not in err.public
+    if client_code != S.RESOURCE_EXHAUSTED:  # that one keeps the worker's room figures
+        assert detail not in err.public and err.public.endswith(f"({client_code.name})")

@@ -11,7 +11,11 @@ Per request (`judge`), one category:
   reference, or an OK stream lost tokens;
 - `hung`: still open `hang_grace_s` after its deadline (the client gave up on it), or ended
   later than that;
-- `unclear`: any other status (INTERNAL, UNKNOWN, a CANCELLED the client did not ask for, ...).
+- `unclear`: any other status (INTERNAL, UNKNOWN, a CANCELLED the client did not ask for, ...);
+- `refused`: an `oversized` request answered 400 naming ``messages[0].content`` within
+  `OVERSIZED_MAX_S` (what it must get; anything else is `wrong`).
+
+`blast.classify` then turns every `status` verdict into `explained` or `unexplained`.
 
 The cluster (`cluster_checks`), once the load has ended: every killed worker served again with
 a new epoch; every live worker's free blocks back to their start; the router's running, queued
@@ -31,7 +35,7 @@ from tooling.soak.client import Outcome
 from tooling.soak.cluster import SoakCluster
 from tooling.soak.faults import FaultRecord
 from tooling.soak.reference import Expected, Reference
-from tooling.soak.workload import PlannedRequest
+from tooling.soak.workload import OVERSIZED_MAX_S, PlannedRequest
 
 CLEAR_STATUSES = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
@@ -39,12 +43,24 @@ CLEAR_STATUSES = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 @dataclass(frozen=True)
 class Verdict:
     index: int
-    category: str  # exact | near_tie | status | wrong | hung | unclear
+    category: str  # exact | near_tie | refused | status | wrong | hung | unclear (+ blast's)
     detail: str = ""
 
 
 def _first_diff(got: Sequence[int], want: Sequence[int]) -> int | None:
     return next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+
+
+def judge_oversized(r: PlannedRequest, out: Outcome) -> Verdict:
+    """An oversized chat body: `refused` when answered as it must be (module docstring)."""
+    if out.hung:
+        return Verdict(r.index, "hung", f"open {out.latency_s:.2f} s")
+    got = f"{out.code} naming {out.details!r} after {out.latency_s:.2f} s"
+    named = out.code == "HTTP_400" and out.details == "messages[0].content"
+    if named and out.latency_s <= OVERSIZED_MAX_S:
+        return Verdict(r.index, "refused", got)
+    return Verdict(r.index, "wrong", f"{got}; want HTTP_400 naming 'messages[0].content' "
+                   f"within {OVERSIZED_MAX_S} s")  # fmt: skip
 
 
 def judge(

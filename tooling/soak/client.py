@@ -5,12 +5,21 @@ Every request is watched by its own clock: a request still open `hang_grace_s` a
 deadline (its client deadline, else the router's default) is cancelled and recorded as `hung`.
 A client cancel (after k tokens, or after a delay) is the client's own doing: it is recorded as
 `CANCELLED` with `client_cancelled` set. Nothing here judges the tokens (see `check`).
+
+The hostile HTTP kinds go to the router's HTTP front on plain sockets: `oversized` posts a chat
+body of `oversized_mb` MiB and records the status as ``HTTP_<status>`` with the error's
+``param`` as `details`; `disconnect` posts a streaming completion and resets the connection
+(SO_LINGER 0) once the first event arrived — `CANCELLED` with `client_cancelled` — or records a
+refusal before that under the gRPC name of its HTTP status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
-from tooling.soak.workload import PlannedRequest
+from tooling.soak.workload import HTTP_KINDS, PlannedRequest
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
 
@@ -40,6 +49,7 @@ class Outcome:
     decode_worker: str = ""
     client_cancelled: bool = False
     hung: bool = False
+    workers: list[str] = field(default_factory=list)  # worker ids it was placed on (router)
 
     @property
     def latency_s(self) -> float:
@@ -120,6 +130,84 @@ async def send_one(
     return out
 
 
+@dataclass(frozen=True)
+class HttpFront:
+    """Where the hostile HTTP requests go: the router's HTTP front and its served model."""
+
+    host: str
+    port: int
+    model: str
+
+
+HTTP_TO_GRPC = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def oversized_chat_body(megabytes: int) -> bytes:
+    """A chat body whose one message is `megabytes` MiB of text."""
+    unit = "The river flows "
+    content = unit * (megabytes * 2**20 // len(unit))
+    body = {"model": "soak", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return json.dumps(body).encode()
+
+
+def _head(path: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
+    ).encode()
+
+
+def _status_line(head: bytes) -> int:
+    return int(head.split(b"\r\n", 1)[0].split()[1])
+
+
+async def send_http(
+    http: HttpFront, r: PlannedRequest, t0: float, oversized: bytes, timeout_s: float
+) -> Outcome:
+    """Send one hostile HTTP request (module docstring); never raises for its failure."""
+    out = Outcome(r.index, time.monotonic() - t0, timeout_s)
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(http.host, http.port)
+            if r.kind == "oversized":
+                writer.write(_head("/v1/chat/completions", len(oversized)) + oversized)
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await reader.read()
+                out.code = f"HTTP_{_status_line(head)}"
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    out.details = str(json.loads(body)["error"]["param"])
+            else:
+                assert r.token_ids is not None
+                req = {"model": http.model, "prompt": list(r.token_ids), "max_tokens": r.max_tokens,
+                       "temperature": 0, "ignore_eos": r.ignore_eos, "stream": True}  # fmt: skip
+                data = json.dumps(req).encode()
+                writer.write(_head("/v1/completions", len(data)) + data)
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                status = _status_line(head)
+                if status != 200:
+                    out.code = HTTP_TO_GRPC.get(status, f"HTTP_{status}")
+                    out.details = (await reader.read()).decode(errors="replace")[:200]
+                else:
+                    await reader.readuntil(b"data: ")  # the first event: now reset
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    writer = None
+                    out.code, out.client_cancelled = "CANCELLED", True
+    except TimeoutError:
+        out.hung, out.code = True, "HUNG"
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        out.code, out.details = "CONNECTION_ERROR", repr(exc)
+    finally:
+        if writer is not None:
+            writer.close()
+        out.ended_at = time.monotonic() - t0
+    return out
+
+
 async def run_load(
     address: str,
     requests: Sequence[PlannedRequest],
@@ -128,10 +216,16 @@ async def run_load(
     on_sent: Callable[[PlannedRequest], None] | None = None,
     t0: float | None = None,
     channels: int = 4,
+    http: HttpFront | None = None,
+    oversized_mb: int = 10,
 ) -> list[Outcome]:
     """Send every request at its `at_s` after `t0` (now when None), open-loop; return the
     outcomes in plan order once every request has ended. `on_sent(r)` runs right after each
-    send starts (the fault injector uses it to follow probes)."""
+    send starts (the fault injector uses it to follow probes). The HTTP kinds go to `http`
+    (host, port), which must be given when the plan has any."""
+    oversized = b""
+    if any(r.kind == "oversized" for r in requests):
+        oversized = oversized_chat_body(oversized_mb)
     chans = [grpc.aio.insecure_channel(address, CHANNEL_OPTIONS) for _ in range(channels)]
     stubs = [inference_pb2_grpc.InferenceStub(c) for c in chans]  # type: ignore[no-untyped-call]
     start = time.monotonic() if t0 is None else t0
@@ -141,8 +235,12 @@ async def run_load(
             delay = start + r.at_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            stub = stubs[r.index % len(stubs)]
-            coro = send_one(stub, r, start, default_timeout_s, hang_grace_s)
+            if r.kind in HTTP_KINDS:
+                assert http is not None, "the plan has HTTP requests: pass the HTTP front"
+                coro = send_http(http, r, start, oversized, default_timeout_s + hang_grace_s)
+            else:
+                stub = stubs[r.index % len(stubs)]
+                coro = send_one(stub, r, start, default_timeout_s, hang_grace_s)
             tasks.append(asyncio.create_task(coro, name=f"soak-{r.index}"))
             if on_sent is not None:
                 on_sent(r)

@@ -5,8 +5,9 @@ The cluster is put together the way `pdserve up` does it: a `ClusterConfig` (her
 the `SoakConfig`), `deploy.launcher.launch_workers` or `deploy.ray_launcher.launch_ray_workers`
 for the workers (they supervise and restart them), and `router.app.start_router` with
 `ClusterConfig.router_config` in this process, which lets the soak read the router's own
-in-flight counts at the end. Worker processes are found through the launcher's handle
-(`worker_pid`), never by name.
+in-flight counts at the end and where it placed each request (`placements`, by request id: a
+tee on the router's request recorder). The router serves its HTTP front too (port 0).
+Worker processes are found through the launcher's handle (`worker_pid`), never by name.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import grpc
 from deploy.config import ClusterConfig, load_cluster_config
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.app import RouterHandle, start_router
+from router.lifecycle import RequestRecord, RequestRecorder
 from tooling.redis_server import RedisServer
+from tooling.soak.client import HttpFront
 from tooling.soak.config import SoakConfig
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ def cluster_config(config: SoakConfig, redis_url: str) -> ClusterConfig:
             "max_num_seqs": 64,
         },
         "router.port": 0,
+        "router.http_port": 0,  # the hostile HTTP requests (oversized bodies, disconnects)
         "router.max_inflight": config.max_inflight,
         "router.max_queued": config.max_queued,
         "router.default_timeout_s": config.default_timeout_s,
@@ -99,6 +103,20 @@ class WorkerRef:
     address: str
 
 
+@dataclass
+class _PlacementTee:
+    """The router's request recorder, plus a note of where each request was placed."""
+
+    inner: RequestRecorder | None
+    placements: dict[str, tuple[str, ...]]
+
+    def record(self, rec: RequestRecord) -> None:
+        if rec.request_id:
+            self.placements[rec.request_id] = rec.workers
+        if self.inner is not None:
+            self.inner.record(rec)
+
+
 class SoakCluster:
     """Redis + workers + in-process router. `start()` then `stop()` (idempotent)."""
 
@@ -113,6 +131,8 @@ class SoakCluster:
         # every one is resumed at stop() whatever happened
         self.stopped: dict[int, int] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}  # the soak's own, for GetStatus
+        # request id -> worker addresses the router placed it on (the router's own record)
+        self.placements: dict[str, tuple[str, ...]] = {}
 
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +143,16 @@ class SoakCluster:
             self.cluster.router_config(self.workers.addresses()),
             cluster_secret=self.workers.internal.secret,
         )
+        lifecycle = self.router.service.lifecycle
+        lifecycle.recorder = _PlacementTee(lifecycle.recorder, self.placements)
         await self.wait_routable(60.0)
+
+    @property
+    def http_front(self) -> HttpFront:
+        """The router's HTTP front and served model (where the hostile HTTP requests go)."""
+        assert self.router is not None and self.router.http is not None
+        http = self.router.http
+        return HttpFront(http.host, http.port, self.router.config.served_model_name)
 
     @property
     def address(self) -> str:

@@ -78,6 +78,23 @@ class SoakConfig(BaseModel):
     bursts: int | None = Field(
         default=None, ge=0, description="Bursts above the queue bound; None = 1 per 300 requests."
     )
+    storms: int | None = Field(
+        default=None,
+        ge=0,
+        description="Deadline storms (10 requests with 5..95 ms deadlines at once); "
+        "None = 1 per 150 requests.",
+    )
+    oversized: int | None = Field(
+        default=None, ge=0, description="Oversized HTTP chat bodies; None = 1 per 150 requests."
+    )
+    oversized_mb: int = Field(
+        default=10, ge=1, le=31, description="Size of an oversized chat message (MiB)."
+    )
+    disconnects: int | None = Field(
+        default=None,
+        ge=0,
+        description="HTTP streams reset by their client; None = 1 per 60 requests.",
+    )
     max_inflight: int = Field(default=24, ge=1, description="Router: requests running at once.")
     max_queued: int = Field(default=24, ge=0, description="Router: requests waiting beyond it.")
     default_timeout_s: float = Field(
@@ -125,6 +142,18 @@ class SoakConfig(BaseModel):
     @property
     def num_bursts(self) -> int:
         return self.bursts if self.bursts is not None else max(1, self.requests // 300)
+
+    @property
+    def num_storms(self) -> int:
+        return self.storms if self.storms is not None else max(1, self.requests // 150)
+
+    @property
+    def num_oversized(self) -> int:
+        return self.oversized if self.oversized is not None else max(1, self.requests // 150)
+
+    @property
+    def num_disconnects(self) -> int:
+        return self.disconnects if self.disconnects is not None else max(1, self.requests // 60)
 
     @property
     def burst_size(self) -> int:

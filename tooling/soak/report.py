@@ -3,6 +3,8 @@
 
 `soak.json` keys: `seed`, `requests`, `completed_exact`, `near_tie`, `ended_with_status`
 (status name -> count; CANCELLED counts only client cancels), `wrong`, `hung`, `unclear`,
+`unexplained` (a failure nothing explains: `blast`), `refused_oversized`, `explained_by`
+(cause -> count, e.g. ``own deadline``, ``fault 3``, ``shed in burst 0``),
 `leaked_blocks` (sum over live workers), `leaks_by_worker`, `router_in_flight`,
 `stale_index_entries`, `not_rejoined`, `not_serving_after_rejoin`, `faults` (time, kind,
 target, ...), `failures` (one line per failed check; empty = passed), `passed`, `config`,
@@ -23,11 +25,14 @@ from tooling.soak.client import Outcome
 from tooling.soak.faults import FaultRecord
 from tooling.soak.workload import PlannedRequest
 
-FAILING = ("wrong", "hung", "unclear")
+FAILING = ("wrong", "hung", "unclear", "unexplained")
 COLORS = {
     "exact": "tab:green",
     "near_tie": "tab:olive",
+    "refused": "tab:cyan",
     "status": "tab:blue",
+    "explained": "tab:blue",
+    "unexplained": "tab:pink",
     "wrong": "tab:red",
     "hung": "black",
     "unclear": "tab:purple",
@@ -55,7 +60,11 @@ def summarize(
     not_serving_after_rejoin."""
     cats = Counter(v.category for v in verdicts)
     by_index = {o.index: o for o in outcomes}
-    statuses = Counter(by_index[v.index].code for v in verdicts if v.category == "status")
+    ended = ("status", "explained", "unexplained")
+    statuses = Counter(by_index[v.index].code for v in verdicts if v.category in ended)
+    causes = Counter(
+        v.detail.split(": ", 1)[1].split(" (")[0] for v in verdicts if v.category == "explained"
+    )
     leaks = cluster["leaks_by_worker"]
     leaked = sum(n for n in leaks.values() if n > 0)
     failures = [f"{cats[c]} {c} request(s)" for c in FAILING if cats[c]]
@@ -87,6 +96,9 @@ def summarize(
         "wrong": cats["wrong"],
         "hung": cats["hung"],
         "unclear": cats["unclear"],
+        "unexplained": cats["unexplained"],
+        "refused_oversized": cats["refused"],
+        "explained_by": dict(sorted(causes.items())),
         "leaked_blocks": leaked,
         **cluster,
         "faults": [r.to_json() for r in sorted(records, key=lambda r: r.time_s)],
@@ -194,7 +206,10 @@ def markdown(s: dict[str, Any]) -> str:
         f"| equal up to a numerical near-tie | {s['near_tie']} |",
     ]
     lines += [f"| ended with {k} | {n} |" for k, n in s["ended_with_status"].items()]
+    lines += [f"| refused as it must be (oversized body) | {s['refused_oversized']} |"]
     lines += [f"| **{k}** | {s[k]} |" for k in FAILING]
+    lines += ["", "Every failure's cause (blast radius):", ""]
+    lines += [f"- {cause}: {n}" for cause, n in s["explained_by"].items()] or ["- none"]
     lines += [
         "",
         f"Leaked blocks: {s['leaked_blocks']} ({s['leaks_by_worker'] or 'none'}); router in "

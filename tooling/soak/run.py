@@ -10,7 +10,8 @@ Steps:
 3. load and faults together: `client.run_load` sends the plan open-loop while
    `faults.Injector` carries out the faults; both end (the load when every request ended);
 4. quiesce and check (`check`): killed workers back, a few extra requests if a restarted worker
-   served nothing yet, verdicts, leaks, the router's in-flight counts, stale Redis entries;
+   served nothing yet, verdicts, every failure explained (`blast`), leaks, the router's
+   in-flight counts, stale Redis entries;
 5. write soak.json, requests.jsonl, report.md, timeline.png (`report`), stop the cluster.
 """
 
@@ -23,9 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_runtime.config import ModelConfig
+from tooling.soak.blast import classify
 from tooling.soak.check import (
     Verdict,
     judge,
+    judge_oversized,
     leaked_blocks,
     router_in_flight,
     served_after_rejoin,
@@ -75,7 +78,8 @@ async def run_soak_async(config: SoakConfig) -> SoakResult:
     injector: Injector | None = None
     try:
         # the reference computes (torch, GIL released) while the workers load
-        await asyncio.gather(asyncio.to_thread(ref.run, plan.requests), cluster.start())
+        with_prompt = [r for r in plan.requests if r.kind != "oversized"]
+        await asyncio.gather(asyncio.to_thread(ref.run, with_prompt), cluster.start())
         texts = {r.index: ref.expected(r).full_text for r in plan.requests if r.stop_at is not None}
         plan = with_stop_strings(plan, texts)
         _progress(f"reference and cluster ready after {time.monotonic() - t_start:.0f} s")
@@ -95,6 +99,8 @@ async def run_soak_async(config: SoakConfig) -> SoakResult:
             config.hang_grace_s,
             injector.on_sent,
             t0,
+            http=cluster.http_front,
+            oversized_mb=config.oversized_mb,
         )
         _progress(f"load done after {time.monotonic() - t0:.0f} s; waiting for faults")
         try:
@@ -109,12 +115,20 @@ async def run_soak_async(config: SoakConfig) -> SoakResult:
         not_rejoined = await wait_rejoined(records, config.quiesce_timeout_s)
         requests = list(plan.requests)
         verdicts = [
-            judge(r, o, ref.expected(r), ref, config.hang_grace_s)
+            judge_oversized(r, o)
+            if r.kind == "oversized"
+            else judge(r, o, ref.expected(r), ref, config.hang_grace_s)
             for r, o in zip(requests, outcomes, strict=True)
         ]
         extra = await _serve_checks(
             cluster, config, t0, (requests, outcomes, verdicts), records, ref
         )
+        # where the router placed each request, then: is every failure explained?
+        ids = {w.address: w.worker_id for w in cluster.refs()}
+        for r, o in zip(requests, outcomes, strict=True):
+            o.workers = [ids.get(a, a) for a in cluster.placements.get(r.request_id, ())]
+        roles = {w.worker_id: w.role for w in cluster.refs()}
+        verdicts = classify(requests, outcomes, verdicts, records, roles)
         _progress("checking the cluster")
         checks = {
             "leaks_by_worker": await leaked_blocks(cluster, baseline, config.quiesce_timeout_s),

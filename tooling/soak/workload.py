@@ -13,7 +13,14 @@ Runs in the soak process (`pdserve soak`). Request kinds, as fractions of the Po
   more than the router admits, so the excess must get RESOURCE_EXHAUSTED; placed away from
   worker kills and freezes (`burst_times`);
 - `probe`: one per `kv-stall` fault: a long prompt with a short deadline, sent at the fault's
-  time; the injector stalls its KV transfer (see `faults`).
+  time; the injector stalls its KV transfer (see `faults`);
+- hostile clients, which must hurt nobody but themselves (`blast` checks that every other
+  request still completes or is explained): `storm` — `config.num_storms` groups of
+  `STORM_SIZE` requests sent at one instant with deadlines of 5, 15, ..., 95 ms (a long prompt,
+  `max_tokens` 32); `oversized` — `config.num_oversized` HTTP chat requests whose one message is
+  `config.oversized_mb` MB (the router must answer 400 naming ``messages[0].content`` within
+  `OVERSIZED_MAX_S`); `disconnect` — `config.num_disconnects` HTTP streaming completions whose
+  client resets the connection once the first event arrived.
 
 Sampling values travel as float32 on the wire, so they are rounded to float32 here: the
 reference must use exactly what the workers get.
@@ -28,7 +35,13 @@ from typing import Literal
 
 from tooling.soak.config import FaultKind, SoakConfig
 
-RequestKind = Literal["greedy", "text", "sampled", "burst", "probe"]
+RequestKind = Literal[
+    "greedy", "text", "sampled", "burst", "probe", "storm", "oversized", "disconnect"
+]
+HTTP_KINDS = frozenset({"oversized", "disconnect"})  # sent to the HTTP front, not over gRPC
+STORM_SIZE = 10
+STORM_PROMPT = 120
+OVERSIZED_MAX_S = 2.0
 VOCAB_FLOOR = 4  # ids 0..3 are the random model's special tokens
 PROBE_PROMPT = 800
 PROBE_TIMEOUT_S = 1.5
@@ -168,11 +181,13 @@ def make_plan(config: SoakConfig, vocab: int) -> SoakPlan:
     counts = config.fault_counts()
     n_probe = counts.get("kv-stall", 0)
     n_burst = config.num_bursts * config.burst_size
-    n_stream = config.requests - n_burst - n_probe
+    n_hostile = config.num_storms * STORM_SIZE + config.num_oversized + config.num_disconnects
+    n_stream = config.requests - n_burst - n_probe - n_hostile
     if n_stream < 1:
         raise ValueError(
-            f"requests={config.requests} leaves no room for the stream after {n_burst} burst "
-            f"and {n_probe} probe requests; raise requests or lower bursts / faults"
+            f"requests={config.requests} leaves no room for the stream after {n_burst} burst, "
+            f"{n_probe} probe and {n_hostile} hostile requests; raise requests or lower "
+            "bursts / faults / storms / oversized / disconnects"
         )
     prefixes = [tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(n)) for n in _PREFIX_LENGTHS]
     times, t = [], 0.0
@@ -191,11 +206,39 @@ def make_plan(config: SoakConfig, vocab: int) -> SoakPlan:
             ids = tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(PROBE_PROMPT))
             probe = PlannedRequest(0, f.at_s, "probe", ids, max_tokens=8, timeout_s=PROBE_TIMEOUT_S)
             out.append(probe)
+    out += _hostile(rng, config, duration, vocab)
     out.sort(key=lambda r: r.at_s)
     requests = tuple(replace(r, index=i) for i, r in enumerate(out))
     probe_at = {r.at_s: r.index for r in requests if r.kind == "probe"}
     faults = [replace(f, probe=probe_at[f.at_s]) if f.kind == "kv-stall" else f for f in faults]
     return SoakPlan(requests, tuple(faults), duration)
+
+
+def _hostile(
+    rng: random.Random, config: SoakConfig, duration: float, vocab: int
+) -> list[PlannedRequest]:
+    """Deadline storms, oversized chat bodies and abrupt disconnects (module docstring), at
+    seeded times over 10..90 % of the load."""
+    out = []
+
+    def at() -> float:
+        return rng.uniform(0.1, 0.9) * duration
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(n))
+
+    for _ in range(config.num_storms):
+        t, prompt = at(), ids(STORM_PROMPT)
+        for k in range(STORM_SIZE):
+            deadline = (5 + 10 * k) / 1000
+            out.append(PlannedRequest(0, t, "storm", prompt, max_tokens=32, ignore_eos=True,
+                                      timeout_s=deadline))  # fmt: skip
+    for _ in range(config.num_oversized):
+        out.append(PlannedRequest(0, at(), "oversized"))
+    for _ in range(config.num_disconnects):
+        out.append(PlannedRequest(0, at(), "disconnect", ids(rng.randint(16, 200)),
+                                  max_tokens=32, ignore_eos=True))  # fmt: skip
+    return out
 
 
 def burst_times(faults: list[PlannedFault], num_bursts: int, duration: float) -> list[float]:
