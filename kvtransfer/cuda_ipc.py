@@ -328,8 +328,5 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
     d = np.asarray(dst_ids, dtype=np.int64)
     cont = (s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1)
     starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
-    ends = np.concatenate((starts[1:], [len(s)]))
-    return [
-        (int(s[a]), int(d[a]), int(b - a))
-        for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
-    ]
+    lengths = np.diff(np.concatenate((starts, [len(s)])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
