@@ -40,6 +40,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.shm import ShmUnavailable, boot_id
@@ -225,6 +226,8 @@ class CudaPeerCache:
         self._device = device
         self._storage = storage  # keeps the mapping open
         self._kv = buf[HEADER_BYTES : HEADER_BYTES + info.nbytes].view(dtype).view(info.shape)
+        self._stream: torch.cuda.Stream | None = None  # made with the first plan
+        self._plan: _CopyPlan | None = None  # the last transfer's (`copy_layer`)
 
     @classmethod
     def for_receiver(cls, record: Any, cache: KVCache, node: str = "") -> CudaPeerCache:
@@ -254,29 +257,76 @@ class CudaPeerCache:
 
     def copy_layer(self, layer: int, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
         """Copy blocks `src_ids` of the sender's `layer` into blocks `dst_ids` of `dst`'s, on
-        the device (one slice copy per run of blocks consecutive on both sides, else one
-        gather-scatter), and wait until the bytes are in `dst` (bit-exact)."""
+        the device, and wait until the bytes are in `dst` (bit-exact).
+
+        The copies run on this peer's own stream (not the engine's: waiting for them does not
+        wait for steps the engine queues later), ordered (on the GPU, no host wait) after the
+        work the engine's stream held when the transfer's first layer came, which may still
+        read the destination blocks' previous contents. Per transfer (the same id lists layer after
+        layer; `_CopyPlan`) the runs of blocks consecutive on both sides are found once, and
+        the gather-scatter indices, when there are more than `MAX_SLICE_RUNS` runs, are put on
+        the device once; each layer is then one slice copy per run (or one gather-scatter)
+        and one stream synchronization, which the receiver's per-layer deadline check needs
+        (`kvtransfer.dist_recv`: a layer counts only once its bytes are in)."""
+        plan = self._plan
+        fresh = plan is None or not plan.matches(src_ids, dst_ids, dst.kv)
+        if plan is None or fresh:
+            plan = self._plan = self._make_plan(src_ids, dst_ids, dst.kv)
+        if fresh or layer == 0:  # a transfer's first layer: after the engine's queued work
+            plan.stream.wait_stream(torch.cuda.current_stream(self._device))
         src, out = self._kv[layer], dst.kv[layer]
-        with torch.cuda.device(self._device):
-            runs = block_runs(src_ids, dst_ids)
-            if len(runs) <= 4:
-                for s0, d0, n in runs:
+        with torch.cuda.stream(plan.stream):
+            if plan.index is None:
+                for s0, d0, n in plan.runs:
                     out[d0 : d0 + n].copy_(src[s0 : s0 + n])
             else:
-                dev = out.device
-                d_idx = torch.tensor(dst_ids, dtype=torch.long).to(dev, non_blocking=True)
-                s_idx = torch.tensor(src_ids, dtype=torch.long).to(dev, non_blocking=True)
+                s_idx, d_idx = plan.index
                 out.index_copy_(0, d_idx, src.index_select(0, s_idx))
-            torch.cuda.current_stream(self._device).synchronize()
+        plan.stream.synchronize()
+
+    def _make_plan(self, src_ids: list[int], dst_ids: list[int], dst_kv: torch.Tensor) -> _CopyPlan:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        stream = self._stream
+        runs = block_runs(src_ids, dst_ids)
+        index = None
+        if len(runs) > MAX_SLICE_RUNS:
+            with torch.cuda.stream(stream):
+                s_idx = torch.tensor(src_ids, dtype=torch.long).to(self._device)
+                d_idx = torch.tensor(dst_ids, dtype=torch.long).to(self._device)
+            index = (s_idx, d_idx)
+        return _CopyPlan(list(src_ids), list(dst_ids), dst_kv, stream, runs, index)
+
+
+MAX_SLICE_RUNS = 4  # more runs than this: one gather-scatter per layer instead of slice copies
+
+
+@dataclass(frozen=True)
+class _CopyPlan:
+    """How one transfer's blocks are copied, layer after layer (`CudaPeerCache.copy_layer`):
+    the id lists it was made for (copies: it is reused only for equal lists and the same
+    destination tensor), the peer's stream, the runs, and the device indices (None: runs)."""
+
+    src_ids: list[int]
+    dst_ids: list[int]
+    dst_kv: torch.Tensor
+    stream: torch.cuda.Stream
+    runs: list[tuple[int, int, int]]
+    index: tuple[torch.Tensor, torch.Tensor] | None
+
+    def matches(self, src_ids: list[int], dst_ids: list[int], dst_kv: torch.Tensor) -> bool:
+        return dst_kv is self.dst_kv and src_ids == self.src_ids and dst_ids == self.dst_ids
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of the maximal runs consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            s0, d0, n = runs[-1]
-            runs[-1] = (s0, d0, n + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids, {len(dst_ids)} destination ids")
+    if not src_ids:
+        return []
+    s = np.asarray(src_ids, dtype=np.int64)
+    d = np.asarray(dst_ids, dtype=np.int64)
+    cont = (s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1)
+    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+    lengths = np.diff(np.concatenate((starts, [len(s)])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,43 @@ def greedy_agrees(
     if gap <= bound:
         return True, f"near-tie at token {k} (gap {gap:.3g} <= {bound:.3g})"
     return False, f"differs at token {k}: ours {ours[k]} ref {ref[k]} (gap {gap:.3g} > {bound:.3g})"
+
+
+def bf16_agrees(
+    ours: list[int],
+    ref: list[int],
+    ref_logits: list[torch.Tensor],
+    f32_logits_at: Callable[[int], torch.Tensor],
+) -> tuple[bool, str]:
+    """Judge bfloat16 greedy tokens `ours` against HF's bfloat16 ones `ref` (logits
+        `ref_logits`, one row per step). Equal, or a near-tie by `greedy_agrees` (rule
+        `BF16_TIE_REL`), pass as before. Otherwise, at the first difference k, the judge is HF in
+        float32: `f32_logits_at(k)` is HF float32's logits of the next token after the shared
+        context (prompt + ref[:k]). The measured bfloat16 noise of that step is
+        ``noise = max |ref_logits[k] - f32|`` (how far HF's own bfloat16 logits are from float32,
+    over the tokens HF's scores do not mask to -inf; masked ones are masked in float32 too),
+        and HF bfloat16's own choice sits ``gap_hf`` below the float32 top. Our token agrees when
+        its float32 logit is within ``max(noise, gap_hf)`` of the float32 top: no further from
+        float32's choice than bfloat16 itself strays on that step. Later tokens are not compared."""
+    ok, why = greedy_agrees(ours, ref, ref_logits, BF16_TIE_REL)
+    k = first_difference(ours, ref)
+    if ok or k is None or k >= len(ours) or k >= len(ref) or k >= len(ref_logits):
+        return ok, why
+    f32 = f32_logits_at(k).float()
+    b16 = ref_logits[k].float()
+    if f32.shape != b16.shape:
+        return False, f"{why}; HF float32 logits shape {tuple(f32.shape)} != {tuple(b16.shape)}"
+    # HF's scores mask some tokens (-inf: EOS under min_new_tokens); mask float32 alike
+    finite = torch.isfinite(b16)
+    f32 = f32.masked_fill(~finite, float("-inf"))
+    noise = float((b16[finite] - f32[finite]).abs().max())
+    top = float(f32.max())
+    gap_ours = top - float(f32[ours[k]])
+    gap_hf = top - float(f32[ref[k]])
+    bound = max(noise, gap_hf)
+    verdict = "within" if gap_ours <= bound else "beyond"
+    return gap_ours <= bound, (
+        f"differs at token {k}: ours {ours[k]} HF bf16 {ref[k]}; under HF float32 ours is "
+        f"{gap_ours:.3g} below the top, HF bf16's own choice {gap_hf:.3g}; bf16 noise: HF bf16 "
+        f"itself off by {noise:.3g} -> {verdict} the noise"
+    )

@@ -49,6 +49,8 @@ def test_dry_run_passes_every_step_and_writes_both_reports(tmp_path: Path):
     assert not bad, f"{bad}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0
     assert steps["transfer"]["metrics"]["plane"] == "memfd"
+    exported = [c for c in steps["transfer"]["checks"] if c["name"] == "cache exported"]
+    assert [(c["ok"], c["detail"]) for c in exported] == [(True, "offer made")]
     assert all(c["ok"] for c in steps["engine"]["checks"]) and len(steps["engine"]["checks"]) == 12
     md = (out / "gpu_check.md").read_text()
     assert "| transfer | **pass** |" in md

@@ -143,3 +143,29 @@ def test_block_runs_are_maximal_on_both_sides():
     assert block_runs([4, 5, 9], [10, 11, 12]) == [(4, 10, 2), (9, 12, 1)]
     assert block_runs([4, 5, 6], [10, 12, 13]) == [(4, 10, 1), (5, 12, 2)]
     assert block_runs([], []) == []
+
+
+def test_block_runs_equal_a_plain_scan_on_random_lists():
+    import random
+
+    def scan(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+        runs: list[tuple[int, int, int]] = []
+        for s, d in zip(src, dst, strict=True):
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((s, d, 1))
+        return runs
+
+    rng = random.Random(7)
+    for n in (1, 2, 5, 40, 300):
+        for _ in range(20):
+            src = (
+                sorted(rng.sample(range(2 * n), n))
+                if rng.random() < 0.5
+                else rng.sample(range(2 * n), n)
+            )
+            dst = list(range(n)) if rng.random() < 0.5 else rng.sample(range(3 * n), n)
+            assert block_runs(src, dst) == scan(src, dst)
+    with pytest.raises(ValueError):
+        block_runs([1, 2], [1])
