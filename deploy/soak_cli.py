@@ -43,6 +43,13 @@ def add_soak_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     a("--num-faults", type=int, help="faults of the kinds listed without a count "
       "(default: max(5, requests / 50))")  # fmt: skip
     a("--bursts", type=int, help="bursts above the queue bound (default: 1 per 300 requests)")
+    a("--storms", type=int, help="deadline storms: 10 requests with 5..95 ms deadlines at once "
+      "(default: 1 per 150 requests)")  # fmt: skip
+    a("--oversized", type=int, help="oversized HTTP chat bodies, each must get a 400 naming "
+      "messages[0].content (default: 1 per 150 requests)")  # fmt: skip
+    a("--oversized-mb", type=int, default=10, help="size of an oversized chat message, MiB")
+    a("--disconnects", type=int, help="HTTP streams reset by their client after the first "
+      "event (default: 1 per 60 requests)")  # fmt: skip
     a("--launcher", choices=["processes", "ray"], default="processes",
       help="who starts and restarts the workers")  # fmt: skip
     a("--stop-max-s", type=float, default=10.0, help="longest SIGSTOP of a worker, seconds")
@@ -59,6 +66,8 @@ def soak_main(args: argparse.Namespace) -> int:
             model=Path(args.model), out=Path(args.out), topology=args.topology,
             launcher=args.launcher, requests=args.requests, rate=args.rate, seed=args.seed,
             faults=args.faults, num_faults=args.num_faults, bursts=args.bursts,
+            storms=args.storms, oversized=args.oversized, oversized_mb=args.oversized_mb,
+            disconnects=args.disconnects,
             stop_max_s=args.stop_max_s, stop_min_s=min(1.0, args.stop_max_s),
         )  # fmt: skip
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
