@@ -190,12 +190,13 @@ def test_the_engines_deadline_while_a_layer_is_missing(
     pair: tuple[TorchDistTransport, TorchDistTransport],
 ):
     """The sending engine stops after one layer: its poll gives up at the deadline, or its
-    thread times out waiting for the layer first."""
+    thread sees the deadline first; either way the thread fills the stream (the pair goes
+    on)."""
     p, d = pair
     snd, rcv, _ = start(p, d, [14, 15], [22, 23], 2 * BLOCK, layers=1, timeout_s=0.5)
     results = drive([d, p], 2)
     assert not any(r.ok for r in results)
-    check_send(snd, [J, ST, GU, DO], [J, ST, DO])
+    check_send(snd, [J, ST, GU, FI, SE, DO], [J, ST, FI, SE, DO])
     if is_shm(d):
         check_recv(rcv, [OP, DE])
     else:  # decided at the deadline while the receives may land, or after they failed
@@ -212,3 +213,37 @@ def test_close_gives_up_a_transfer_in_flight(pair: tuple[TorchDistTransport, Tor
     assert {r.error for r in results} == {"transport closed"}, results
     check_send(snd, [J, ST, GU, DO], [J, GU, DO])
     check_recv(rcv, [OP, DE])
+
+
+@pytest.mark.parametrize("how", ["deadline", "sender_cancel", "receiver_cancel"])
+def test_one_transfers_end_leaves_the_pair_and_its_other_transfers_alone(
+    pair: tuple[TorchDistTransport, TorchDistTransport], how: str
+):
+    """Two transfers share the pair; one ends mid-stream by its own deadline or a cancel,
+    while the other is held (a layer not handed over yet). The other then completes with the
+    exact bytes, on the same pair (no re-join), and the pair carries a third transfer."""
+    p, d = pair
+    gen = p._sender._pairs[d.endpoint.key()].gen
+    ended_timeout = 0.3 if how == "deadline" else LONG
+    # Consecutive destination blocks: the receives go straight into the blocks (gloo).
+    _, _, ended = start(p, d, [4, 5], [10, 11], 2 * BLOCK, layers=1, timeout_s=ended_timeout)
+    _, _, kept = start(p, d, [6, 7], [12, 13], 2 * BLOCK, layers=1)
+    if how == "sender_cancel":
+        p.cancel(ended)
+    elif how == "receiver_cancel":
+        d.cancel(ended)
+        for layer in range(1, LAYERS):  # the sender, unaware, finishes its stream
+            p.send_layer(ended, layer)
+    first = drive([d, p], 2)  # both sides of the ended transfer; the kept one is held
+    assert {r.transfer_id for r in first} == {ended}, first
+    assert not any(r.ok for r in first), first
+    for layer in range(1, LAYERS):
+        p.send_layer(kept, layer)
+    second = drive([d, p], 2)
+    assert [r.ok for r in second] == [True, True], second
+    assert torch.equal(d._cache.kv[:, 12:14], p._cache.kv[:, 6:8])
+    assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
+    _, _, third = start(p, d, [8, 9], [14, 15], 2 * BLOCK)
+    assert all(r.ok for r in drive([d, p], 2))
+    assert torch.equal(d._cache.kv[:, 14:16], p._cache.kv[:, 8:10])
+    assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
