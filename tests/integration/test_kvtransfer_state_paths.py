@@ -243,7 +243,7 @@ def test_one_transfers_end_leaves_the_pair_and_its_other_transfers_alone(
     assert [r.ok for r in second] == [True, True], second
     assert torch.equal(d._cache.kv[:, 12:14], p._cache.kv[:, 6:8])
     assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
-    _, _, third = start(p, d, [8, 9], [14, 15], 2 * BLOCK)
+    start(p, d, [8, 9], [14, 15], 2 * BLOCK)
     assert all(r.ok for r in drive([d, p], 2))
     assert torch.equal(d._cache.kv[:, 14:16], p._cache.kv[:, 8:10])
     assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
