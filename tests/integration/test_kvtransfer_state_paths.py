@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -247,3 +247,25 @@ def test_one_transfers_end_leaves_the_pair_and_its_other_transfers_alone(
     assert all(r.ok for r in drive([d, p], 2))
     assert torch.equal(d._cache.kv[:, 14:16], p._cache.kv[:, 8:10])
     assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
+
+
+def test_close_ends_helper_threads_blocked_on_the_wire(
+    pair: tuple[TorchDistTransport, TorchDistTransport],
+):
+    """A receiving thread blocked in a wait for a layer the sender has not handed over (its
+    bound is the exchange bound, seconds away) returns at once when its transport closes:
+    close tears the pairs down, so a stopping worker does not wait on it."""
+    p, d = pair
+    _, rcv, _ = start(p, d, [16, 17], [24, 25], 2 * BLOCK, layers=1)
+    wait_for(lambda: rcv.io_started, "the header was never accepted")
+    d.close()
+    wait_for(lambda: d._receiver is not None and d._receiver._helpers._pending == 0, "stuck")
+    p.close()
+    wait_for(lambda: p._sender._helpers._pending == 0, "a sending thread is still running")
+
+
+def wait_for(pred: Callable[[], bool], what: str, timeout_s: float = 2.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
