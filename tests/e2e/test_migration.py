@@ -6,8 +6,8 @@ seeded sampling too (the new leg's generators skip the draws already made).
 SIGTERM (graceful drain, `drain_timeout_s` 0.5 s here): the worker says NOT_SERVING at once
 and takes no new work; a request that ends within the drain finishes where it runs, one that
 does not is moved when the drain times out; nothing in flight is lost.
-Every stopped or killed worker is restarted by the launcher's supervisor and every live
-worker's blocks come back.
+A killed worker is restarted by the launcher's supervisor; a drained one stays down (the
+operator asked for it) until the test resumes it; every live worker's blocks come back.
 
 Runs in the pytest process; one cluster for the module, stopped by PID at the end.
 """
@@ -71,11 +71,13 @@ def _signal_decoder_mid_stream(
     while_draining: Callable[[str], None] | None = None,
 ) -> tuple[list[int], inference_pb2.FinalInfo]:
     """Stream `req`; once `after` tokens arrived, send `sig` to the decode worker running it
-    (then call `while_draining(its address)`); wait until the supervisor restarted it. (every
-    token, the final info)."""
+    (then call `while_draining(its address)`); wait until the supervisor restarted it — after
+    SIGTERM, a drain that keeps the worker down, once the test resumes it. (every token, the
+    final info)."""
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     _until_the_router_uses_every_decoder(cluster, len(decoders))
     restarts = sum(e.kind == "restarted" for e in cluster.local.workers.events)
+    seen = len(cluster.local.workers.events)
     tokens: list[int] = []
     final = None
     victim = None
@@ -89,6 +91,14 @@ def _signal_decoder_mid_stream(
         if resp.HasField("final"):
             final = resp.final
     assert victim is not None and final is not None
+    if sig == signal.SIGTERM:
+        wait_until(
+            lambda: any(e.kind == "stopped" for e in cluster.local.workers.events[seen:]),
+            30.0,
+            "the drained decode worker to stop",
+        )
+        assert cluster.local.workers.supervisor is not None
+        cluster.local.workers.supervisor.resume(victim.worker_id)
     wait_until(
         lambda: sum(e.kind == "restarted" for e in cluster.local.workers.events) > restarts,
         90.0,
@@ -133,7 +143,7 @@ def test_sigterm_lets_a_request_finish_on_its_draining_worker(cluster: E2ECluste
     req = build_request(token_ids=PROMPT, max_tokens=14, temperature=0.0, ignore_eos=True)
     tokens, final = _signal_decoder_mid_stream(cluster, req, after=4, sig=signal.SIGTERM)
     assert len(tokens) == 14 and final.migrations == 0 and final.finish_reason == "length"
-    stops = [e for e in cluster.local.workers.events if e.kind == "died"]
+    stops = [e for e in cluster.local.workers.events if e.kind == "stopped"]
     assert "exited with status 0" in stops[-1].detail, stops[-1]
 
 

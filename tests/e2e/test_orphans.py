@@ -72,3 +72,71 @@ def test_workers_exit_when_pdserve_up_no_ray_is_killed(
     finally:
         stop_processes([up])
         _kill_by_pid(workers)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root` (by parent pid, from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+RAY_READY = re.compile(r"ray workers ready: (\{.*\})")
+
+
+def test_workers_exit_when_pdserve_up_with_ray_is_killed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With Ray: `pdserve up` started a local Ray cluster; its SIGKILL takes the workers (Ray
+    actors) with it, and every other process it started (Ray's own)."""
+    pytest.importorskip("ray")
+    argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
+    argv += ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", "0"]
+    up = spawn("pdserve-up-ray", argv, tmp_path, child_env(1))
+    below: list[int] = []
+    try:
+        (m,) = wait_for_lines([up], READY, timeout_s=300)
+        (ready,) = wait_for_lines([up], RAY_READY, timeout_s=10)
+        workers = [int(pid) for pid in re.findall(r"pid (\d+)", ready.group(1))]
+        below = _descendants(up.pid)
+        assert len(workers) == 2 and set(workers) <= set(below), (workers, _cmdlines(below))
+        _open_stream(m.group(1))
+        up.popen.send_signal(signal.SIGKILL)
+        up.popen.wait(timeout=10)
+        wait_until(
+            lambda: not any(pid_alive(p) for p in workers),
+            GONE_WITHIN_S,
+            lambda: f"workers still alive: {[p for p in workers if pid_alive(p)]}",
+        )
+        # Ray's own GCS and raylet go too (its dashboard and runtime-env agents linger on:
+        # Ray's business, not ours; they hold no worker port or model).
+        core = [p for p, cmd in _cmdlines(below).items() if "gcs_server" in cmd or "raylet" in cmd]
+        wait_until(
+            lambda: not any(pid_alive(p) for p in core),
+            GONE_WITHIN_S,
+            lambda: f"Ray processes still alive: {_cmdlines([p for p in core if pid_alive(p)])}",
+        )
+    finally:
+        stop_processes([up])
+        _kill_by_pid(below)
+
+
+def _cmdlines(pids: list[int]) -> dict[int, str]:
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    return out
