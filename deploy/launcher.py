@@ -233,6 +233,7 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
     argv += ["--max-migrations", str(rc.max_migrations)]
+    argv += ["--stall-timeout-s", str(rc.stall_timeout_s)]
     argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]
