@@ -77,7 +77,7 @@ def _free_blocks(cluster: LocalCluster) -> dict[str, int]:
     out = {}
     for w in cluster.workers.workers:
         with internal.channel(w.address, CHANNEL_OPTIONS) as ch:
-            stub = internal.stub(worker_pb2_grpc.WorkerStub(ch))
+            stub = internal.stub(worker_pb2_grpc.WorkerStub(ch))  # type: ignore[no-untyped-call]
             out[w.address] = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5.0).free_blocks
     return out
 

@@ -29,9 +29,9 @@ completes its stream even after a deadline or cancel, with fillers — or a wait
 past the exchange bound, which closes the pair's connection), or posting them failed.
 "Cancel": the engine cancelled; nothing more is written, and the result goes out at its next
 poll. "Finish": the engine decided the result (`kvtransfer.dist_recv.Receiver.finish`); it
-reports it at once from DECIDED, and from LANDING only once the transfer settles. The transfer thread writes a layer
-(staged or notified) only while undecided, under the lock, so nothing is written after a
-decision. DECIDED is final.
+reports it at once from DECIDED, and from LANDING only once the transfer settles. The
+transfer thread writes a layer (staged or notified) only while undecided, under the lock, so
+nothing is written after a decision. DECIDED is final.
 
 Kept as data, not states: `sender` (who claimed the transfer: set by the control thread under
 the receiver's lock when a header or a cancel record is accepted, and reported in the result),
