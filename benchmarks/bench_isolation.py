@@ -16,7 +16,8 @@ Reported per round: the normal calls that did not complete with all 100 tokens (
 status codes), the storm calls' codes, the router log's "marked unhealthy" lines for a
 decode worker during the round, and whether every worker's free KV blocks came back to their
 start values within 15 s. The blast radius is the failed normal calls per storm. Output: a line
-per round on stderr and JSON (`--out DIR/isolation-<topology>.json`).
+per round on stderr and JSON (`--out DIR/isolation-<topology>[-<label>].json`, the cluster's logs in
+`DIR/logs-<topology>[-<label>]/`).
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ MAX_TOKENS = 100
 
 
 async def _call(stub: Any, tag: str, timeout_s: float) -> tuple[str, int]:
-    """(status code name, tokens received) of one Generate call."""
+    """(status code name with its details when not OK, tokens received) of one call."""
     req = build_request(prompt=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=tag)
     n = 0
     try:
         async for resp in stub.Generate(req, timeout=timeout_s):
             n += len(resp.token_ids)
     except grpc.aio.AioRpcError as exc:
-        return exc.code().name, n
+        return f"{exc.code().name}: {exc.details()}", n
     return "OK", n
 
 
@@ -64,7 +65,8 @@ async def _round(address: str, rnd: int) -> dict[str, Any]:
     failed = [(code, n) for code, n in normal_got if code != "OK" or n != MAX_TOKENS]
     storm_codes: dict[str, int] = {}
     for code, _ in storm_got:
-        storm_codes[code] = storm_codes.get(code, 0) + 1
+        name = code.split(":")[0]
+        storm_codes[name] = storm_codes.get(name, 0) + 1
     return {
         "normal_failed": len(failed),
         "normal_failures": [f"{code} after {n} tokens" for code, n in failed],
@@ -119,24 +121,27 @@ def main(argv: list[str] | None = None) -> int:
         "router.port": 0, "engine": {"block_size": 16, "num_kv_blocks": 512},
     })  # fmt: skip
     rounds = []
-    with tempfile.TemporaryDirectory(prefix="isolation-logs-") as logs:
-        cluster = launch_local_cluster(config, logs, port=0)
-        try:
-            start = _free_blocks(cluster)
-            for rnd in range(args.rounds):
-                seen = len(_unhealthy_lines(Path(logs)))
-                r = asyncio.run(_round(cluster.address, rnd))
-                r["blocks_back"] = _blocks_back(cluster, start, 15.0)
-                r["unhealthy"] = _unhealthy_lines(Path(logs))[seen:]
-                rounds.append(r)
-                print(
-                    f"round {rnd}: normal failed {r['normal_failed']}/{NORMAL} "
-                    f"{r['normal_failures']}; storm {r['storm_codes']}; unhealthy marks "
-                    f"{len(r['unhealthy'])}; blocks back {r['blocks_back']}",
-                    file=sys.stderr,
-                )
-        finally:
-            cluster.stop()
+    out = Path(args.out)
+    logs = out / f"logs-{args.topology}{'-' + args.label if args.label else ''}"
+    logs.mkdir(parents=True, exist_ok=True)
+    # The cluster's logs stay beside the result.
+    cluster = launch_local_cluster(config, logs, port=0)
+    try:
+        start = _free_blocks(cluster)
+        for rnd in range(args.rounds):
+            seen = len(_unhealthy_lines(Path(logs)))
+            r = asyncio.run(_round(cluster.address, rnd))
+            r["blocks_back"] = _blocks_back(cluster, start, 15.0)
+            r["unhealthy"] = _unhealthy_lines(Path(logs))[seen:]
+            rounds.append(r)
+            print(
+                f"round {rnd}: normal failed {r['normal_failed']}/{NORMAL} "
+                f"{r['normal_failures'][:2]}; storm {r['storm_codes']}; unhealthy marks "
+                f"{len(r['unhealthy'])}; blocks back {r['blocks_back']}",
+                file=sys.stderr,
+            )
+    finally:
+        cluster.stop()
     result = {
         "args": vars(args),
         "rounds": rounds,
@@ -144,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         "unhealthy_marks": sum(len(r["unhealthy"]) for r in rounds),
         "blocks_back": all(r["blocks_back"] for r in rounds),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"isolation-{args.topology}{'-' + args.label if args.label else ''}.json"
     (out / name).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("normal_failed_per_storm", "unhealthy_marks",
