@@ -296,9 +296,10 @@ def up_main(args: argparse.Namespace) -> int:
 
 
 def _say(event: SupervisionEvent) -> None:
-    """Tell the operator (stderr) what needs them: a worker given up, a role with no live
-    worker left, a role back. Deaths and restarts are logged by the supervisor itself."""
-    if event.kind in ("gave_up", "role_down", "role_up"):
+    """Tell the operator (stderr) what needs them: a worker given up or stopped on request
+    (it stays down), a role with no live worker left, a role back. Deaths and restarts are
+    logged by the supervisor itself."""
+    if event.kind in ("gave_up", "stopped", "role_down", "role_up"):
         what = event.kind.replace("_", " ")
         print(f"pdserve up: {event.worker_id}: {what}: {event.detail}", file=sys.stderr, flush=True)
 

@@ -151,6 +151,12 @@ class RouterSection(_Frozen):
         ge=0,
         description="On SIGTERM: how long running streams may finish before they are aborted.",
     )
+    stall_timeout_s: float = Field(
+        default=RouterConfig.model_fields["stall_timeout_s"].default,
+        gt=0,
+        description="A decode stream silent this long has its worker asked for its status; a "
+        "worker that does not answer is frozen and the request moves (`max_migrations`).",
+    )
 
 
 class TransferSection(_Frozen):
@@ -367,6 +373,7 @@ class ClusterConfig(_Frozen):
             "status_poll_interval_s": r.status_poll_interval_s,
             "max_migrations": r.max_migrations,
             "shutdown_grace_s": r.shutdown_grace_s,
+            "stall_timeout_s": r.stall_timeout_s,
             "ratio": self.ratio,
             "security": self.security,
         }

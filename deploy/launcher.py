@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sys
 import tempfile
@@ -52,6 +53,7 @@ from router.prefix_index.config import REDIS_PASSWORD_ENV, RedisIndexConfig, str
 from router.ratio.config import RatioConfig
 from security.channels import ClientSecurity, InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
+from worker.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +179,8 @@ def launch_workers(
     assert secret is not None, "generate=True always gives a secret"
     internal = InternalAuth(secret, config.security.internal)
     logs = _log_dir(log_dir)
-    env = {**child_env(config.torch_threads), **secret.env()}
+    # Workers stop when this process dies, even by SIGKILL (`worker.parent_watch`).
+    env = {**child_env(config.torch_threads), **secret.env(), PARENT_PID_ENV: str(os.getpid())}
     started: list[tuple[str, Role, ManagedProcess]] = []
     try:
         for worker_id, role in config.worker_roles():
@@ -230,6 +233,7 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
     argv += ["--max-migrations", str(rc.max_migrations)]
+    argv += ["--stall-timeout-s", str(rc.stall_timeout_s)]
     argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:
         argv += ["--model-name", rc.model_name]

@@ -449,7 +449,7 @@ def launch_ray_workers(
         RayWorker(wid, role, addr, actor, f"{cluster_id}-{wid}", pid)
         for (wid, role), addr, actor, pid in zip(roles, addrs, actors, pids, strict=True)
     ]
-    log.info("ray workers ready: %s", {w.worker_id: w.address for w in workers})
+    log.info("ray workers ready: %s", {w.worker_id: f"{w.address} pid {w.pid}" for w in workers})
     return RayWorkers(
         workers,
         pg,

@@ -4,10 +4,13 @@ Runs in the launching process (`pdserve up`, test fixtures). The process launche
 `ProcessSupervisor` (below) and the Ray launcher's supervisor thread both report what they
 see here, so an operator reads one vocabulary whichever launcher runs the workers:
 
-- ``died``: a worker process ended (exit status or signal); ``restarting``: a restart is
-  scheduled (after a backoff); ``restarted``: it serves again (new pid, same address, new
-  epoch); ``restart_failed``: a restart attempt did not come up; ``gave_up``: no more
-  restarts (the worker stays down);
+- ``died``: a worker process ended (a signal, or an exit status other than 0);
+  ``restarting``: a restart is scheduled (after a backoff); ``restarted``: it serves again (new
+  pid, same address, new epoch); ``restart_failed``: a restart attempt did not come up;
+  ``gave_up``: no more restarts (the worker stays down); ``stopped``: the worker exited 0,
+  which a worker does only after a stop it was asked for (SIGTERM or SIGINT: it drained
+  first, `worker.cli`) — an operator's drain, so it stays down (never restarted) until
+  `ProcessSupervisor.resume`;
 - ``role_down`` / ``role_up``: the last live worker of a role went away / one came back. While a
   role is down the router answers UNAVAILABLE and its health says NOT_SERVING.
 
@@ -33,8 +36,20 @@ from deploy.processes import ManagedProcess, stop_processes
 log = logging.getLogger(__name__)
 
 EVENT_KINDS = frozenset(
-    {"died", "restarting", "restarted", "restart_failed", "gave_up", "role_down", "role_up"}
+    {
+        "died",
+        "stopped",
+        "restarting",
+        "restarted",
+        "restart_failed",
+        "gave_up",
+        "role_down",
+        "role_up",
+    }
 )
+# A worker's exit status after a stop it was asked for (`worker.cli.main`); anything else
+# (another status, a signal) is a crash.
+STOPPED_ON_REQUEST = 0
 
 
 class SupervisionConfig(BaseModel):
@@ -174,7 +189,7 @@ class Supervised(Protocol):
     def address(self) -> str: ...
 
 
-_State = Literal["running", "backoff", "starting", "given_up"]
+_State = Literal["running", "stopped", "backoff", "starting", "given_up"]
 
 
 @dataclass
@@ -193,8 +208,9 @@ class ProcessSupervisor:
     """Watches local worker processes on one daemon thread: reaps each one that dies (no
     zombies), logs how it ended, restarts it with backoff on its old address (`respawn` gives
     the new process; it announces `ready` when it serves) and gives it up after
-    `config.max_restarts` restarts in a row. `stop()` ends the thread and returns the
-    processes it was starting, for the caller to stop."""
+    `config.max_restarts` restarts in a row. A worker that exited `STOPPED_ON_REQUEST` was
+    drained on purpose: it stays down until `resume`. `stop()` ends the thread and returns
+    the processes it was starting, for the caller to stop."""
 
     def __init__(
         self,
@@ -225,6 +241,17 @@ class ProcessSupervisor:
         with self._lock:
             return [w.attempt for w in self._watches if w.attempt is not None]
 
+    def resume(self, worker_id: str) -> None:
+        """Start again a worker that stopped on request (after the usual first backoff);
+        ValueError when `worker_id` is unknown or not stopped."""
+        with self._lock:
+            watch = next((w for w in self._watches if w.worker.worker_id == worker_id), None)
+            if watch is None or watch.state != "stopped":
+                state = "unknown" if watch is None else watch.state
+                raise ValueError(f"resume: worker {worker_id!r} is {state}, not stopped")
+            watch.in_a_row = 0
+            self._schedule(watch, time.monotonic())
+
     def _run(self) -> None:
         while not self._stopped.wait(self.config.check_interval_s):
             try:
@@ -246,6 +273,15 @@ class ProcessSupervisor:
             if code is not None:
                 stop_processes([w.process], grace_s=0.0)  # already reaped: only forgets it
                 ran = now - watch.started
+                if code == STOPPED_ON_REQUEST:
+                    watch.state = "stopped"
+                    self.events.record(
+                        w.worker_id,
+                        "stopped",
+                        f"pid {w.process.pid} stopped on request ({exit_text(code)}) after "
+                        f"{ran:.1f} s; it stays down",
+                    )
+                    return
                 self.events.record(
                     w.worker_id, "died", f"pid {w.process.pid} {exit_text(code)} after {ran:.1f} s"
                 )

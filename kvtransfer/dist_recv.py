@@ -14,8 +14,13 @@ Threads (the per-pair and per-transfer ones are jobs on reused helper threads,
   Rejected (unknown ticket, stale epoch, ...): it drains the stream and acknowledges with the
   reject code.
 
-Every wait is bounded by the transfer's deadline; a gloo wait that times out closes the pair's
-connection, which is what makes the other side fail too.
+A transfer's deadline or cancel ends only that transfer (`kvtransfer.wire`, "a transfer ends
+alone"): its thread writes nothing more but still takes the rest of the stream (the sender fills
+it) into the receives it posted, and acknowledges. Waits on the wire are bounded by the
+transfer's exchange bound (the sender's deadline, from the header, plus a slack), never by its
+own deadline, because a gloo wait that times out closes the pair's connection for every
+transfer on it. A wait that fails or runs past that bound means the peer broke or froze: the
+thread drops the pair and tears its connection down, and the sender re-joins on next use.
 
 Writing from a helper thread is the one exception to "the engine thread owns the cache", and it
 is safe by the ownership rules: destination blocks are reserved for this transfer and nobody
@@ -62,14 +67,21 @@ from kvtransfer.wire import (
     EventQueue,
     HelperThreads,
     control_tensor,
+    exchange_bound,
     read_code,
     remaining,
     td,
+    tear_down,
 )
 from model_runtime.kv_cache import KVCache
 from security.kvseal import RecordSeal
 
 log = logging.getLogger(__name__)
+
+
+class _StreamBroken(Exception):
+    """The stream carried something no live sender sends (an unknown trailer code): the pair
+    is out of step and is dropped."""
 
 
 _IDLE_WAIT_S = 3600.0  # the control thread's blocking pop; close() wakes it with a stop record
@@ -142,7 +154,10 @@ class Receiver:
         return landing
 
     def drop_pair(self, pair: RecvPair) -> None:
-        """Forget a broken pair; its sender re-joins with a new generation on next use."""
+        """Forget a broken pair and close its connection (any thread): the transfers still on
+        it fail at once; its sender re-joins with a new generation on next use."""
+        if pair.group is not None:
+            tear_down(pair.group, 1, self._device)
         with self._lock:
             if self._pairs.get(pair.sender) is not pair:
                 return
@@ -158,12 +173,16 @@ class Receiver:
             return
         self._stopped = True
         with self._lock:
+            pairs = list(self._pairs.values())
             self._pairs.clear()
             self._live.clear()
         try:
             self._quick.queue_push(rdv.CTL_QUEUE, rdv.stop_record(self._seal))
         except RuntimeError as exc:
             log.warning("kvtransfer: could not stop the control thread: %s", exc)
+        for pair in pairs:  # threads blocked on the wire return now
+            if pair.group is not None:
+                tear_down(pair.group, 1, self._device)
         self._thread.join(timeout=CLOSE_WAIT_S)
         self._helpers.join(timeout_s=CLOSE_WAIT_S)
 
@@ -288,6 +307,8 @@ class Receiver:
                     return
             if code is Code.GO and tr is not None:
                 tr.sender, tr.pair = sender, pair
+                sender_deadline = time.monotonic() + float(rec["timeout_ms"]) / 1000
+                tr.exchange_until = exchange_bound(max(sender_deadline, tr.deadline))
         name = f"kvx-recv-{tid}"
         if code is Code.GO and tr is not None:
             # Post the receives right here when the group is up (it is, but for a pair's
@@ -297,10 +318,9 @@ class Receiver:
                 try:
                     posted = self._post_receives(pair.group, tr, tag)
                 except RuntimeError as exc:
+                    self.drop_pair(pair)
                     error = f"receive failed: {exc}"
-                    self._events.put(
-                        Event("recv_failed", tid, epoch, error=error, pair_broken=True)
-                    )
+                    self._events.put(Event("recv_failed", tid, epoch, error=error))
                     return
             self._helpers.start(name, self._run_transfer, tr, pair, tag, posted)
             return
@@ -308,22 +328,24 @@ class Receiver:
         if not 0 < n_blocks <= self._cache.num_blocks:
             log.warning("kvtransfer: header for %s claims %d blocks; ignored", tid, n_blocks)
             return
-        deadline = time.monotonic() + float(rec["timeout_ms"]) / 1000 + ACK_TIMEOUT_S
-        self._helpers.start(name, self._reject, pair, tag, code, tid, n_blocks, deadline)
+        bound = exchange_bound(time.monotonic() + float(rec["timeout_ms"]) / 1000)
+        self._helpers.start(name, self._reject, pair, tag, code, tid, n_blocks, bound)
 
     # ---- transfer threads -------------------------------------------------------------------
 
     def _reject(
-        self, pair: RecvPair, tag: int, code: Code, tid: str, n_blocks: int, deadline: float
+        self, pair: RecvPair, tag: int, code: Code, tid: str, n_blocks: int, bound: float
     ) -> None:
-        """Drain the stream of a refused transfer, then acknowledge with the reject code."""
+        """Drain the stream of a refused transfer, then acknowledge with the reject code
+        (waiting until `bound`, the exchange bound); a failed wait breaks the pair."""
         log.info("kvtransfer: transfer %s from %s: %s", tid, pair.sender, code.describe())
         try:
             notified = pair.peer_cache is not None  # notifications, not a layer's bytes
-            group = self._group(pair, deadline)
-            drain_and_answer(group, tag, code, self._cache, n_blocks, notified, deadline)
+            group = self._group(pair)
+            drain_and_answer(group, tag, code, self._cache, n_blocks, notified, bound)
         except (RuntimeError, TimeoutError) as exc:
             log.warning("kvtransfer: could not reject %s to %s: %s", tid, pair.sender, exc)
+            self.drop_pair(pair)
 
     def _post_receives(self, group: rdv.PairGroup, tr: RecvTransfer, tag: int) -> Posted:
         direct_ok = self._backend == "gloo"
@@ -340,19 +362,24 @@ class Receiver:
         docstring). A direct transfer's receives are settled before any event goes out."""
         tid, epoch = tr.ticket.transfer_id, tr.ticket.epoch
         try:
-            group = self._group(pair, tr.deadline)
+            group = self._group(pair)
             posted = posted or self._post_receives(group, tr, tag)
         except (RuntimeError, TimeoutError) as exc:
-            error = f"receive failed: {exc}"
-            self._events.put(Event("recv_failed", tid, epoch, error=error, pair_broken=True))
+            self.drop_pair(pair)
+            self._events.put(Event("recv_failed", tid, epoch, error=f"receive failed: {exc}"))
             return
         broken = False
         try:
             event = self._receive_layers(tr, pair, posted)
-        except (RuntimeError, TimeoutError) as exc:
+        except _StreamBroken as exc:
             error, broken = f"receive failed: {exc}", True
-            event = Event("recv_failed", tid, epoch, error=error, pair_broken=True)
-        settle(tr, posted)  # no direct receive can land after this: only then the event
+            event = Event("recv_failed", tid, epoch, error=error)
+        except RuntimeError as exc:  # a wait failed, or ran past the exchange bound
+            error, broken = f"receive failed: {exc}", True
+            event = Event("recv_failed", tid, epoch, error=error)
+        if broken:
+            self.drop_pair(pair)  # closes the connection: nothing more lands
+        settle(tr, posted, tr.exchange_until)  # no direct receive can land after this
         self._events.put(event)
         if broken:
             return  # no acknowledgement gets through a broken pair
@@ -369,48 +396,58 @@ class Receiver:
         try:
             ctl = control_device(self._device, pair.peer_cache is not None)
             group.send([control_tensor(code, ctl)], 1, tag).wait(td(ACK_TIMEOUT_S))
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # the sender broke or froze (the connection is closed)
             log.warning("kvtransfer: acknowledging %s to %s failed: %s", tid, pair.sender, exc)
+            self.drop_pair(pair)
 
     def _receive_layers(self, tr: RecvTransfer, pair: RecvPair, posted: Posted) -> Event:
-        """Wait for each layer and put it in the blocks; the event to report (done, or failed
-        when the trailer says the sender cancelled). Raises when a wait fails or a layer
-        arrives past the deadline."""
+        """Take every layer and the trailer off the wire, putting each layer in the blocks
+        while the transfer is live; the event to report: done, or failed when the trailer
+        says the sender cancelled, the engine decided first, or a layer came after the
+        deadline (the stream is taken in full all the same: the pair goes on). Raises
+        `RuntimeError` when a wait fails or runs past the exchange bound, `_StreamBroken` on
+        a trailer that is no known code."""
         tid, epoch, t = tr.ticket.transfer_id, tr.ticket.epoch, tr.ticket
         layers, dst = t.layout.num_layers, list(t.dst_block_ids[: t.num_blocks])
         shape = self._cache.message_shape(t.num_blocks)
+        late: str | None = None  # why the layers stopped counting: past the deadline
         for i in range(layers):
-            posted.wait_next(tr.deadline)
+            posted.wait_next(tr.exchange_until)
             if i == layers - 1:  # the trailer says whether the layers are real
-                posted.wait_next(tr.deadline)
+                posted.wait_next(tr.exchange_until)
                 code = read_code(posted.trailer)
                 if code is not Code.OK:
                     posted.recycle(self._staging)
-                    why = code.describe() if code else f"bad trailer {int(posted.trailer[0])}"
-                    broken = code is not Code.SENDER_CANCELLED
-                    return Event("recv_failed", tid, epoch, error=why, pair_broken=broken)
+                    if code is not Code.SENDER_CANCELLED:
+                        raise _StreamBroken(f"bad trailer {int(posted.trailer[0])}")
+                    return Event("recv_failed", tid, epoch, error=code.describe())
             with tr.lock:
+                if late is not None or not tr.undecided:  # write nothing more
+                    continue
                 if time.monotonic() >= tr.deadline:
                     # Never complete with bytes that arrived late: past the sender's own
                     # deadline (later than ours) it may have reused the blocks it sends from.
-                    raise TimeoutError(f"layer {i} arrived after the transfer's deadline")
-                if not tr.undecided:  # the engine decided (or cancelled): write nothing
+                    late = f"layer {i} arrived after the transfer's deadline"
                     continue
                 if posted.mode == "notified":  # one copy, from the sender's cache
                     assert pair.peer_cache is not None and tr.src_ids is not None
                     pair.peer_cache.copy_layer(i, tr.src_ids, self._cache, dst)
                     if time.monotonic() >= tr.deadline:  # the sender may reuse them now
-                        raise TimeoutError(f"layer {i} was read past the deadline")
+                        late = f"layer {i} was read past the deadline"
+                        continue
                 elif posted.mode == "staged":
                     write_layer(self._cache, i, dst, StagingPool.view(posted.bufs[i], shape))
                 tr.layers_written += 1  # direct: the bytes are in the blocks already
         posted.recycle(self._staging)
+        if late is not None:
+            return Event("recv_failed", tid, epoch, error=late)
         nbytes = layers * math.prod(shape) * self._cache.kv.element_size()
         return Event("recv_done", tid, epoch, nbytes=nbytes)
 
-    def _group(self, pair: RecvPair, deadline: float) -> rdv.PairGroup:
-        if not pair.ready.wait(remaining(deadline)):
-            raise TimeoutError("the pair's process group was not ready before the deadline")
+    def _group(self, pair: RecvPair) -> rdv.PairGroup:
+        """The pair's group, once built (bounded by the build's own connect timeouts)."""
+        if not pair.ready.wait(2 * self._connect_timeout_s + CLOSE_WAIT_S):
+            raise TimeoutError("the pair's process group was not built in time")
         if pair.group is None:
             raise RuntimeError(pair.error or "the pair's process group was not built")
         return pair.group

@@ -4,8 +4,17 @@ One **transfer thread** per open transfer (a job on a reused helper thread,
 `kvtransfer.wire.HelperThreads`) does everything that may block: connect to the
 receiver's store and join (first use of a pair, or after it broke), announce the transfer,
 check the receiver still serves the pair's generation (else re-join once and announce again),
-wait for each layer's send to complete, wait for the acknowledgement. Every wait is bounded by
-the transfer's deadline.
+wait for each layer's send to complete, wait for the acknowledgement.
+
+A transfer's own end (its deadline, a cancel, the engine giving up) ends only that transfer,
+never the pair that other transfers share (`kvtransfer.wire`, "a transfer ends alone"): before
+announcing, the thread tells the receiver with a cancel record; after, it fills the layers the
+engine did not hand over and sends the SENDER_CANCELLED trailer, then takes the
+acknowledgement. Its waits on the wire are bounded by `wire.exchange_bound` (the deadline plus
+a slack), joining by the connect timeout. Only a wait that fails (the peer broke the
+connection) or runs past that bound (the peer is frozen) breaks the pair: the thread tears it
+down and drops it, and the next transfer re-joins. The engine's result for the transfer goes
+out by the clock (`kvtransfer.torch_dist`) whatever the thread is waiting for.
 
 The engine thread only hands over a finished layer: it posts it with a non-blocking ``send``
 once the transfer is announced, else queues its index in `SendTransfer.pending`, which the
@@ -51,9 +60,11 @@ from kvtransfer.wire import (
     HelperThreads,
     control_tensor,
     empty_control,
+    exchange_bound,
     read_code,
     remaining,
     td,
+    tear_down,
 )
 from model_runtime.kv_cache import KVCache
 from security.kvseal import RecordSeal
@@ -92,6 +103,7 @@ class Sender:
         self._lock = threading.Lock()
         self._pairs: dict[str, SendPair] = {}
         self._helpers = HelperThreads()
+        self._closing = threading.Event()  # close(): threads stop instead of filling
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -150,16 +162,28 @@ class Sender:
             return sorted(p.endpoint.worker_id for p in self._pairs.values() if p.shm)
 
     def drop_pair(self, pair: SendPair) -> None:
+        """Forget a broken pair and close its connection (any thread): the transfers still on
+        it fail at once, and the next transfer to that receiver re-joins."""
         with self._lock:
             pair.broken = True
             if self._pairs.get(pair.endpoint.key()) is pair:
                 del self._pairs[pair.endpoint.key()]
+        if pair.group is not None:
+            tear_down(pair.group, 0, self._device)
 
-    def close(self) -> None:
+    def close(self, transfers: list[SendTransfer]) -> None:
+        """Give up `transfers` (the open ones), close every pair's connection, so threads
+        blocked on the wire return at once, and wait (boundedly) for the threads."""
+        self._closing.set()
+        for tr in transfers:
+            self.stop(tr, cancelled=False)
         with self._lock:
-            for pair in self._pairs.values():
-                pair.broken = True
+            pairs = list(self._pairs.values())
             self._pairs.clear()
+        for pair in pairs:
+            pair.broken = True
+            if pair.group is not None:
+                tear_down(pair.group, 0, self._device)
         self._helpers.join(timeout_s=CLOSE_WAIT_S)
 
     # ---- transfer thread --------------------------------------------------------------------
@@ -168,10 +192,12 @@ class Sender:
         tid, epoch = tr.ticket.transfer_id, tr.ticket.epoch
         try:
             self._send(tr)
-        except TransferError as exc:
+        except TransferError as exc:  # refused, or this transfer's own end: the pair is fine
             event = Event("send_done", tid, epoch, error=str(exc))
-        except (RuntimeError, TimeoutError) as exc:
-            event = Event("send_done", tid, epoch, error=f"send failed: {exc}", pair_broken=True)
+        except (RuntimeError, TimeoutError) as exc:  # the connection failed, or the peer froze
+            event = Event("send_done", tid, epoch, error=f"send failed: {exc}")
+            if tr.pair is not None:
+                self.drop_pair(tr.pair)
         else:
             event = Event("send_done", tid, epoch)
         with tr.cond:
@@ -191,10 +217,9 @@ class Sender:
         """Connect if needed and run the exchange; re-join once if the receiver had dropped a
         pair this worker still used (it then ignores the header announced on it)."""
         for attempt in range(2):
-            # A transfer past its deadline, or given up before a re-join, must not join: its
-            # doomed join would break the pair that live transfers share.
+            # A transfer past its deadline, or given up before a re-join, does not join.
             if time.monotonic() >= tr.deadline:
-                raise TimeoutError("the deadline passed before the pair was ready")
+                raise TransferError("the deadline passed before the pair was ready")
             if attempt and (tr.cancelled or tr.state is SendState.GIVEN_UP):
                 raise TransferError("cancelled by sender" if tr.cancelled else "given up")
             pair = self._pair_for(tr.ticket.receiver)
@@ -203,7 +228,7 @@ class Sender:
             # NCCL has no message tags: one transfer at a time (a notified pair is gloo).
             serial = self._serialize and not pair.shm
             if serial and not pair.serial.acquire(timeout=remaining(tr.deadline)):
-                raise TimeoutError("another transfer held the pair until the deadline")
+                raise TransferError("another transfer held the pair until the deadline")
             try:
                 if self._exchange(tr, pair, verify=not fresh):
                     return
@@ -227,23 +252,28 @@ class Sender:
             return pair
 
     def _connect(self, pair: SendPair, deadline: float) -> bool:
-        """Join the receiver (steps 1-4 of `kvtransfer.rendezvous`); True when this call did."""
+        """Join the receiver (steps 1-4 of `kvtransfer.rendezvous`); True when this call did.
+
+        The join is the pair's, not the transfer's: it is bounded by the connect timeout, so a
+        transfer whose deadline is shorter than a join still leaves the pair joined for the
+        next one; a join that fails breaks the pair. A transfer whose deadline passes while
+        another transfer's thread joins raises `TransferError` (the pair is fine)."""
         if not pair.lock.acquire(timeout=remaining(deadline)):
-            raise TimeoutError(f"connecting to {pair.endpoint.key()} took past the deadline")
+            raise TransferError(f"the deadline passed while joining {pair.endpoint.key()}")
         try:
             if pair.group is not None:
                 return False
             if pair.broken:
                 raise RuntimeError(f"the pair with {pair.endpoint.key()} broke while connecting")
             ep, me = pair.endpoint, self._worker_id
-            limit = min(self._connect_timeout_s, remaining(deadline))
+            limit = self._connect_timeout_s
             store = rdv.connect_store(ep.host, ep.port, limit)
             gen = int(store.add(rdv.gen_key(me), 1))
             shm = self._segment.to_dict() if self._segment is not None else None
             record = rdv.join_record(me, gen, self._layout, shm, self._seal)
             store.queue_push(rdv.CTL_QUEUE, record)
             key = rdv.join_key(me, gen)
-            store.wait([key], td(min(self._connect_timeout_s, remaining(deadline))))
+            store.wait([key], td(limit))
             verdict = rdv.read_verdict(store.get(key), me, gen, self._seal)
             store.delete_key(key)
             if verdict not in (rdv.JOIN_OK, rdv.JOIN_OK_SHM):
@@ -258,16 +288,13 @@ class Sender:
                 1,
                 pair_backend(self._device, notified),
                 self._host,
-                min(self._connect_timeout_s, remaining(deadline)),
+                limit,
                 self._seal,
             )
             pair.store, pair.gen, pair.shm = store, gen, notified
             return True
         except BaseException:
-            # Past our own deadline the failure is ours (the join was cut short), not the
-            # pair's: leave it for the next transfer to join afresh.
-            if time.monotonic() < deadline:
-                pair.broken = True
+            pair.broken = True  # the next transfer joins afresh
             raise
         finally:
             pair.lock.release()
@@ -280,14 +307,16 @@ class Sender:
         return False, having posted nothing, when it does not.
         """
         t, deadline = tr.ticket, tr.deadline
+        bound = exchange_bound(deadline)  # past it, the peer counts as frozen
         store, group = pair.connected()
         tag = pair.take_tag()
-        if tr.cancelled:  # not announced yet: tell the receiver so it fails it now
+        late = time.monotonic() >= deadline
+        if tr.cancelled or late:  # not announced yet: tell the receiver so it fails it now
             store.queue_push(
                 rdv.CTL_QUEUE,
                 rdv.cancel_record(self._worker_id, t.transfer_id, t.epoch, self._seal),
             )
-            raise TransferError("cancelled by sender")
+            raise TransferError("cancelled by sender" if tr.cancelled else "deadline passed")
         left_ms = max(1, round((deadline - time.monotonic()) * 1000))
         src = list(tr.src) if pair.shm else None
         header = rdv.xfer_record(
@@ -305,17 +334,17 @@ class Sender:
                 self._post_layer(tr, layer, "helper")
             tr.pending.clear()
         for i in range(t.layout.num_layers):
-            self._wait_layer(tr, i).wait(td(remaining(deadline)))
+            self._wait_layer(tr, i).wait(td(remaining(bound)))
         with tr.cond:  # the trailer went out with the last layer (or the last filler)
             if tr.state is SendState.POST_FAILED:
                 raise RuntimeError(tr.post_error)
             trailer = tr.works[t.layout.num_layers]
-        trailer.wait(td(remaining(deadline)))
+        trailer.wait(td(remaining(bound)))
         # The sends are done reading the cache (a shared-memory receiver is not: see
         # `SendTransfer.source_released`).
         tr.move(SendState.SENT, by="helper")
         ack = empty_control(self._ctl(pair.shm))
-        group.recv([ack], 0, tag).wait(td(remaining(deadline)))
+        group.recv([ack], 0, tag).wait(td(remaining(bound)))
         code = read_code(ack)
         if code is not Code.OK:
             raise TransferError(code.describe() if code else f"bad ack code {int(ack[0])}")
@@ -324,19 +353,26 @@ class Sender:
         return True
 
     def _wait_layer(self, tr: SendTransfer, i: int) -> Work:
-        """The posted send of layer `i`; after a cancel, filler sends complete the stream and
-        a SENDER_CANCELLED trailer tells the receiver not to complete it."""
+        """The posted send of layer `i`. When the engine will not hand it over (cancelled,
+        gave up, or the deadline passed), filler sends complete the stream and a
+        SENDER_CANCELLED trailer tells the receiver not to complete it: the transfer ends, the
+        pair goes on. Raises `TransferError` when the transport closes."""
         failed = SendState.POST_FAILED
         with tr.cond:
-            while len(tr.works) <= i and not tr.cancelled and tr.state is not failed:
-                if tr.state is SendState.GIVEN_UP or time.monotonic() >= tr.deadline:
-                    raise TimeoutError(f"layer {i} was not produced (deadline or close)")
+            while len(tr.works) <= i and tr.state is not failed:
+                if self._closing.is_set():
+                    raise TransferError("transport closed")
+                if tr.cancelled or tr.state is SendState.GIVEN_UP:
+                    break
+                if time.monotonic() >= tr.deadline:
+                    break
                 tr.cond.wait(remaining(tr.deadline))
             if tr.state is failed:
                 raise RuntimeError(tr.post_error)
             if len(tr.works) > i:
                 return tr.works[i]
-            tr.move(SendState.FILLING, by="helper")  # cancelled: the engine posts nothing more
+            # Cancelled, given up or out of time: the engine posts nothing more from here.
+            tr.move(SendState.FILLING, by="helper")
         filler = (
             empty_control(self._ctl(True))
             if tr.shm

@@ -24,13 +24,14 @@ thread when it posts the receives itself); every move is made under
                 v    v                                            v              |
     decided     DECIDED <------------- settled (H) --------------- LANDING <-----+
 
-"Settled": every receive posted into the blocks was waited for (it completed, or a wait failed
-or timed out, which closes the pair's connection), or posting them failed. "Cancel": the engine
-cancelled; nothing more is written, and the result goes out at its next poll. "Finish": the
-engine decided the result (`kvtransfer.dist_recv.Receiver.finish`); it reports it at once from
-DECIDED, and from LANDING only once the transfer settles. The transfer thread writes a layer
-(staged or notified) only while undecided, under the lock, so nothing is written after a
-decision. DECIDED is final.
+"Settled": every receive posted into the blocks was waited for (it completed — a live sender
+completes its stream even after a deadline or cancel, with fillers — or a wait failed or ran
+past the exchange bound, which closes the pair's connection), or posting them failed.
+"Cancel": the engine cancelled; nothing more is written, and the result goes out at its next
+poll. "Finish": the engine decided the result (`kvtransfer.dist_recv.Receiver.finish`); it
+reports it at once from DECIDED, and from LANDING only once the transfer settles. The
+transfer thread writes a layer (staged or notified) only while undecided, under the lock, so
+nothing is written after a decision. DECIDED is final.
 
 Kept as data, not states: `sender` (who claimed the transfer: set by the control thread under
 the receiver's lock when a header or a cancel record is accepted, and reported in the result),
@@ -119,6 +120,11 @@ class RecvTransfer:
     deadline: float
     sender: str | None = None  # set under the receiver's lock when a header is accepted
     pair: RecvPair | None = None
+    # With the header: until when the transfer's thread waits for the sender's part of the
+    # exchange (`kvtransfer.wire.exchange_bound` of the sender's deadline, which the header
+    # carries); past it the sender counts as frozen. Never earlier than the exchange bound of
+    # this side's own deadline.
+    exchange_until: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the three below
     state: RecvState = RecvState.OPEN
     path: list[RecvState] = field(default_factory=lambda: [RecvState.OPEN])  # states so far

@@ -8,9 +8,11 @@ Three ways, chosen once per transfer (`post_receives`):
   the destination blocks (`KVCache.layer_slice`, a view): no staging buffer, no copy. gloo
   writes those bytes whenever they arrive, so the transfer's result waits until no receive can
   write any more (the transfer is RECEIVING from `_claim_blocks` until `settle`, see
-  `kvtransfer.recv_state`): each posted receive has completed, or a wait on the pair failed —
-  a gloo wait that fails or times out closes the pair's connection, after which nothing lands
-  in any of its buffers;
+  `kvtransfer.recv_state`): each posted receive has completed — a live sender completes the
+  stream even after a deadline or cancel, with fillers — or a wait on the pair failed: a gloo
+  wait that fails or times out closes the pair's connection, after which nothing lands in any
+  of its buffers (waits are bounded by the exchange bound, not the transfer's deadline, so
+  that happens only when the peer failed: `kvtransfer.wire`);
 - **staged** (scattered destination blocks, or NCCL): into pooled staging buffers, which the
   thread writes into the blocks itself (`kvtransfer.staging.write_layer`) under the
   transfer's lock, so nothing is written after the result;
@@ -55,12 +57,13 @@ class Posted:
     trailer: torch.Tensor
     waited: int = 0  # how many of `works` were waited (returned or raised)
 
-    def wait_next(self, deadline: float) -> None:
-        """Wait for the next receive in order, at most until `deadline`; raises when it fails
-        or times out (which closes the pair's connection)."""
+    def wait_next(self, bound: float) -> None:
+        """Wait for the next receive in order, at most until `bound` (the transfer's exchange
+        bound, `kvtransfer.wire.exchange_bound`: never its own deadline); raises when it fails
+        or times out — the peer broke or froze, and the pair's connection is closed now."""
         work = self.works[self.waited]
         self.waited += 1
-        work.wait(td(remaining(deadline)))
+        work.wait(td(remaining(bound)))
 
     def recycle(self, staging: StagingPool) -> None:
         """Staging buffers back to the pool, once every receive completed (none writes now)."""
@@ -122,17 +125,17 @@ def _claim_blocks(tr: RecvTransfer) -> bool:
         return True
 
 
-def settle(tr: RecvTransfer, posted: Posted) -> None:
+def settle(tr: RecvTransfer, posted: Posted, bound: float) -> None:
     """Return once none of a direct transfer's receives can write into its blocks any more,
     and settle `tr` (out of RECEIVING, CANCELLED_LANDING or LANDING). Waits each receive at
-    most until the ticket's deadline: past it, a wait times out, which closes the pair and
-    kills the others. No-op for other modes."""
+    most until `bound` (the exchange bound): past it, a wait times out, which closes the pair
+    (the peer froze). No-op for other modes."""
     if posted.mode != "direct":
         return
     while posted.waited < len(posted.works):
         # A wait that fails or times out closes the pair: nothing more lands on it.
         with contextlib.suppress(RuntimeError):
-            posted.wait_next(tr.deadline)
+            posted.wait_next(bound)
     with tr.lock:
         tr.settle()
 
@@ -144,10 +147,11 @@ def drain_and_answer(
     cache: KVCache,
     n_blocks: int,
     notified: bool,
-    deadline: float,
+    bound: float,
 ) -> None:
     """Receive a refused transfer's stream into scratch memory, then send `code` as the
-    acknowledgement. Raises when a wait fails or times out."""
+    acknowledgement. Waits until `bound` (the exchange bound); raises when a wait fails or
+    times out."""
     ctl = control_device(cache.device, notified)
     scratch = (
         empty_control(ctl)
@@ -155,6 +159,6 @@ def drain_and_answer(
         else torch.empty(cache.message_shape(n_blocks), dtype=cache.dtype, device=cache.device)
     )
     for _ in range(cache.num_layers):
-        group.recv([scratch], 1, tag).wait(td(remaining(deadline)))
-    group.recv([empty_control(ctl)], 1, tag).wait(td(remaining(deadline)))
+        group.recv([scratch], 1, tag).wait(td(remaining(bound)))
+    group.recv([empty_control(ctl)], 1, tag).wait(td(remaining(bound)))
     group.send([control_tensor(code, ctl)], 1, tag).wait(td(ACK_TIMEOUT_S))

@@ -10,13 +10,13 @@ A `SendTransfer` moves only through `SendTransfer.move`, along the edges of `SEN
                announced (H)             every send and the trailer completed (H)
     JOINING ---------------> STREAMING --------------------------------------------> SENT
        |                      |     |                                                ^  |
-       |                      |     | cancelled, a layer not                         |  | ack (H)
-       |                      |     | handed over (H)           fillers and trailer  |  v
+       |                      |     | cancelled or deadline,                         |  | ack (H)
+       |                      |     | a layer missing (H)       fillers and trailer  |  v
        |                      |     '-------------------> FILLING -------------------+  DONE
        | gave up (E)          | gave up (E)                 ^     completed (H)      |
        |                      v                             |                        |
-       '-------------------> GIVEN_UP -- cancelled, a ------'                        |
-                                |        layer not handed over (H)                   |
+       '-------------------> GIVEN_UP -- a layer not -------'                        |
+                                |        handed over (H)                             |
                                 '----------------------------------------------------'
                                   every layer had been handed over; sends completed (H)
 
@@ -28,9 +28,11 @@ Who posts the stream's sends in each state: JOINING, the engine queues each hand
 in `pending` (the thread posts them when it announces); STREAMING, the engine posts each layer
 (and the OK trailer after the last); FILLING, the thread posts fillers and the SENDER_CANCELLED
 trailer; every other state, nobody (a layer handed over then is dropped). "Gave up" (close, the
-deadline, a failed result) only stops the engine's posts: the thread still announces and sends
-what was handed over. The source blocks may be read by a send until DONE; on a pair that
-carries the bytes (not shared memory) they are free from SENT on
+deadline, a failed result) only stops the engine's posts: the thread sends what was handed
+over, then fills the rest, so the pair's other transfers go on (`kvtransfer.wire`: a transfer
+ends alone); past the deadline before announcing it pushes a cancel record instead, and on
+close it stops (the pairs are torn down). The source blocks may be read by a send until DONE;
+on a pair that carries the bytes (not shared memory) they are free from SENT on
 (`SendTransfer.source_released`).
 
 Kept as data, not states: `cancelled` (the engine's cancel is a request that may come in any
@@ -75,14 +77,14 @@ SEND_MOVES: Final[dict[tuple[SendState, SendState], Edge]] = {
     (_S.JOINING, _S.GIVEN_UP): Edge("engine", "gave up (close, deadline, a failed result)"),
     (_S.JOINING, _S.DONE): Edge("helper", "failed or cancelled before announcing"),
     (_S.STREAMING, _S.GIVEN_UP): Edge("engine", "gave up"),
-    (_S.STREAMING, _S.FILLING): Edge("helper", "cancelled, and a layer was not handed over"),
+    (_S.STREAMING, _S.FILLING): Edge("helper", "cancelled or past the deadline; a layer missing"),
     (_S.STREAMING, _S.POST_FAILED): Edge("either", "posting a send raised"),
     (_S.STREAMING, _S.SENT): Edge("helper", "every send and the OK trailer completed"),
     (_S.STREAMING, _S.DONE): Edge("helper", "a wait failed or the deadline passed"),
-    (_S.GIVEN_UP, _S.FILLING): Edge("helper", "cancelled too; a layer was not handed over"),
+    (_S.GIVEN_UP, _S.FILLING): Edge("helper", "a layer was not handed over"),
     (_S.GIVEN_UP, _S.POST_FAILED): Edge("helper", "posting a queued layer raised"),
     (_S.GIVEN_UP, _S.SENT): Edge("helper", "every layer had been handed over; sends completed"),
-    (_S.GIVEN_UP, _S.DONE): Edge("helper", "a layer was not handed over, or a wait failed"),
+    (_S.GIVEN_UP, _S.DONE): Edge("helper", "the transport closed, or a wait failed"),
     (_S.FILLING, _S.POST_FAILED): Edge("helper", "posting a filler raised"),
     (_S.FILLING, _S.SENT): Edge("helper", "the fillers and the SENDER_CANCELLED trailer completed"),
     (_S.FILLING, _S.DONE): Edge("helper", "a wait failed"),

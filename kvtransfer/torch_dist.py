@@ -9,10 +9,12 @@ and receive (``serve=True`` starts its store, so a prefill worker can later swit
 This class is the engine-thread face of the transport (the `kvtransfer.base.KVTransport`
 contract, including the ownership rules): its methods never block on the network. The blocking
 work runs in helper threads (`kvtransfer.dist_send`, `kvtransfer.dist_recv`) that report
-through a queue drained by ``poll()``; ``poll()`` writes arrived layers into the cache,
-enforces each transfer's deadline by the clock (whatever the helper threads are stuck in), and
-on a failure that leaves the pair's connection in doubt drops the pair so the next use re-joins
-with a fresh group.
+through a queue drained by ``poll()``; ``poll()`` enforces each transfer's deadline by the
+clock (whatever the helper threads are waiting for). A transfer's deadline or cancel ends that
+transfer alone: its helper thread finishes its exchange on the wire, and the pair and every
+other transfer on it go on (`kvtransfer.wire`). Only a helper thread that finds the pair's
+connection failed, or its peer frozen past the exchange bound, drops the pair, so the next use
+re-joins with a fresh group.
 
 Zero-copy sends: a layer whose source blocks are consecutive is sent straight from the cache
 (`KVCache.run_start` / `layer_slice`), so a send still in flight after the sender's result could
@@ -202,15 +204,11 @@ class TorchDistTransport:
                 self._finish_recv(
                     rcv, deadline_text(rcv.ticket, rcv.layers_written, "written"), out
                 )
-                if rcv.pair is not None and self._receiver is not None:
-                    self._receiver.drop_pair(rcv.pair)
         for snd in list(self._sends.values()):
             if now >= snd.deadline:
                 self._finish_send(
                     snd, deadline_text(snd.ticket, snd.next_layer, "handed over"), out
                 )
-                if snd.pair is not None:
-                    self._sender.drop_pair(snd.pair)
         self._report_landed(out)
         return out
 
@@ -218,11 +216,9 @@ class TorchDistTransport:
         if self._closed:
             return
         self._closed = True
-        for snd in self._sends.values():
-            self._sender.stop(snd, cancelled=False)
+        self._sender.close(list(self._sends.values()))
         if self._receiver is not None:
             self._receiver.close()
-        self._sender.close()
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -246,8 +242,6 @@ class TorchDistTransport:
                 return  # already finished (deadline, cancel): its result went out then
             error = ev.error or ("cancelled by sender" if snd.cancelled else None)
             self._finish_send(snd, error, out)
-            if ev.pair_broken and snd.pair is not None:
-                self._sender.drop_pair(snd.pair)
             return
         rcv = self._recvs.get(ev.transfer_id)
         if rcv is None or rcv.ticket.epoch != ev.epoch:
@@ -257,8 +251,6 @@ class TorchDistTransport:
             self._finish_recv(rcv, None, out)
             return
         self._finish_recv(rcv, ev.error or "receive failed", out)
-        if ev.pair_broken and rcv.pair is not None and self._receiver is not None:
-            self._receiver.drop_pair(rcv.pair)
 
     def _finish_recv(self, tr: RecvTransfer, error: str | None, out: list[TransferResult]) -> None:
         del self._recvs[tr.ticket.transfer_id]

@@ -19,6 +19,16 @@ layer out of the sender's cache itself, and the sender keeps its blocks until th
 
 Each side issues its operations in exactly this order, so the same sequence is valid for NCCL
 (which matches point-to-point messages by order, not by tag).
+
+**A transfer ends alone.** Many transfers share one pair's connection, and a gloo wait that
+times out closes that connection (and fails every operation on it, on both sides). So no wait is
+ever bounded by a transfer's own deadline: a transfer that its engine gives up (deadline,
+cancel) still runs its exchange to the end on the wire — the sender fills the missing layers and
+sends the SENDER_CANCELLED trailer, the receiver takes them into the buffers it posted and
+acknowledges — while its result goes out by the clock. Waits are bounded by `exchange_bound`:
+the sender's deadline plus `PEER_SLACK_S`. A peer that has not finished the exchange by then is
+frozen or gone, and only then is the pair's connection torn down (`tear_down`), which every
+other transfer on it then shares: that is a peer failure, not one request's.
 """
 
 from __future__ import annotations
@@ -34,11 +44,17 @@ from typing import Literal
 
 import torch
 
+from kvtransfer.rendezvous import PairGroup
 from kvtransfer.types import Code
 
 log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 0.5  # how long close() waits for helper threads still finishing, per side
+# How long past the sender's deadline a live peer may take to finish a transfer's exchange
+# (fillers, trailer, acknowledgement: no model work, only posting and moving bytes); a peer
+# slower than that counts as failed and the pair's connection is torn down.
+PEER_SLACK_S = 2.0
+_TEAR_DOWN_TAG = 2**31 - 1  # never a transfer's tag (those count up from 1 per pair)
 EventKind = Literal["recv_done", "recv_failed", "send_done"]
 
 
@@ -49,7 +65,8 @@ class Event:
     ``recv_done``: every layer was written into the destination blocks (`nbytes` in all).
     ``recv_failed``: the receiving thread gave up (`error`).
     ``send_done``: the sending thread got its acknowledgement (`error` None) or failed.
-    `pair_broken` says the pair's connection is unusable and must be re-created.
+    A helper thread that finds the pair's connection broken drops the pair itself (any thread
+    may): the event only reports the transfer.
     """
 
     kind: EventKind
@@ -57,7 +74,6 @@ class Event:
     epoch: int
     nbytes: int = 0
     error: str | None = None
-    pair_broken: bool = False
 
 
 class EventQueue:
@@ -104,6 +120,30 @@ def remaining(deadline: float) -> float:
 
 def td(seconds: float) -> timedelta:
     return timedelta(seconds=max(seconds, 0.001))
+
+
+def exchange_bound(sender_deadline: float) -> float:
+    """Until when a transfer's helper thread waits for the peer's part of the exchange (see
+    the module docstring): the sender's deadline plus `PEER_SLACK_S`. A wait that runs out then
+    closes the pair's connection: the peer is frozen or gone."""
+    return sender_deadline + PEER_SLACK_S
+
+
+def tear_down(group: PairGroup, peer_rank: int, device: torch.device) -> None:
+    """Close a pair's connection now: every operation posted on it, on both sides, fails at
+    once (their waits raise), and nothing more lands in any buffer posted on it. For a pair
+    whose peer failed, and on close, so helper threads blocked in waits on it return.
+
+    gloo has no call that does this (`abort` leaves posted operations waiting), but a wait that
+    times out closes the connection, so this waits 1 ms for a receive nobody sends. NCCL
+    groups are left to their own timeout.
+    """
+    if device.type == "cuda":
+        return
+    try:
+        group.recv([empty_control(device)], peer_rank, _TEAR_DOWN_TAG).wait(td(0.001))
+    except RuntimeError:
+        return  # timed out (the connection is closed now), or it was closed already
 
 
 class HelperThreads:

@@ -94,6 +94,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
     p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=RouterConfig.model_fields["stall_timeout_s"].default,
+        help="a worker stream silent this long is checked; a frozen worker's request moves",
+    )
+    p.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=RouterConfig.model_fields["shutdown_grace_s"].default,
@@ -145,6 +151,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
             max_migrations=args.max_migrations,
+            stall_timeout_s=args.stall_timeout_s,
             shutdown_grace_s=args.shutdown_grace_s,
             prefix_index=_prefix_index(args),
             ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),

@@ -134,6 +134,15 @@ class RouterConfig(BaseModel):
         description="Times a request whose decode (or colocated) worker fails mid-stream moves "
         "to another one (prompt + tokens so far prefilled again there); 0 = never.",
     )
+    stall_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="A decode (or colocated) stream that brings nothing for this long has its "
+        "worker asked for its status (`status_poll_timeout_s`): a worker that does not answer "
+        "is frozen (stopped, hung), is marked unhealthy, and the request moves to another "
+        "worker as from a dead one (`max_migrations`); one that answers (busy, queueing) "
+        "keeps the stream.",
+    )
 
     @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")
     @classmethod

@@ -19,7 +19,8 @@ placement of the request on workers; the first leg is the client's prompt. Steps
 5. the final message carries finish reason, usage, timings and the number of migrations.
 
 Migration: when the decode (or colocated) worker's stream fails after tokens reached the
-client (`WorkerLost`: the worker died, stopped, or ended the stream early), the request moves
+client (`WorkerLost`: the worker died, stopped, ended the stream early, or froze: silent for
+`stall_timeout_s` and no answer to a status call), the request moves
 — at most `max_migrations` times — to a new leg: prompt = the client's prompt + every token
 already sent, max_tokens = what is left, `num_sampled` = the tokens already sampled (a seeded
 generator skips their draws, so seeded sampling continues its stream); steps 0-4 run again
@@ -67,6 +68,7 @@ class RequestRun:
     abort_later: Callable[[str, Sequence[str]], None]
     client: ClientStream
     max_migrations: int = 0
+    stall_timeout_s: float = 3.0  # a worker stream silent this long: is its worker frozen?
     prefix_index: GuardedPrefixIndex | None = None
     holders: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)  # workers that failed this request

@@ -255,6 +255,7 @@ class RequestLifecycle:
             abort_later=self.abort_later,
             client=client,
             max_migrations=self.config.max_migrations,
+            stall_timeout_s=self.config.stall_timeout_s,
             prefix_index=self._prefix_index,
         )
         self._in_flight_ids.add(request_id)

@@ -177,6 +177,20 @@ class WorkerPool:
             await self._registry.heartbeat(address, None, error)
             await self._refresh()
 
+    async def answers(self, address: str) -> bool:
+        """One `GetStatus` call to `address` (the poll's timeout): True when it answers;
+        else the worker is marked unhealthy (until a good poll) and False."""
+        stub = self._stubs.get(address)
+        if stub is None:
+            return False
+        try:
+            status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            await self.report_failure(address, f"no status answer: {exc.code().name}")
+            return False
+        await self._registry.heartbeat(address, status)
+        return True
+
     async def poll_once(self) -> None:
         """One `GetStatus` round over every registered worker, concurrently."""
         records = await self._registry.list()

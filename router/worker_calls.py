@@ -8,7 +8,13 @@ Runs in the router process, inside the `Generate` handler's task, on behalf of a
   at fault — the one called, or the KV peer its answer blames (`trailers.FAILED_PEER`) — and the
   flow retries on other workers; anything else ends the request with its status;
 - after it: `WorkerLost` (the stream failed with a code in `LOST`: the worker died, stopped or
-  broke) lets the flow move the request to another worker; anything else ends the request.
+  broke; or it froze: `StreamStalled`) lets the flow move the request to another worker;
+  anything else ends the request.
+
+A worker stream that brings nothing for `RequestRun.stall_timeout_s` has its worker asked for
+its status (`WorkerPool.answers`); a worker that does not answer is frozen (SIGSTOPped, hung)
+and its stream ends `StreamStalled`, as a dead worker's would fail; one that answers (a long
+step, a queue, a KV transfer still landing) keeps the stream, and the watch starts over.
 """
 
 from __future__ import annotations
@@ -201,6 +207,8 @@ async def start_colocated(run: RequestRun, leg: Leg, w: WorkerView) -> Chunks:
     try:
         with run.pool.track_prefill(w.address, len(leg.prompt), 0):
             first = await anext(stream)
+    except StreamStalled as stalled:
+        raise Retryable(grpc.StatusCode.UNAVAILABLE, str(stalled), w.address) from stalled
     except StreamFailed as failed:
         await blame(run, failed.exc, "Generate", w.address)
         err = worker_error(
@@ -261,6 +269,8 @@ async def lost_on_failure(run: RequestRun, chunks: Chunks, what: str, addr: str)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+    except StreamStalled as stalled:  # already marked unhealthy by the status call
+        raise WorkerLost(addr, f"{what} on worker {addr}: {stalled}") from stalled
     except StreamFailed as failed:
         await blame(run, failed.exc, what, addr)
         err = worker_error(failed.exc, f"{what} on worker {addr}", f"{what} on a worker")
@@ -272,18 +282,75 @@ async def lost_on_failure(run: RequestRun, chunks: Chunks, what: str, addr: str)
 async def chunks_of(
     run: RequestRun, call: grpc.aio.UnaryStreamCall[object, worker_pb2.TokenChunk], addr: str
 ) -> Chunks:
-    """Iterate a worker stream; cancel the call if the consumer stops early."""
+    """Iterate a worker stream; cancel the call if the consumer stops early. Raises
+    `StreamFailed` when the call fails, `StreamStalled` when its worker froze (see the module
+    docstring: a `_StallWatch` beside the stream)."""
+    watch = _StallWatch(run, call, addr)
     try:
         async for chunk in call:
+            watch.progress()
             if chunk.finished:
                 run.holders.discard(addr)  # the worker released the request itself
             yield chunk
             if chunk.finished:
                 return
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if watch.frozen is None or (task is not None and task.cancelling()):
+            raise  # this task was cancelled (deadline, client), not the call by the watch
+        raise StreamStalled(watch.frozen) from None
     except grpc.aio.AioRpcError as exc:
+        if watch.frozen is not None:
+            raise StreamStalled(watch.frozen) from exc
         raise StreamFailed(exc) from exc
     finally:
+        watch.stop()
         call.cancel()
+
+
+class _StallWatch:
+    """One task beside a worker stream: when nothing came for `run.stall_timeout_s`, it asks
+    the worker for its status; no answer: `frozen` says why and the call is cancelled (the
+    stream's reader turns that into `StreamStalled`); an answer: the wait starts over. Costs
+    the stream one clock read per message."""
+
+    def __init__(
+        self,
+        run: RequestRun,
+        call: grpc.aio.UnaryStreamCall[object, worker_pb2.TokenChunk],
+        addr: str,
+    ) -> None:
+        self._run, self._call, self._addr = run, call, addr
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self.frozen: str | None = None
+        self._task = asyncio.create_task(self._watch(), name=f"stall-watch-{run.request_id}")
+
+    def progress(self) -> None:
+        self._last = self._loop.time()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    async def _watch(self) -> None:
+        stall = self._run.stall_timeout_s
+        answered = self._last  # when the worker last answered a status call
+        while True:
+            left = max(self._last, answered) + stall - self._loop.time()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue
+            if await self._run.pool.answers(self._addr):
+                answered = self._loop.time()  # alive (busy, queueing): start over
+                continue
+            silent = self._loop.time() - self._last
+            self.frozen = f"nothing for {silent:.1f} s and no answer to a status call: frozen"
+            self._call.cancel()
+            return
+
+
+class StreamStalled(Exception):
+    """A worker stream brought nothing for a while and its worker did not answer: frozen."""
 
 
 class StreamFailed(Exception):

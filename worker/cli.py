@@ -8,7 +8,9 @@
 prints exactly one line ``PDSERVE_WORKER_READY host:port`` on stdout once its gRPC server
 answers health checks with SERVING (logs go to stderr), and stops cleanly on SIGTERM / SIGINT:
 no new work, in-flight work gets `--stop-grace-s` to finish, the rest is aborted, every KV
-block released, the transport closed.
+block released, the transport closed. Started by a launcher that names itself in
+``PDSERVE_PARENT_PID``, it stops the same way (grace at most 1 s) when that launcher dies
+(`worker.parent_watch`).
 
 The cluster secret comes from ``PDSERVE_CLUSTER_SECRET`` (removed from this process's
 environment once read, so nothing it starts inherits it) or `--cluster-secret-file` (mode
@@ -30,9 +32,12 @@ from model_runtime.engine_config import EngineConfig
 from security.config import InternalTLS
 from security.secret import ClusterSecret
 from worker.config import READY_PREFIX, WorkerConfig
+from worker.parent_watch import ParentWatch, parent_pid_from_env
 from worker.server import WorkerServer
 
 log = logging.getLogger("pdserve.worker")
+
+ORPHAN_GRACE_S = 1.0  # the stop grace of a worker whose launcher died
 
 
 def parse_args(
@@ -118,6 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        parent = parent_pid_from_env()
+    except ValueError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+    orphaned = threading.Event()
+
+    def on_orphaned() -> None:
+        orphaned.set()
+        stop.set()
+
+    watch = ParentWatch(parent, on_orphaned) if parent is not None else None
     server = WorkerServer(config, secret)
     try:
         server.start()
@@ -126,7 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{READY_PREFIX} {server.address}", flush=True)
     stop.wait()
-    log.info("signal received; stopping (grace %.1f s)", grace_s)
+    if watch is not None:
+        watch.stop()
+    if orphaned.is_set():  # nobody is left to wait for this worker's answers
+        grace_s = min(grace_s, ORPHAN_GRACE_S)
+    why = "launcher gone" if orphaned.is_set() else "signal received"
+    log.info("%s; stopping (grace %.1f s)", why, grace_s)
     server.stop(grace_s)
     wait_for_threads(config.kv_connect_timeout_s + 1.0)
     return 0

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from worker.config import READY_PREFIX
+from worker.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger("pdserve.worker")
 
@@ -38,7 +39,7 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())},
         )
         lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
 

@@ -86,6 +86,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     address: str = ""
     kv: FakeKVWorker | None = None
     _server: grpc.aio.Server | None = None
+    # Cleared by `freeze`: token streams (and, frozen whole, GetStatus) wait for `thaw`.
+    _streams_run: asyncio.Event = field(default_factory=asyncio.Event)
+    _status_runs: asyncio.Event = field(default_factory=asyncio.Event)
     _next_transfer: int = 0
     _epoch: int = field(default_factory=lambda: time.monotonic_ns())
 
@@ -116,6 +119,21 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.config.block_size)
+
+    def __post_init__(self) -> None:
+        self._streams_run.set()
+        self._status_runs.set()
+
+    def freeze(self, status_too: bool = True) -> None:
+        """Stop every token stream where it is (as SIGSTOP would); `status_too`: GetStatus
+        does not answer either (frozen whole), else it does (a worker busy elsewhere)."""
+        self._streams_run.clear()
+        if status_too:
+            self._status_runs.clear()
+
+    def thaw(self) -> None:
+        self._streams_run.set()
+        self._status_runs.set()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -171,6 +189,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         while True:
             if self.config.token_delay_s:
                 await asyncio.sleep(self.config.token_delay_s)
+            await self._streams_run.wait()
             if request_id not in self.held:
                 raise _Aborted()
             if self.config.cut_stream_after and sent >= self.config.cut_stream_after:
@@ -196,6 +215,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         await self._enter("GetStatus", context)
+        await self._status_runs.wait()
         return worker_pb2.WorkerStatus(
             worker_id=self.config.worker_id,
             role=self.config.role,

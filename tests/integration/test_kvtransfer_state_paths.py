@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -190,12 +190,13 @@ def test_the_engines_deadline_while_a_layer_is_missing(
     pair: tuple[TorchDistTransport, TorchDistTransport],
 ):
     """The sending engine stops after one layer: its poll gives up at the deadline, or its
-    thread times out waiting for the layer first."""
+    thread sees the deadline first; either way the thread fills the stream (the pair goes
+    on)."""
     p, d = pair
     snd, rcv, _ = start(p, d, [14, 15], [22, 23], 2 * BLOCK, layers=1, timeout_s=0.5)
     results = drive([d, p], 2)
     assert not any(r.ok for r in results)
-    check_send(snd, [J, ST, GU, DO], [J, ST, DO])
+    check_send(snd, [J, ST, GU, FI, SE, DO], [J, ST, FI, SE, DO])
     if is_shm(d):
         check_recv(rcv, [OP, DE])
     else:  # decided at the deadline while the receives may land, or after they failed
@@ -212,3 +213,59 @@ def test_close_gives_up_a_transfer_in_flight(pair: tuple[TorchDistTransport, Tor
     assert {r.error for r in results} == {"transport closed"}, results
     check_send(snd, [J, ST, GU, DO], [J, GU, DO])
     check_recv(rcv, [OP, DE])
+
+
+@pytest.mark.parametrize("how", ["deadline", "sender_cancel", "receiver_cancel"])
+def test_one_transfers_end_leaves_the_pair_and_its_other_transfers_alone(
+    pair: tuple[TorchDistTransport, TorchDistTransport], how: str
+):
+    """Two transfers share the pair; one ends mid-stream by its own deadline or a cancel,
+    while the other is held (a layer not handed over yet). The other then completes with the
+    exact bytes, on the same pair (no re-join), and the pair carries a third transfer."""
+    p, d = pair
+    gen = p._sender._pairs[d.endpoint.key()].gen
+    ended_timeout = 0.3 if how == "deadline" else LONG
+    # Consecutive destination blocks: the receives go straight into the blocks (gloo).
+    _, _, ended = start(p, d, [4, 5], [10, 11], 2 * BLOCK, layers=1, timeout_s=ended_timeout)
+    _, _, kept = start(p, d, [6, 7], [12, 13], 2 * BLOCK, layers=1)
+    if how == "sender_cancel":
+        p.cancel(ended)
+    elif how == "receiver_cancel":
+        d.cancel(ended)
+        for layer in range(1, LAYERS):  # the sender, unaware, finishes its stream
+            p.send_layer(ended, layer)
+    first = drive([d, p], 2)  # both sides of the ended transfer; the kept one is held
+    assert {r.transfer_id for r in first} == {ended}, first
+    assert not any(r.ok for r in first), first
+    for layer in range(1, LAYERS):
+        p.send_layer(kept, layer)
+    second = drive([d, p], 2)
+    assert [r.ok for r in second] == [True, True], second
+    assert torch.equal(d._cache.kv[:, 12:14], p._cache.kv[:, 6:8])
+    assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
+    start(p, d, [8, 9], [14, 15], 2 * BLOCK)
+    assert all(r.ok for r in drive([d, p], 2))
+    assert torch.equal(d._cache.kv[:, 14:16], p._cache.kv[:, 8:10])
+    assert p._sender._pairs[d.endpoint.key()].gen == gen, "the pair was re-joined"
+
+
+def test_close_ends_helper_threads_blocked_on_the_wire(
+    pair: tuple[TorchDistTransport, TorchDistTransport],
+):
+    """A receiving thread blocked in a wait for a layer the sender has not handed over (its
+    bound is the exchange bound, seconds away) returns at once when its transport closes:
+    close tears the pairs down, so a stopping worker does not wait on it."""
+    p, d = pair
+    _, rcv, _ = start(p, d, [16, 17], [24, 25], 2 * BLOCK, layers=1)
+    wait_for(lambda: rcv.io_started, "the header was never accepted")
+    d.close()
+    wait_for(lambda: d._receiver is not None and d._receiver._helpers._pending == 0, "stuck")
+    p.close()
+    wait_for(lambda: p._sender._helpers._pending == 0, "a sending thread is still running")
+
+
+def wait_for(pred: Callable[[], bool], what: str, timeout_s: float = 2.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)

@@ -125,3 +125,76 @@ def test_a_stream_that_ends_without_finishing_moves_the_request(tiny_model_dir: 
             await c.assert_no_leaks()
 
     asyncio.run(scenario())
+
+
+async def _freeze_holder_after(
+    c: FakeCluster, rid: str, n: int, status_too: bool
+) -> tuple[grpc.aio.UnaryStreamCall, list[int], FakeWorker]:  # type: ignore[type-arg]
+    """Stream `rid` (30 tokens); after `n` tokens freeze the decode worker holding it."""
+    call = c.stub.Generate(req(rid, 30), timeout=30)
+    tokens: list[int] = []
+    while len(tokens) < n:
+        resp = await call.read()
+        assert resp is not grpc.aio.EOF
+        tokens += resp.token_ids
+    victim = next(w for w in c.decode if rid in w.held)
+    victim.freeze(status_too)
+    return call, tokens, victim
+
+
+async def _rest(call: grpc.aio.UnaryStreamCall, tokens: list[int]) -> ipb.FinalInfo | None:  # type: ignore[type-arg]
+    final = None
+    while (resp := await call.read()) is not grpc.aio.EOF:
+        tokens += resp.token_ids
+        if resp.HasField("final"):
+            final = resp.final
+    return final
+
+
+def test_a_frozen_decode_worker_s_stream_moves(tiny_model_dir: Path) -> None:
+    """The worker stops mid-stream and answers nothing (SIGSTOP): after `stall_timeout_s`
+    and a status call it does not answer, the request moves as from a dead worker; thawed,
+    the worker gets its blocks back (the router's Abort)."""
+
+    async def scenario() -> None:
+        worker = FakeWorkerConfig(token_delay_s=0.01)
+        async with fake_cluster(
+            tiny_model_dir, n_decode=2, worker=worker, stall_timeout_s=0.3
+        ) as c:
+            call, tokens, victim = await _freeze_holder_after(c, "frozen", 4, status_too=True)
+            final = await _rest(call, tokens)
+            assert tokens == list(range(8, 38)), tokens  # one unbroken stream
+            assert final is not None and final.migrations == 1
+            survivor = next(d for d in c.decode if d is not victim)
+            assert final.decode_worker == survivor.config.worker_id
+            victim.thaw()
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_stream_whose_worker_answers_is_kept(tiny_model_dir: Path) -> None:
+    """A stream silent past `stall_timeout_s` whose worker still answers status calls (a long
+    step, a queue) stays where it is."""
+
+    async def scenario() -> None:
+        worker = FakeWorkerConfig(token_delay_s=0.01)
+        async with fake_cluster(
+            tiny_model_dir,
+            n_decode=2,
+            worker=worker,
+            stall_timeout_s=0.1,
+            status_poll_interval_s=3600.0,  # only the stall watch calls GetStatus
+        ) as c:
+            call, tokens, victim = await _freeze_holder_after(c, "busy", 4, status_too=False)
+            asked = victim.calls["GetStatus"]
+            while victim.calls["GetStatus"] < asked + 2:  # the watch asked twice: it answered
+                await asyncio.sleep(0.01)
+            victim.thaw()
+            final = await _rest(call, tokens)
+            assert tokens == list(range(8, 38)), tokens
+            assert final is not None and final.migrations == 0
+            assert final.decode_worker == victim.config.worker_id
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())

@@ -89,3 +89,41 @@ def test_a_dead_child_is_reaped_restarted_then_given_up(tmp_path: Path) -> None:
     assert [e.detail for e in events if e.kind == "died"][1].count("exited with status 7") == 1
     assert ("decode", "role_down") in [(e.worker_id, e.kind) for e in events]
     assert all(p.popen.returncode is not None for p in [first, *spawned])  # reaped
+
+
+def test_a_child_that_exits_0_was_stopped_on_request_and_stays_down(tmp_path: Path) -> None:
+    """Exit status 0 is a drain the operator asked for (SIGTERM): no restart, the role is
+    reported down; `resume` starts it again."""
+    announce = "import time; print('READY w:1', flush=True); time.sleep(60)"
+    first = _child(tmp_path, "w0", "raise SystemExit(0)")
+    child = _Child("w0", "decode", "w:1", first)
+    events: list[SupervisionEvent] = []
+    spawned: list[ManagedProcess] = []
+
+    def respawn(dead: Supervised, n: int) -> ManagedProcess:
+        spawned.append(_child(tmp_path, f"w0-restart{n}", announce))
+        return spawned[-1]
+
+    cfg = SupervisionConfig(backoff_s=0.05, check_interval_s=0.02)
+    sup = ProcessSupervisor([child], cfg, respawn, READY, EventLog(["decode"], events.append))
+    sup.start()
+    try:
+        _wait_for(events, "role_down")
+        with sup._lock:  # "stopped" has no way out but `resume`: no restart can come
+            assert sup._watches[0].state == "stopped"
+        assert not spawned
+        sup.resume("w0")
+        _wait_for(events, "restarted")
+    finally:
+        stop_processes(sup.stop() + spawned)
+    kinds = [e.kind for e in events]
+    assert kinds == ["stopped", "role_down", "restarting", "restarted", "role_up"], kinds
+    assert "stopped on request (exited with status 0)" in events[0].detail
+    assert len(spawned) == 1
+
+
+def _wait_for(events: list[SupervisionEvent], kind: str) -> None:
+    deadline = time.monotonic() + 30
+    while not any(e.kind == kind for e in events):
+        assert time.monotonic() < deadline, events
+        time.sleep(0.02)
