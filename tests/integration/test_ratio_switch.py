@@ -4,7 +4,10 @@ Runs in the pytest process: a tiny-model cluster of 1 prefill + 2 decode worker 
 a router process (`tooling.planner.harness.start_cluster`), and in this process a sidecar
 pool + `RatioController` (adaptive) acting through the real `PoolActuator` (Worker.SetRole).
 While requests stream, the controller is fed TTFT misses, decides "decode -> prefill", drains
-the least-loaded decode worker and switches it. Checked: every request completes with all its
+the least-loaded decode worker and switches it. Both decode workers are busy when it decides by
+construction, not by speed: two long "anchor" requests (hundreds of decode steps each) are sent
+together first, and the router's own in-flight count puts them on different decode workers; the
+test waits on that state. Checked: every request completes with all its
 tokens; the decision and its `done` record are logged with their inputs; the pool and the
 worker report the new role; the router then prefills on the switched worker; every worker's
 free KV blocks return to their totals.
@@ -21,11 +24,12 @@ import pytest
 from model_runtime.config import ModelConfig
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
-from tooling.goodput.records import RequestSpec
+from tooling.goodput.records import RequestRecord, RequestSpec
 from tooling.planner.harness import Sidecar, send_all, start_cluster
 
 pytestmark = pytest.mark.slow
 
+ANCHOR_TOKENS = 900  # decode steps each anchor runs: far longer than the test's 10 ms poll
 ENGINE = {"block_size": 16, "num_kv_blocks": 256, "max_num_batched_tokens": 128, "max_num_seqs": 16}
 
 
@@ -52,15 +56,25 @@ async def _scenario(model: Path, tmp: Path) -> None:
             decisions_path=tmp / "decisions.jsonl",
         )
         controller = RatioController(config, sc.pool, sc.actuator)
+        anchors = asyncio.create_task(
+            send_all(
+                cluster.address,
+                [RequestSpec(i, 0.0, 24, ANCHOR_TOKENS) for i in range(2)],
+                vocab,
+                5,
+                "anchor",
+            )
+        )
         load = asyncio.create_task(send_all(cluster.address, specs(60, 12.0), vocab, 3, "pre"))
-        # wait until both decode workers hold running requests
-        for _ in range(400):
+        # wait on the state: both decode workers hold running requests (the anchors at least)
+        deadline = asyncio.get_running_loop().time() + 60.0
+        while True:
             await sc.pool.poll_once()
-            dec = [v for v in sc.pool.views() if v.role == "decode"]
-            if all(v.num_running > 0 for v in dec):
+            busy = {v.address: v.num_running for v in sc.pool.views() if v.role == "decode"}
+            if all(busy.values()) or anchors.done():
                 break
-            await asyncio.sleep(0.02)
-        busy = {v.address: v.num_running for v in sc.pool.views() if v.role == "decode"}
+            assert asyncio.get_running_loop().time() < deadline, busy
+            await asyncio.sleep(0.01)
         assert all(busy.values()), f"decode workers never all busy: {busy}"
         for _ in range(6):
             controller.observe(0.5, 0.01, True)  # TTFT misses (50 ms SLO), TPOT fine
@@ -72,6 +86,9 @@ async def _scenario(model: Path, tmp: Path) -> None:
         assert mover is not None
         await controller.wait_idle()
         records, _ = await load
+        anchored, _ = await anchors
+        assert len({r.decode_worker for r in anchored}) == 2, anchored
+        records += anchored
         # nothing dropped: every request completed with every token
         bad = [(r.request_id, r.status, r.error) for r in records if not r.ok]
         assert not bad, bad
@@ -86,10 +103,14 @@ async def _scenario(model: Path, tmp: Path) -> None:
         assert status.role == "prefill" and not status.draining
         # the router learns the role from its own poll and prefills on the mover
         mover_id = status.worker_id
-        await asyncio.sleep(1.0)
-        after, _ = await send_all(cluster.address, specs(16, 8.0), vocab, 4, "post")
+        # (its poll interval is 0.25 s: wait on the state, a request prefilled on the mover)
+        after: list[RequestRecord] = []
+        deadline = asyncio.get_running_loop().time() + 30.0
+        while not any(r.prefill_worker == mover_id for r in after):
+            assert asyncio.get_running_loop().time() < deadline, {r.prefill_worker for r in after}
+            batch, _ = await send_all(cluster.address, specs(8, 8.0), vocab, 4, "post")
+            after += batch
         assert all(r.ok for r in after)
-        assert any(r.prefill_worker == mover_id for r in after), {r.prefill_worker for r in after}
         assert all(r.decode_worker != mover_id for r in after)
         # the decision log holds the decision with its inputs, then its result
         lines = [json.loads(x) for x in (tmp / "decisions.jsonl").read_text().splitlines()]
