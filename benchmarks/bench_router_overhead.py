@@ -1,7 +1,7 @@
 """Latency the router adds per request, against calling the same workers directly.
 
 Runs as its own process: ``python -m benchmarks.bench_router_overhead [--requests 500]``
-from the repository root. The workers are real worker processes (``python -m worker``) on the
+from the repository root. The workers are real worker processes (``python -m worker_main``) on the
 tiny random model (about 1 M parameters, so a token costs little next to the hops), the router
 is ``python -m router``, and this process is the client: the router relays token k while the
 worker makes token k+1, as in a deployment. A worker's own time varies from call to call; the

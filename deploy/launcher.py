@@ -4,7 +4,7 @@ Runs in the process that launches (`pdserve up --no-ray`, e2e test fixtures). Ch
 started, awaited and stopped by `deploy.processes` (own session, log file, stop by PID, atexit
 clean-up); a cluster stops in order: router first, then workers.
 
-    workers = launch_workers(config)             # N x `python -m worker`, READY parsed
+    workers = launch_workers(config)             # N x `python -m worker_main`, READY parsed
     workers.addresses()                          # {"prefill": ["127.0.0.1:4711"], ...}
     router = launch_router_process(config.router_config(workers.addresses(), port=0))
     cluster = launch_local_cluster(config)       # both of the above: LocalCluster
@@ -62,14 +62,14 @@ ROUTER_READY = re.compile(
 
 
 def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0) -> list[str]:
-    """The command line of one worker process (`python -m worker ...`); `port` 0 picks one (a
+    """The command line of one worker process (`python -m worker_main ...`); `port` 0 picks one (a
     restart passes the worker's old port, so the router's address list stays valid)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     argv = [
         sys.executable,
         "-m",
-        "worker",
+        "worker_main",
         "--model",
         str(config.model.resolve()),
         "--role",

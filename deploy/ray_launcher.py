@@ -78,7 +78,7 @@ class WorkerActor:
         self, worker_config_json: str, port_file: str, cluster_secret: str | None = None
     ) -> None:
         from worker.config import WorkerConfig
-        from worker.server import WorkerServer
+        from worker_main import server as worker_server
 
         secret = (
             None if cluster_secret is None else ClusterSecret.from_text(cluster_secret, "actor")
@@ -94,7 +94,7 @@ class WorkerActor:
         path = Path(port_file)
         if path.is_file():  # a restart: take the port the router already knows
             update["port"] = int(path.read_text())
-        self._server = WorkerServer(config.model_copy(update=update), secret)
+        self._server = worker_server(config.model_copy(update=update), secret)
         self._address = self._server.start()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self._address.rpartition(":")[2])

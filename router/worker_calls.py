@@ -1,8 +1,12 @@
-"""The worker calls of one leg of a request (see `router.flow`): Reserve + Prefill + Decode on a
-(P, D) pair, or Generate on a colocated worker, and how their failures are classified.
+"""One leg of a request (see `router.flow`): one attempt to place it on workers — Reserve +
+Prefill + Decode on a (P, D) pair, or Generate on a colocated worker — and how the calls'
+failures are classified.
 
-Runs in the router process, inside the `Generate` handler's task, on behalf of a
-`flow.RequestRun` (its holders, in-flight tracking, facts and deadline). Failure classes:
+Runs in the router process, inside the `Generate` handler's task. A `Leg` owns everything of
+its attempt: the workers that may hold the request (`holders`), the in-flight counts it adds
+to the pool (dropped by `close`), the worker ids and the timings it measured (`LegReport`) and
+the worker its stream comes from. The request (`flow.RequestRun`) owns its legs and reads them;
+a leg never calls back into the request. Failure classes:
 
 - before the leg's first token: `errors.Retryable` (UNAVAILABLE / no KV room) names the worker
   at fault — the one called, or the KV peer its answer blames (`trailers.FAILED_PEER`) — and the
@@ -17,7 +21,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,10 +28,8 @@ from proto.pdserve.v1 import worker_pb2
 from proto.pdserve.v1.trailers import failed_peer
 from router.errors import Retryable, RouterError, worker_error
 from router.policy import WorkerView
+from router.pool import WorkerPool
 from router.validation import ValidatedRequest
-
-if TYPE_CHECKING:
-    from router.flow import RequestRun
 
 Chunks = AsyncGenerator[worker_pb2.TokenChunk]
 
@@ -56,7 +57,7 @@ LOST = frozenset(
 
 
 @dataclass(frozen=True)
-class Leg:
+class LegSpec:
     """What one placement of the request asks of its workers: `prompt` (the client's prompt,
     plus the tokens already sent after a migration), the tokens still to generate and how many
     were sampled before (`WorkerSampling.num_sampled`)."""
@@ -81,199 +82,244 @@ class WorkerLost(Exception):
         self.message = message
 
 
-async def blame(
-    run: RequestRun,
-    exc: grpc.aio.AioRpcError,
-    what: str,
-    address: str,
-    peer_address: str = "",
-) -> str:
-    """Mark the worker at fault for an UNAVAILABLE call unhealthy (until its next good poll)
-    and return its address: the worker called, or, when its answer names its KV peer as the one
-    that failed (`trailers.FAILED_PEER`), that peer at `peer_address`."""
-    culprit = address
-    if peer_address and failed_peer(exc.trailing_metadata()) is not None:
-        culprit = peer_address
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        await run.pool.report_failure(culprit, f"{what} on {address}: {exc.details()}")
-    return culprit
+@dataclass
+class LegReport:
+    """What one leg measured (milliseconds) and where it ran; the request reports its first
+    leg's timings and its latest leg's workers in the final message."""
+
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    cached_tokens: int = 0
+    prefill_queue_ms: float = 0.0
+    prefill_compute_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    decode_admission_ms: float = 0.0
+    first_decode_step_ms: float = 0.0
 
 
-async def reserve_and_prefill(
-    run: RequestRun, leg: Leg, p: WorkerView, d: WorkerView, cached: int
-) -> Chunks:
-    """Reserve on D, Prefill on P; the leg's chunk stream (first token, then Decode on D)."""
-    facts = run.client.facts
-    facts.prefill_worker, facts.decode_worker = p.worker_id, d.worker_id
-    sampling = leg.sampling(run.req)
-    d_stub, p_stub = run.pool.stub(d.address), run.pool.stub(p.address)
-    run.track(d.address)  # D is busy until the end of the leg
-    # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a cancel
-    # from here on must still send D an Abort.
-    run.holders.add(d.address)
-    try:
-        left = run.remaining()
-        reserved = await d_stub.Reserve(
-            worker_pb2.ReserveRequest(
-                request_id=run.request_id,
-                num_prompt_tokens=len(leg.prompt),
-                max_tokens=leg.max_tokens,
-                timeout_s=left,
-            ),
-            timeout=left,
-        )
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in NOTHING_RESERVED:
-            run.holders.discard(d.address)
-        await blame(run, exc, "Reserve", d.address)
-        err = worker_error(exc, f"Reserve on decode worker {d.address}")
-        if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-            raise Retryable(err.code, err.message, d.address) from exc
-        raise err from exc
-    run.holders.add(p.address)
-    try:
-        with run.pool.track(p.address), run.pool.track_prefill(p.address, len(leg.prompt), cached):
-            left = run.remaining()
-            resp = await p_stub.Prefill(
-                worker_pb2.PrefillRequest(
-                    request_id=run.request_id,
-                    prompt_token_ids=leg.prompt,
-                    sampling=sampling,
-                    ticket=reserved.ticket,
+class Leg:
+    """One attempt to place a request on workers (module docstring). Create one per attempt;
+    `close()` it when it ends, whatever happened (idempotent).
+
+    `holders`: the workers that may hold blocks or state of this request for this leg (each
+    must get an Abort if the request ends early); a worker leaves it when it released the
+    request itself (a finished stream, a Reserve that reserved nothing, a Prefill answered)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        spec: LegSpec,
+        req: ValidatedRequest,
+        pool: WorkerPool,
+        deadline: float,
+    ) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.req = req
+        self.pool = pool
+        self.deadline = deadline  # loop.time() by which everything must be over
+        self.holders: set[str] = set()
+        self.report = LegReport()
+        self.streaming_from = ""  # the worker whose stream feeds the client ("" before)
+        self._tracking = contextlib.ExitStack()
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline; raises DEADLINE_EXCEEDED when none are."""
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
+        return left
+
+    def close(self) -> None:
+        """Drop this leg's in-flight counts on its workers."""
+        self._tracking.close()
+
+    def release(self, address: str) -> bool:
+        """`address` no longer holds this leg (it failed, or was aborted by the caller);
+        whether it did."""
+        held = address in self.holders
+        self.holders.discard(address)
+        return held
+
+    async def blame(
+        self, exc: grpc.aio.AioRpcError, what: str, address: str, peer_address: str = ""
+    ) -> str:
+        """Mark the worker at fault for an UNAVAILABLE call unhealthy (until its next good
+        poll) and return its address: the worker called, or, when its answer names its KV
+        peer as the one that failed (`trailers.FAILED_PEER`), that peer at `peer_address`."""
+        culprit = address
+        if peer_address and failed_peer(exc.trailing_metadata()) is not None:
+            culprit = peer_address
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            await self.pool.report_failure(culprit, f"{what} on {address}: {exc.details()}")
+        return culprit
+
+    async def reserve_and_prefill(self, p: WorkerView, d: WorkerView, cached: int) -> Chunks:
+        """Reserve on D, Prefill on P; the leg's chunk stream (first token, then Decode on D)."""
+        spec, report = self.spec, self.report
+        report.prefill_worker, report.decode_worker = p.worker_id, d.worker_id
+        sampling = spec.sampling(self.req)
+        d_stub, p_stub = self.pool.stub(d.address), self.pool.stub(p.address)
+        self._tracking.enter_context(self.pool.track(d.address))  # D is busy until the end
+        # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a
+        # cancel from here on must still send D an Abort.
+        self.holders.add(d.address)
+        try:
+            left = self.remaining()
+            reserved = await d_stub.Reserve(
+                worker_pb2.ReserveRequest(
+                    request_id=self.request_id,
+                    num_prompt_tokens=len(spec.prompt),
+                    max_tokens=spec.max_tokens,
                     timeout_s=left,
                 ),
                 timeout=left,
             )
-    except grpc.aio.AioRpcError as exc:
-        culprit = await blame(run, exc, "Prefill", p.address, d.address)
-        err = worker_error(exc, f"Prefill on prefill worker {p.address}")
-        if err.code == grpc.StatusCode.UNAVAILABLE:
-            raise Retryable(err.code, err.message, culprit) from exc
-        raise err from exc
-    run.holders.discard(p.address)  # P frees its blocks once the transfer result is known
-    if not run.migrations:
-        t = run.timings
-        t.prefill_queue_ms, t.prefill_compute_ms = resp.queue_ms, resp.compute_ms
-        t.kv_transfer_ms = resp.transfer_ms
-        facts.cached_tokens = resp.cached_tokens
-    first = worker_pb2.TokenChunk(
-        token_ids=[resp.first_token],
-        finished=resp.finished,
-        finish_reason=(resp.finish_reason or "length") if resp.finished else "",
-        logprobs=[resp.first_logprob] if resp.HasField("first_logprob") else [],
-    )
-    decode = worker_pb2.DecodeRequest(
-        request_id=run.request_id,
-        transfer_id=reserved.ticket.transfer_id,
-        first_token=resp.first_token,
-        prompt_token_ids=leg.prompt,
-        sampling=sampling,
-    )
-    return decode_stream(run, first, d.address, decode)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in NOTHING_RESERVED:
+                self.holders.discard(d.address)
+            await self.blame(exc, "Reserve", d.address)
+            err = worker_error(exc, f"Reserve on decode worker {d.address}")
+            if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise Retryable(err.code, err.message, d.address) from exc
+            raise err from exc
+        self.holders.add(p.address)
+        try:
+            with (
+                self.pool.track(p.address),
+                self.pool.track_prefill(p.address, len(spec.prompt), cached),
+            ):
+                left = self.remaining()
+                resp = await p_stub.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=self.request_id,
+                        prompt_token_ids=spec.prompt,
+                        sampling=sampling,
+                        ticket=reserved.ticket,
+                        timeout_s=left,
+                    ),
+                    timeout=left,
+                )
+        except grpc.aio.AioRpcError as exc:
+            culprit = await self.blame(exc, "Prefill", p.address, d.address)
+            err = worker_error(exc, f"Prefill on prefill worker {p.address}")
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                raise Retryable(err.code, err.message, culprit) from exc
+            raise err from exc
+        self.holders.discard(p.address)  # P frees its blocks once the transfer result is known
+        report.prefill_queue_ms, report.prefill_compute_ms = resp.queue_ms, resp.compute_ms
+        report.kv_transfer_ms = resp.transfer_ms
+        report.cached_tokens = resp.cached_tokens
+        first = worker_pb2.TokenChunk(
+            token_ids=[resp.first_token],
+            finished=resp.finished,
+            finish_reason=(resp.finish_reason or "length") if resp.finished else "",
+            logprobs=[resp.first_logprob] if resp.HasField("first_logprob") else [],
+        )
+        decode = worker_pb2.DecodeRequest(
+            request_id=self.request_id,
+            transfer_id=reserved.ticket.transfer_id,
+            first_token=resp.first_token,
+            prompt_token_ids=spec.prompt,
+            sampling=sampling,
+        )
+        return self._decode_stream(first, d.address, decode)
 
+    async def start_colocated(self, w: WorkerView) -> Chunks:
+        """Start `Generate` on `w` and wait for its first chunk (retryable until then); the
+        leg's chunk stream."""
+        report = self.report
+        report.prefill_worker = report.decode_worker = w.worker_id
+        self.holders.add(w.address)
+        self._tracking.enter_context(self.pool.track(w.address))
+        left = self.remaining()
+        call = self.pool.stub(w.address).Generate(
+            worker_pb2.WorkerGenerateRequest(
+                request_id=self.request_id,
+                prompt_token_ids=self.spec.prompt,
+                sampling=self.spec.sampling(self.req),
+                timeout_s=left,
+            ),
+            timeout=left,
+        )
+        stream = self._chunks_of(call, w.address)
+        try:
+            with self.pool.track_prefill(w.address, len(self.spec.prompt), 0):
+                first = await anext(stream)
+        except StreamFailed as failed:
+            await self.blame(failed.exc, "Generate", w.address)
+            err = worker_error(failed.exc, f"Generate on colocated worker {w.address}")
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                raise Retryable(err.code, err.message, w.address) from failed.exc
+            raise err from failed.exc
+        except StopAsyncIteration:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "colocated stream was empty") from None
+        except asyncio.CancelledError:
+            await stream.aclose()  # cancels the worker call now, not at garbage collection
+            raise
+        report.prefill_queue_ms, report.prefill_compute_ms = first.admission_ms, first.first_step_ms
+        report.cached_tokens = first.cached_tokens
+        self.streaming_from = w.address
 
-async def start_colocated(run: RequestRun, leg: Leg, w: WorkerView) -> Chunks:
-    """Start `Generate` on `w` and wait for its first chunk (retryable until then); the leg's
-    chunk stream."""
-    facts = run.client.facts
-    facts.prefill_worker = facts.decode_worker = w.worker_id
-    run.holders.add(w.address)
-    run.track(w.address)
-    left = run.remaining()
-    call = run.pool.stub(w.address).Generate(
-        worker_pb2.WorkerGenerateRequest(
-            request_id=run.request_id,
-            prompt_token_ids=leg.prompt,
-            sampling=leg.sampling(run.req),
-            timeout_s=left,
-        ),
-        timeout=left,
-    )
-    stream = chunks_of(run, call, w.address)
-    try:
-        with run.pool.track_prefill(w.address, len(leg.prompt), 0):
-            first = await anext(stream)
-    except StreamFailed as failed:
-        await blame(run, failed.exc, "Generate", w.address)
-        err = worker_error(failed.exc, f"Generate on colocated worker {w.address}")
-        if err.code == grpc.StatusCode.UNAVAILABLE:
-            raise Retryable(err.code, err.message, w.address) from failed.exc
-        raise err from failed.exc
-    except StopAsyncIteration:
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, "colocated stream was empty") from None
-    except asyncio.CancelledError:
-        await stream.aclose()  # cancels the worker call now, not at garbage collection
-        raise
-    if not run.migrations:
-        t = run.timings
-        t.prefill_queue_ms, t.prefill_compute_ms = first.admission_ms, first.first_step_ms
-        facts.cached_tokens = first.cached_tokens
+        async def rest() -> Chunks:
+            async with contextlib.aclosing(stream):
+                yield first
+                async for chunk in self._lost_on_failure(stream, "Generate", w.address):
+                    yield chunk
 
-    run.streaming_from = w.address
+        return rest()
 
-    async def rest() -> Chunks:
-        async with contextlib.aclosing(stream):
-            yield first
-            async for chunk in lost_on_failure(run, stream, "Generate", w.address):
-                yield chunk
-
-    return rest()
-
-
-async def decode_stream(
-    run: RequestRun, first: worker_pb2.TokenChunk, addr: str, request: worker_pb2.DecodeRequest
-) -> Chunks:
-    """The leg's first token, then (unless it ended the request: D then gets an Abort from
-    `holders`) the Decode stream on the reserved decode worker."""
-    yield first
-    if first.finished:
-        return
-    run.streaming_from = addr
-    left = run.remaining()
-    request.timeout_s = left
-    call = run.pool.stub(addr).Decode(request, timeout=left)
-    head = True
-    chunks = lost_on_failure(run, chunks_of(run, call, addr), "Decode", addr)
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            if head and not run.migrations:
-                t = run.timings
-                t.decode_admission_ms = chunk.admission_ms
-                t.first_decode_step_ms = chunk.first_step_ms
-            head = False
-            yield chunk
-
-
-async def lost_on_failure(run: RequestRun, chunks: Chunks, what: str, addr: str) -> Chunks:
-    """`chunks`, turning a failure the request can survive on another worker (`LOST`) into
-    `WorkerLost` and any other into the client's status."""
-    try:
+    async def _decode_stream(
+        self, first: worker_pb2.TokenChunk, addr: str, request: worker_pb2.DecodeRequest
+    ) -> Chunks:
+        """The leg's first token, then (unless it ended the request: D then gets an Abort from
+        `holders`) the Decode stream on the reserved decode worker."""
+        yield first
+        if first.finished:
+            return
+        self.streaming_from = addr
+        left = self.remaining()
+        request.timeout_s = left
+        call = self.pool.stub(addr).Decode(request, timeout=left)
+        head = True
+        chunks = self._lost_on_failure(self._chunks_of(call, addr), "Decode", addr)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
+                if head:
+                    self.report.decode_admission_ms = chunk.admission_ms
+                    self.report.first_decode_step_ms = chunk.first_step_ms
+                head = False
                 yield chunk
-    except StreamFailed as failed:
-        await blame(run, failed.exc, what, addr)
-        err = worker_error(failed.exc, f"{what} on worker {addr}")
-        if failed.exc.code() in LOST:
-            raise WorkerLost(addr, err.message) from failed.exc
-        raise err from failed.exc
 
+    async def _lost_on_failure(self, chunks: Chunks, what: str, addr: str) -> Chunks:
+        """`chunks`, turning a failure the request can survive on another worker (`LOST`) into
+        `WorkerLost` and any other into the client's status."""
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        except StreamFailed as failed:
+            await self.blame(failed.exc, what, addr)
+            err = worker_error(failed.exc, f"{what} on worker {addr}")
+            if failed.exc.code() in LOST:
+                raise WorkerLost(addr, err.message) from failed.exc
+            raise err from failed.exc
 
-async def chunks_of(
-    run: RequestRun, call: grpc.aio.UnaryStreamCall[object, worker_pb2.TokenChunk], addr: str
-) -> Chunks:
-    """Iterate a worker stream; cancel the call if the consumer stops early."""
-    try:
-        async for chunk in call:
-            if chunk.finished:
-                run.holders.discard(addr)  # the worker released the request itself
-            yield chunk
-            if chunk.finished:
-                return
-    except grpc.aio.AioRpcError as exc:
-        raise StreamFailed(exc) from exc
-    finally:
-        call.cancel()
+    async def _chunks_of(
+        self, call: grpc.aio.UnaryStreamCall[object, worker_pb2.TokenChunk], addr: str
+    ) -> Chunks:
+        """Iterate a worker stream; cancel the call if the consumer stops early."""
+        try:
+            async for chunk in call:
+                if chunk.finished:
+                    self.holders.discard(addr)  # the worker released the request itself
+                yield chunk
+                if chunk.finished:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise StreamFailed(exc) from exc
+        finally:
+            call.cancel()
 
 
 class StreamFailed(Exception):

@@ -1,6 +1,6 @@
 """`WorkerConfig`: everything one worker process is started with. Torch-free.
 
-Used by the worker process (`python -m worker`), the launchers that build its command line or
+Used by the worker process (`python -m worker_main`), the launchers that build its command line or
 Ray actor (`deploy.launcher`, `deploy.ray_launcher`) and the cluster config (`deploy.config`).
 """
 

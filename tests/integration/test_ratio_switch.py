@@ -54,6 +54,10 @@ async def _scenario(model: Path, tmp: Path) -> None:
             cooldown_s=1,
             drain_timeout_s=30,
             decisions_path=tmp / "decisions.jsonl",
+            # the decision rests on the fed TTFT misses alone, not on how long the queues
+            # happen to be on this machine at this instant (a loaded CPU queues decode work)
+            backlog=1e9,
+            kv_high=1.0,
         )
         controller = RatioController(config, sc.pool, sc.actuator)
         anchors = asyncio.create_task(

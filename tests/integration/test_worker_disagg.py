@@ -1,6 +1,6 @@
 """Prefill and decode worker processes driven by a direct gRPC client playing the router.
 
-Real processes (`python -m worker`, started by fixtures, ready on their READY line,
+Real processes (`python -m worker_main`, started by fixtures, ready on their READY line,
 stopped by PID) on the tiny model; KV moves over gloo. The client runs the router's hand-off:
 Reserve on D -> Prefill on P with the ticket -> Decode stream on D. Oracle: the colocated
 LLMEngine in this process, greedy, one prompt at a time. After every test both workers' free
