@@ -50,7 +50,7 @@ def _quantile(xs: list[float], q: float) -> float:
 def _make_model(out: Path) -> Path:
     """Build the tiny random model in a child process (this process stays torch-free)."""
     code = (
-        "import sys; from model_runtime.random_model import make_random_model as m; m(sys.argv[1])"
+        "import sys; from tooling.models.random_model import make_random_model as m; m(sys.argv[1])"
     )
     subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO)
     return out

@@ -243,7 +243,7 @@ def demo_config(model: Path, out: Path, seed: int = 0) -> Any:
 
 
 def demo_main(args: argparse.Namespace) -> int:
-    from model_runtime.random_model import make_random_model
+    from tooling.models.random_model import make_random_model
 
     model = Path(args.model)
     if not (model / "config.json").is_file():

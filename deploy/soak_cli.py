@@ -50,7 +50,7 @@ def add_soak_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def soak_main(args: argparse.Namespace) -> int:
-    from model_runtime.random_model import make_random_model
+    from tooling.models.random_model import make_random_model
     from tooling.soak.config import SoakConfig
     from tooling.soak.run import run_soak
 

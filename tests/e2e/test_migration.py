@@ -41,13 +41,7 @@ T = float(np.float32(0.8))  # the wire carries float32
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
-    overrides: dict[str, object] = {
-        "drain_timeout_s": 0.5,
-        "supervision.backoff_s": 0.1,
-        # a live worker starved of CPU (a loaded machine) must not read as dead: these tests
-        # kill and stop workers, whose polls fail at once (refused, NOT_SERVING), not slowly
-        "router.status_poll_timeout_s": 10.0,
-    }
+    overrides: dict[str, object] = {"drain_timeout_s": 0.5, "supervision.backoff_s": 0.1}
     yield from start_cluster("migration", "disagg", overrides, prefill=1, decode=2)
 
 
