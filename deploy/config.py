@@ -141,6 +141,17 @@ class RouterSection(_Frozen):
     status_poll_interval_s: float = Field(
         default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
     )
+    status_poll_timeout_s: float = Field(
+        default=RouterConfig.model_fields["status_poll_timeout_s"].default,
+        gt=0,
+        description="Timeout of one GetStatus poll; a timeout is a miss, not a failure.",
+    )
+    status_poll_misses: int = Field(
+        default=RouterConfig.model_fields["status_poll_misses"].default,
+        ge=1,
+        description="Consecutive poll timeouts that mark a worker unhealthy (a refused "
+        "connection marks it at once).",
+    )
     max_migrations: int = Field(
         default=RouterConfig.model_fields["max_migrations"].default,
         ge=0,
@@ -365,6 +376,8 @@ class ClusterConfig(_Frozen):
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
+            "status_poll_timeout_s": r.status_poll_timeout_s,
+            "status_poll_misses": r.status_poll_misses,
             "max_migrations": r.max_migrations,
             "shutdown_grace_s": r.shutdown_grace_s,
             "ratio": self.ratio,

@@ -229,6 +229,8 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
+    argv += ["--status-poll-timeout-s", str(rc.status_poll_timeout_s)]
+    argv += ["--status-poll-misses", str(rc.status_poll_misses)]
     argv += ["--max-migrations", str(rc.max_migrations)]
     argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
     if rc.model_name:

@@ -104,7 +104,14 @@ class RouterConfig(BaseModel):
     status_poll_timeout_s: float = Field(
         default=0.5,
         gt=0,
-        description="Timeout of one GetStatus call; a miss marks the worker unhealthy.",
+        description="Timeout of one GetStatus call; a timeout is a miss (the worker is slow), "
+        "not a failure.",
+    )
+    status_poll_misses: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive GetStatus timeouts that mark a worker unhealthy; a refused "
+        "connection or any other error marks it unhealthy at once.",
     )
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Timeout of cleanup Abort calls.")
     shutdown_grace_s: float = Field(

@@ -197,7 +197,7 @@ def test_router_config_and_command_lines() -> None:
     niced = load_cluster_config(None, {"model": "m", "worker_nice": 7})
     wargv = worker_argv(niced, "decode-0", "decode")
     assert wargv[wargv.index("--nice") + 1] == "7"
-    cli = wargv[wargv.index("worker") + 1 :]
+    cli = wargv[wargv.index("worker_main") + 1 :]
     assert parse_worker_args(cli)[0].nice == 7
     assert json.loads(wargv[wargv.index("--engine-json") + 1]) == c.engine.model_dump(mode="json")
 
