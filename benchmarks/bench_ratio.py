@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.tool_launchers import launch_cluster
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from tooling.cpu import CpuMeter
@@ -270,7 +271,10 @@ async def main_async(args: argparse.Namespace) -> int:
         "load_avg_start": os.getloadavg()[0],
         "runs": [],
     }
-    cluster = start_cluster(Path(args.model), args.workers, engine, args.threads, out / "logs")
+    logs = out / "logs"
+    cluster = start_cluster(
+        Path(args.model), args.workers, engine, args.threads, logs, launch_cluster
+    )
     with contextlib.suppress(PermissionError, OSError):
         os.nice(-10)  # after the children started: the load generator's sends are not delayed
     try:

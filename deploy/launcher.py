@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from deploy.config import ClusterConfig, Role, check_model_dir
 from deploy.processes import (
@@ -52,6 +53,7 @@ from router.prefix_index.config import REDIS_PASSWORD_ENV, RedisIndexConfig, str
 from router.ratio.config import RatioConfig
 from security.channels import ClientSecurity, InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
+from tooling.launch import WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,15 @@ class ProcessWorkers:
     def pids(self) -> list[int]:
         """The workers' current pids (a restarted worker has a new one)."""
         return [w.process.pid for w in self.workers]
+
+    def members(self) -> list[WorkerRef]:
+        """The workers, in launch order (`tooling.launch.Workers`)."""
+        return [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers]
+
+    def live_pid(self, worker_id: str) -> int | None:
+        """The pid running `worker_id` now; None while it is dead (before its restart)."""
+        w = next(w for w in self.workers if w.worker_id == worker_id)
+        return w.process.pid if w.process.running() else None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop supervising, SIGTERM every worker (each drains for up to its own
@@ -334,6 +345,20 @@ class LocalCluster:
     def pids(self) -> list[int]:
         routers = [self.router, *self.extra_routers]
         return [r.process.pid for r in routers] + self.workers.pids()
+
+    def members(self) -> list[WorkerRef]:
+        """The workers, in launch order (`tooling.launch.Cluster`)."""
+        return [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers.workers]
+
+    def labelled_pids(self) -> dict[str, int]:
+        """{"router": pid, <worker id>: pid, ...} now (`tooling.launch.Cluster`)."""
+        out = {"router": self.router.process.pid}
+        out.update({w.worker_id: w.process.pid for w in self.workers.workers})
+        return out
+
+    def effective_config(self) -> dict[str, Any]:
+        """The cluster config as JSON-able data (`tooling.launch.Cluster`)."""
+        return self.config.model_dump(mode="json")
 
     def add_router(self, **overrides: object) -> RouterProcess:
         """Another router over the same workers (e.g. a smaller queue), stopped with the

@@ -59,6 +59,7 @@ from deploy.processes import wait_serving
 from deploy.supervision import EventLog, SupervisionEvent
 from security.channels import InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
+from tooling.launch import WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,20 @@ class RayWorkers:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers]
 
+    def members(self) -> list[WorkerRef]:
+        """The workers, in launch order (`tooling.launch.Workers`)."""
+        return [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers]
+
+    def live_pid(self, worker_id: str) -> int | None:
+        """The pid running `worker_id` now, asked of its actor (2 s); when it cannot answer
+        (restarting, or SIGSTOPped), the supervisor's last pid if that process still runs."""
+        w = next(w for w in self.workers if w.worker_id == worker_id)
+        try:
+            return int(ray.get(w.actor.pid.remote(), timeout=2.0))
+        except (GetTimeoutError, ActorUnavailableError, RayActorError) as exc:
+            log.info("pid of %s: no answer (%s); the supervisor's last pid", worker_id, exc)
+        return w.pid if _running(w.pid) else None
+
     @property
     def events(self) -> list[SupervisionEvent]:
         """Deaths, restarts, given-up workers and role changes seen so far."""
@@ -253,6 +268,15 @@ class RayWorkers:
         remove_placement_group(self.placement_group)
         if self.owns_ray:
             ray.shutdown()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (/proc/<pid>/stat's state field)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: str) -> str:

@@ -7,10 +7,10 @@ While requests stream, the controller is fed TTFT misses, decides "decode -> pre
 the least-loaded decode worker and switches it. Both decode workers are busy when it decides by
 construction, not by speed: two long "anchor" requests (hundreds of decode steps each) are sent
 one after the other: the second is sent once the first runs on a decode worker, so the
-least-load policy puts it on the other; the test waits on each state. Checked: every request completes with all its
-tokens; the decision and its `done` record are logged with their inputs; the pool and the
-worker report the new role; the router then prefills on the switched worker; every worker's
-free KV blocks return to their totals.
+least-load policy puts it on the other; the test waits on each state. Checked: every request
+completes with all its tokens; the decision and its `done` record are logged with their inputs;
+the pool and the worker report the new role; the router then prefills on the switched worker;
+every worker's free KV blocks return to their totals.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.tool_launchers import launch_cluster
 from model_runtime.config import ModelConfig
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
@@ -39,7 +40,7 @@ def specs(n: int, rate: float, t0: float = 0.0) -> list[RequestSpec]:
 
 async def _scenario(model: Path, tmp: Path) -> None:
     vocab = ModelConfig.from_model_dir(model).vocab_size
-    cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs")
+    cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs", launch_cluster)
     try:
         roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
         sc = Sidecar(roles, internal=cluster.workers.internal)  # type: ignore[arg-type]
