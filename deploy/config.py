@@ -314,8 +314,8 @@ class ClusterConfig(_Frozen):
         return self
 
     def _check_ratio(self) -> None:
-        """`[ratio]` against the topology: disagg only, no scaling (no launcher implements a
-        `WorkerScaler` yet), and the starting counts inside the bounds."""
+        """`[ratio]` against the topology: disagg only, and the starting counts inside the
+        bounds."""
         ratio, w = self.ratio, self.workers
         if not ratio.enabled:
             return
@@ -323,12 +323,6 @@ class ClusterConfig(_Frozen):
             raise ValueError(
                 f"ratio.mode={ratio.mode!r} tunes prefill:decode workers; it needs mode "
                 f"'disagg', got mode={self.mode!r}"
-            )
-        if ratio.allow_scale_out or ratio.allow_scale_in:
-            raise ValueError(
-                "ratio.allow_scale_out / ratio.allow_scale_in: no launcher can add or remove "
-                f"workers yet (got allow_scale_out={ratio.allow_scale_out}, "
-                f"allow_scale_in={ratio.allow_scale_in}); the controller only switches roles"
             )
         try:
             ratio.check_counts(w.prefill, w.decode)

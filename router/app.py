@@ -333,13 +333,13 @@ def make_ratio_controller(
     """The (not yet started) ratio controller for `config.ratio`: None in mode 'fixed';
     'advisory' without an actuator; 'adaptive' with a `PoolActuator` whose `on_role_change`
     adds an indexer for a worker that became prefill/colocated and removes the indexer of one
-    that became anything else or left."""
+    that became anything else."""
     if not config.ratio.enabled:
         return None
     if config.ratio.mode == "advisory":
         return RatioController(config.ratio, pool)
 
-    async def on_role_change(address: str, role: Role | None) -> None:
+    async def on_role_change(address: str, role: Role) -> None:
         if role in ("prefill", "colocated"):
             indexers.add(address, sources(address))
         else:

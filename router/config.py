@@ -180,12 +180,6 @@ class RouterConfig(BaseModel):
                 f"ratio.mode={r.mode!r} tunes prefill:decode workers; it needs mode 'disagg', "
                 f"got mode={self.mode!r}"
             )
-        if r.allow_scale_out or r.allow_scale_in:
-            raise ValueError(
-                "ratio.allow_scale_out / ratio.allow_scale_in: the router has no launcher to "
-                f"add or remove workers (got allow_scale_out={r.allow_scale_out}, "
-                f"allow_scale_in={r.allow_scale_in}); it can only switch roles"
-            )
         try:
             r.check_counts(len(self.prefill_addrs), len(self.decode_addrs))
         except ValueError as exc:
