@@ -47,7 +47,7 @@ from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_to_proto
-from worker.roles import Role, ms
+from worker.roles import RoleHandler, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class _Reservation:
     freed: bool = False
 
 
-class DecodeRole(Role):
+class DecodeRole(RoleHandler):
     """`Reserve` + `Decode` (see the module docstring)."""
 
     name = "decode"

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
+from proto.pdserve.v1.roles import ROLES, Role
 from router.config import RouterConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
@@ -54,7 +55,6 @@ from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
 
 Mode = Literal["disagg", "colocated"]
-Role = Literal["prefill", "decode", "colocated"]
 
 
 class _Frozen(BaseModel):
@@ -342,8 +342,7 @@ class ClusterConfig(_Frozen):
         """(worker_id, role) of every worker to start, in a stable order:
         prefill-0.., decode-0.., colocated-0.."""
         out: list[tuple[str, Role]] = []
-        roles: tuple[Role, ...] = ("prefill", "decode", "colocated")
-        for role in roles:
+        for role in ROLES:
             out += [(f"{role}-{i}", role) for i in range(getattr(self.workers, role))]
         return out
 

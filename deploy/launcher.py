@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.config import ClusterConfig, Role, check_model_dir
+from deploy.config import ClusterConfig, check_model_dir
 from deploy.processes import (
     ManagedProcess,
     child_env,
@@ -48,6 +48,7 @@ from deploy.supervision import (
     Supervised,
     SupervisionEvent,
 )
+from proto.pdserve.v1.roles import Role
 from router.config import RouterConfig
 from router.prefix_index.config import REDIS_PASSWORD_ENV, RedisIndexConfig, strip_password
 from router.ratio.config import RatioConfig

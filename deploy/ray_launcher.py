@@ -53,10 +53,11 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.config import ClusterConfig, Role, check_model_dir
+from deploy.config import ClusterConfig, check_model_dir
 from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_collision
 from deploy.processes import wait_serving
 from deploy.supervision import EventLog, SupervisionEvent
+from proto.pdserve.v1.roles import Role
 from security.channels import InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
 from tooling.launch import WorkerRef

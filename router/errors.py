@@ -5,7 +5,7 @@ client's status once, at the edge: the gRPC `Generate` handler (a gRPC status) o
 (an OpenAI error object with the matching HTTP status). `InvalidRequest` is the
 INVALID_ARGUMENT case and keeps the offending field's path, so each edge can name the field in
 its own vocabulary. `worker_error` maps a failed worker call to the status the client gets,
-following DESIGN.md's error table.
+following the status table in `router/server.py`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Retryable(RouterError):
 
 
 def worker_error(exc: grpc.aio.AioRpcError, what: str) -> RouterError:
-    """Map a failed worker call to the status the client gets (DESIGN.md's error table)."""
+    """Map a failed worker call to the status the client gets (`router/server.py`'s table)."""
     code = exc.code()
     text = f"{what} failed: {code.name}: {exc.details()}"
     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):

@@ -1,5 +1,5 @@
 """What a routing policy sees: frozen snapshots of workers (`WorkerView`) and of a request
-(`RouteRequest`), and the worker roles.
+(`RouteRequest`); the worker roles are `proto.pdserve.v1.roles`'s.
 
 Runs in the router process. Pure data, no I/O. Below `router.policy` and `router.pair_scoring`,
 which both read these views (the policy seam itself lives in `router.policy`).
@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from model_runtime.hashing import BlockHash
+from proto.pdserve.v1.roles import ROLES, Role
 from router.prefix_index.base import PrefixMatch
 
-Role = Literal["prefill", "decode", "colocated"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+__all__ = ["ROLES", "Role", "RouteRequest", "WorkerView"]
 
 
 @dataclass(frozen=True)

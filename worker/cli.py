@@ -30,7 +30,7 @@ from model_runtime.engine_config import EngineConfig
 from security.config import InternalTLS
 from security.secret import ClusterSecret
 from worker.config import READY_PREFIX, WorkerConfig
-from worker.roles import Role
+from worker.roles import RoleHandler
 from worker.server import WorkerServer
 
 log = logging.getLogger("pdserve.worker")
@@ -109,7 +109,7 @@ def parse_args(
     return WorkerConfig(**fields), args.stop_grace_s, secret
 
 
-def main(roles: Mapping[str, type[Role]], argv: Sequence[str] | None = None) -> int:
+def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = None) -> int:
     """Run one worker process that can take any of `roles` (`worker_main.ROLES`)."""
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"

@@ -1,7 +1,7 @@
 """What a worker role is: the engine-thread half of the RPCs one role serves.
 
 Runs in the engine thread of every worker process; nothing here is thread-safe and nothing
-blocks. The engine thread (`worker.engine_thread`) owns one `Role` at a time and calls:
+blocks. The engine thread (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
 
 - `handle(method, request, sink, timeout_s)` for each accepted RPC (it has already checked the
   role and the draining state). Rejections raise `WorkerError`; the engine thread fails the
@@ -56,7 +56,7 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-class Role(ABC):
+class RoleHandler(ABC):
     """One role's request handling on the engine thread (see the module docstring)."""
 
     name: ClassVar[str]

@@ -32,7 +32,7 @@ from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
 from worker.metrics import WorkerMetrics
-from worker.roles import Role, RoleContext
+from worker.roles import RoleContext, RoleHandler
 from worker.service import WorkerService
 
 log = logging.getLogger("pdserve.worker")
@@ -49,7 +49,7 @@ class WorkerServer:
     def __init__(
         self,
         config: WorkerConfig,
-        roles: Mapping[str, type[Role]],
+        roles: Mapping[str, type[RoleHandler]],
         cluster_secret: ClusterSecret | None = None,
     ) -> None:
         """`roles`: every role this worker can take, by name (what `--role` and `SetRole`

@@ -17,11 +17,11 @@ from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from worker.engine_thread import EngineThread
-from worker.roles import Role, RoleContext
+from worker.roles import RoleContext, RoleHandler
 from worker.sinks import Sink, UnarySink, WorkerError
 
 
-class SlowStepRole(Role):
+class SlowStepRole(RoleHandler):
     """`Start` queues a long generation; `Ping` (between layers) and `Later` (between steps
     only) answer the time they ran."""
 

@@ -295,8 +295,8 @@ def test_worker_sched_idle_reaches_both_launchers() -> None:
 
 def test_ray_bundles_deal_the_roles_in_turn() -> None:
     """SPREAD then gives each node a prefill and a decode worker, however it deals bundles."""
-    from deploy.config import Role
     from deploy.ray_launcher import interleave_roles
+    from proto.pdserve.v1.roles import Role
 
     p: Role = "prefill"
     d: Role = "decode"
