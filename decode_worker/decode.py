@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 
 from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_ticket
+from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2
@@ -113,14 +114,10 @@ class DecodeRole(RoleHandler):
             raise self.invalid(ValueError("request_id is empty"))
         if rid in self._res or rid in self.engine.scheduler.requests:
             raise self.duplicate(rid)
-        limit = self.engine.model_config.max_position_embeddings
-        if n <= 0 or m <= 0 or n + m > limit:
-            raise self.invalid(
-                ValueError(
-                    f"request {rid!r}: need num_prompt_tokens > 0, max_tokens > 0 and their sum "
-                    f"<= the model's context {limit}; got {n} + {m}"
-                )
-            )
+        try:
+            check_context(rid, n, m, self.engine.model_config.max_position_embeddings)
+        except ValueError as exc:
+            raise self.invalid(exc) from exc
         pool = self.engine.block_pool
         need = blocks_needed(n + m - 1, self.engine.config.block_size)
         if need > pool.num_blocks:

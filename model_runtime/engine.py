@@ -32,6 +32,7 @@ from model_runtime.block_pool import BlockPool, KVCacheEventListener
 from model_runtime.config import ModelConfig
 from model_runtime.engine_config import EngineConfig
 from model_runtime.kv_cache import KVCache
+from model_runtime.limits import check_context
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampler import Sampler, skip_draws
@@ -196,12 +197,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if isinstance(first_token, bool) or not 0 <= first_token < vocab:
             raise ValueError(f"request {request_id!r}: first_token must be in [0, {vocab})")
-        limit = self.model_config.max_position_embeddings
-        if request.num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(
-                f"request {request_id!r}: prompt length {request.num_prompt_tokens} + max_tokens "
-                f"{params.max_tokens} exceeds the model's context {limit}"
-            )
         request.block_ids = list(block_ids)
         request.status = RequestStatus.RUNNING
         return self.scheduler.add_prefilled(request, first_token)
@@ -228,8 +223,8 @@ class LLMEngine:
                 f"request {request_id!r}: prompt token ids must be ints in [0, {vocab}), "
                 f"got {bad[0]!r}"
             )
-        if not tokens:
-            raise ValueError(f"request {request_id!r}: prompt is empty")
+        context = self.model_config.max_position_embeddings
+        check_context(request_id, len(tokens), params.max_tokens, context)
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

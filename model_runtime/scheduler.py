@@ -64,8 +64,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a new request. Raise ValueError if it could never run to completion: duplicate
-        id, empty prompt, prompt or prompt + max_tokens beyond `max_model_len`, more KV blocks
-        than the pool has, or (chunked prefill off) a re-prefill larger than the budget."""
+        id, empty prompt, more KV blocks than the pool has, or (chunked prefill off) a
+        re-prefill larger than the budget. Prompt + max_tokens within `max_model_len` is the
+        caller's to check (`model_runtime.limits.check_context`); asserted here."""
         cfg = self.config
         rid = request.request_id
         if rid in self.requests or rid in self.held:
@@ -74,16 +75,11 @@ class Scheduler:
         max_tokens = request.params.max_tokens
         if n_prompt == 0:
             raise ValueError(f"request {rid!r}: prompt is empty")
-        if n_prompt > cfg.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt length {n_prompt} exceeds the model's "
-                f"max_position_embeddings {cfg.max_model_len}"
-            )
-        if n_prompt + max_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} = "
-                f"{n_prompt + max_tokens} exceeds the model's context {cfg.max_model_len}"
-            )
+        # checked at the edges (`model_runtime.limits.check_context`): an invariant here
+        assert n_prompt + max_tokens <= cfg.max_model_len, (
+            f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} exceeds "
+            f"max_model_len {cfg.max_model_len}"
+        )
         # The last generated token is never run, so the KV holds at most this many tokens.
         kv_tokens = n_prompt + max_tokens - 1
         need = _blocks_for(kv_tokens, cfg.block_size)

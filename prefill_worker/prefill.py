@@ -49,6 +49,7 @@ import grpc
 
 from kvtransfer.types import LayoutMismatchError, TransferResult, TransferTicket, check_layout
 from model_runtime.engine import LayerCallback
+from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput, stop_reason
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import SchedulerOutput
@@ -117,12 +118,8 @@ class PrefillRole(RoleHandler):
                 )
             if ticket.request_id and ticket.request_id != rid:
                 raise ValueError(f"ticket is for request {ticket.request_id!r}, not {rid!r}")
-            limit = self.engine.model_config.max_position_embeddings
-            if len(prompt) + params.max_tokens > limit:
-                raise ValueError(
-                    f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
-                    f"model's context {limit}"
-                )
+            context = self.engine.model_config.max_position_embeddings
+            check_context(rid, len(prompt), params.max_tokens, context)
             first_only = dataclasses.replace(
                 params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
             )

@@ -30,6 +30,7 @@ from router.errors import Retryable, RouterError, worker_error
 from router.policy import WorkerView
 from router.pool import WorkerPool
 from router.validation import ValidatedRequest
+from router.wire import worker_sampling
 
 Chunks = AsyncGenerator[worker_pb2.TokenChunk]
 
@@ -67,7 +68,7 @@ class LegSpec:
     num_sampled: int = 0
 
     def sampling(self, req: ValidatedRequest) -> worker_pb2.WorkerSampling:
-        s = req.worker_sampling()
+        s = worker_sampling(req.sampling)
         s.max_tokens, s.num_sampled = self.max_tokens, self.num_sampled
         s.min_tokens = max(0, s.min_tokens - self.num_sampled)  # counted from the leg's start
         return s
