@@ -23,6 +23,7 @@ import pytest
 
 from deploy.tool_launchers import launch_cluster
 from model_runtime.config import ModelConfig
+from proto.pdserve.v1.roles import ROLES
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from tooling.goodput.records import RequestRecord, RequestSpec
@@ -42,8 +43,9 @@ async def _scenario(model: Path, tmp: Path) -> None:
     vocab = ModelConfig.from_model_dir(model).vocab_size
     cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs", launch_cluster)
     try:
-        roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
-        sc = Sidecar(roles, internal=cluster.workers.internal)  # type: ignore[arg-type]
+        addresses = cluster.workers.addresses()
+        roles = {a: r for r in ROLES for a in addresses[r]}
+        sc = Sidecar(roles, internal=cluster.workers.internal)
         await sc.start()
         config = RatioConfig(
             mode="adaptive",
