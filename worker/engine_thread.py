@@ -367,7 +367,7 @@ class EngineThread:
         if drain.target is None:
             self._stopped.set()
             return
-        self.engine.check_integrity(self.role.external_blocks())
+        self.engine.check_integrity()
         self.engine.reset_scheduler()
         self.role = self.roles[drain.target](self.ctx)
         self._drain = None

@@ -17,9 +17,9 @@ blocks. The engine thread (`worker.engine_thread`) owns one `RoleHandler` at a t
   (blocks of a transfer in flight: when its result arrives). Returns whether it found it.
 
 `num_active()` counts requests the role still holds anything for; a role switch waits until
-it is 0. Block ownership: a block allocated by a role (decode reservations) is the role's until
-it hands it to the engine (`add_prefilled_request`) or frees it; `external_blocks()` lists
-those, for `check_integrity`.
+it is 0. Block ownership: every KV block is the engine scheduler's (a decode reservation is a
+"receiving KV" reservation there, `Scheduler.reserve_remote`); a role holds none itself, so
+`LLMEngine.check_integrity` sees them all.
 """
 
 from __future__ import annotations
@@ -106,9 +106,6 @@ class RoleHandler(ABC):
     def num_pending(self) -> int:
         """Requests the role holds that the engine has not seen yet (status: waiting)."""
         return 0
-
-    def external_blocks(self) -> dict[int, int]:
-        return {}
 
     # ---- helpers for subclasses --------------------------------------------------------------
 

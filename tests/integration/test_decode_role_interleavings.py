@@ -131,7 +131,7 @@ class Script:
 
     def all_free(self) -> None:
         assert self.role.num_active() == 0 and not self.role.transfers_in_flight()
-        self.engine.check_integrity(self.role.external_blocks())
+        self.engine.check_integrity()
         assert self.engine.block_pool.num_free == self.total
 
 
