@@ -22,9 +22,9 @@ from typing import Any
 
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
-from model_runtime.random_model import make_random_model
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler_types import SchedulerOutput
+from tooling.models.random_model import make_random_model
 
 BLOCK = 16
 

@@ -51,7 +51,7 @@ def _say(msg: str) -> None:
 def ensure_model(path: str, dtype: str) -> None:
     """Make the `small` random model in `path` (in `dtype`) unless it is there."""
     if not (Path(path) / "config.json").is_file():
-        from model_runtime.random_model import make_random_model
+        from tooling.models.random_model import make_random_model
 
         _say(f"making the small model ({dtype}) in {path} ...")
         make_random_model(

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     if not (Path(args.model) / "config.json").is_file():
-        from model_runtime.random_model import make_random_model
+        from tooling.models.random_model import make_random_model
 
         say(f"making the small model in {args.model} ...")
         make_random_model(args.model, "small", seed=0)

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = Path(args.model) if args.model else None
     if model is None:
-        from model_runtime.random_model import make_random_model
+        from tooling.models.random_model import make_random_model
 
         model = make_random_model(Path(tempfile.mkdtemp(prefix="isolation-")), "tiny", seed=0)
     config = load_cluster_config(None, {

@@ -343,7 +343,7 @@ def main() -> None:
     ap.add_argument("--stream-reps", type=int, default=3, help="prefill repetitions per size")
     args = ap.parse_args()
     if not (Path(args.model) / "config.json").is_file():
-        from model_runtime.random_model import make_random_model
+        from tooling.models.random_model import make_random_model
 
         print(f"building the small random model in {args.model} ...", flush=True)
         make_random_model(args.model, "small", seed=0)

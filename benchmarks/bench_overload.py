@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else None
     if model is None:
-        from model_runtime.random_model import make_random_model
+        from tooling.models.random_model import make_random_model
 
         model = make_random_model(Path(tempfile.mkdtemp(prefix="overload-")), "tiny")
     n = int(args.topology[0])

@@ -141,7 +141,7 @@ async def run_client(address: str, prompts: list[list[int]], args: Any) -> dict[
 
 def start_workers(model: Path, args: Any) -> list[Any]:
     """2 prefill workers with `prefill_blocks` KV blocks each, 1 decode worker with room for
-    every concurrent request; `python -m worker` processes, one torch thread each."""
+    every concurrent request; `python -m worker_main` processes, one torch thread each."""
     from worker.process import WorkerProcess
 
     def argv(role: str, wid: str, blocks: int) -> list[str]:

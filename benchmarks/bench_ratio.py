@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.tool_launchers import launch_cluster
+from proto.pdserve.v1.roles import ROLES
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from tooling.cpu import CpuMeter
@@ -270,11 +272,15 @@ async def main_async(args: argparse.Namespace) -> int:
         "load_avg_start": os.getloadavg()[0],
         "runs": [],
     }
-    cluster = start_cluster(Path(args.model), args.workers, engine, args.threads, out / "logs")
+    logs = out / "logs"
+    cluster = start_cluster(
+        Path(args.model), args.workers, engine, args.threads, logs, launch_cluster
+    )
     with contextlib.suppress(PermissionError, OSError):
         os.nice(-10)  # after the children started: the load generator's sends are not delayed
     try:
-        roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
+        addresses = cluster.workers.addresses()
+        roles = {a: r for r in ROLES for a in addresses[r]}
         sc = Sidecar(roles, internal=cluster.workers.internal)
         await sc.start()
         warm = shifting([(phases[0][0], 1.0, 4.0), ("summarize", 1.0, 2.0)], args.context, 99)

@@ -1,7 +1,7 @@
 """Latency the router adds per request, against calling the same workers directly.
 
 Runs as its own process: ``python -m benchmarks.bench_router_overhead [--requests 500]``
-from the repository root. The workers are real worker processes (``python -m worker``) on the
+from the repository root. The workers are real worker processes (``python -m worker_main``) on the
 tiny random model (about 1 M parameters, so a token costs little next to the hops), the router
 is ``python -m router``, and this process is the client: the router relays token k while the
 worker makes token k+1, as in a deployment. A worker's own time varies from call to call; the
@@ -50,7 +50,7 @@ def _quantile(xs: list[float], q: float) -> float:
 def _make_model(out: Path) -> Path:
     """Build the tiny random model in a child process (this process stays torch-free)."""
     code = (
-        "import sys; from model_runtime.random_model import make_random_model as m; m(sys.argv[1])"
+        "import sys; from tooling.models.random_model import make_random_model as m; m(sys.argv[1])"
     )
     subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=REPO)
     return out

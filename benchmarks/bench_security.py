@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         if args.model is None:
-            from model_runtime.random_model import make_random_model
+            from tooling.models.random_model import make_random_model
 
             args.model = make_random_model(tmp / "tiny", "tiny", seed=0)
         certs = _certs(tmp)

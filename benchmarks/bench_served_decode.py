@@ -49,7 +49,7 @@ from benchmarks.bench_engine import prompts_for, weight_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from security.channels import InternalAuth
 from tooling.goodput.arrivals import arrival_times
-from tooling.goodput.clusters import EngineSizing, cluster_config
+from tooling.goodput.clusters import EngineSizing, cluster_settings
 from tooling.goodput.loadgen import LoadJob, run_load_process_async
 from tooling.goodput.records import RequestSpec
 from tooling.machine import MachineInfo, measure_machine
@@ -212,6 +212,7 @@ def per_step(
 
 async def load_phase(args: argparse.Namespace, models: dict[str, str], out_dir: Path) -> list[Any]:
     """Steps 2-3 of the module doc: start both clusters, run every (rate, dtype) point."""
+    from deploy.config import load_cluster_config
     from deploy.launcher import launch_local_cluster
 
     sizing = EngineSizing(
@@ -222,7 +223,8 @@ async def load_phase(args: argparse.Namespace, models: dict[str, str], out_dir: 
     clusters = {}
     try:
         for d in DTYPES:
-            cfg = cluster_config("disagg", Path(models[d]), sizing, threads=2 * args.threads)
+            settings = cluster_settings("disagg", Path(models[d]), sizing, 2 * args.threads)
+            cfg = load_cluster_config(None, settings)
             clusters[d] = await asyncio.to_thread(launch_local_cluster, cfg, out_dir / d, port=0)
             say(f"{d} cluster up at {clusters[d].address}")
         runs: list[Any] = []

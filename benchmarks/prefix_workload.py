@@ -29,7 +29,7 @@ MEDIUM = (
 
 def make_model(out: Path, preset: str) -> Path:
     """Build the random model in a child process (this process stays torch-free)."""
-    code = "import sys; from model_runtime import random_model as rm; "
+    code = "import sys; from tooling.models import random_model as rm; "
     if preset == "medium":  # registered in the child only
         code += f"rm.PRESETS['medium'] = rm.{MEDIUM}; "
     code += "rm.make_random_model(sys.argv[1], sys.argv[2])"

@@ -4,6 +4,6 @@
 (admit a prefilled request into continuous batching once its KV has landed, stream tokens).
 `colocated.ColocatedRole` serves `Generate` (prefill and decode on this one worker, with
 chunked prefill: the baseline every disaggregated run is compared against). Both plug into the
-worker host (`worker`: engine thread, gRPC service, role switch, `python -m worker`) and depend
+worker host (`worker`: engine thread, gRPC service, role switch, `python -m worker_main`) and depend
 on it; they never import `prefill_worker`.
 """

@@ -18,12 +18,14 @@ from model_runtime.request import RequestOutput
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto
-from worker.roles import Role, ms
+from worker.roles import RoleHandler, ms
 from worker.sinks import Sink, StreamSink, WorkerError
 
 
 @dataclass
-class _Job:
+class _GenerateCall:
+    """One Generate RPC's stream and timing."""
+
     sink: StreamSink
     deadline: float
     arrival: float
@@ -31,7 +33,7 @@ class _Job:
     first_scheduled: float | None = None
 
 
-class ColocatedRole(Role):
+class ColocatedRole(RoleHandler):
     """`Generate` through the continuous-batching engine (chunked prefill, prefix cache)."""
 
     name = "colocated"
@@ -40,7 +42,7 @@ class ColocatedRole(Role):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _GenerateCall] = {}
 
     def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
         assert method == "Generate" and isinstance(sink, StreamSink), (method, sink)
@@ -57,7 +59,8 @@ class ColocatedRole(Role):
             )
         except ValueError as exc:
             raise self.invalid(exc) from exc
-        job = _Job(sink, self.deadline(timeout_s), sink.created, params.logprobs is not None)
+        logprobs = params.logprobs is not None
+        job = _GenerateCall(sink, self.deadline(timeout_s), sink.created, logprobs)
         self._jobs[rid] = job
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:

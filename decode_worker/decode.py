@@ -29,6 +29,12 @@ Runs in the engine thread of a decode worker. One request's life here::
 
 A request that ended without decoding leaves a short-lived tombstone, so a late `Decode`
 gets the reason (transfer failed, expired, aborted) instead of "no reservation".
+
+Block ownership is the engine scheduler's, not this role's: the reserved blocks are a
+"receiving KV" reservation (`Scheduler.reserve_remote`, keyed by transfer id) that the
+transport's result makes RECEIVED or frees, that `abandon_remote` gives up (at the result when
+the transfer is still in flight) and that `admit_received` hands to the decoding request; the
+scheduler frees each exactly once. This role maps requests and RPCs onto those states.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +50,12 @@ from typing import Any
 import grpc
 
 from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_ticket
+from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_to_proto
-from worker.roles import Role, ms
+from worker.roles import RoleHandler, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
@@ -76,10 +84,9 @@ class _Reservation:
     state: str = "transferring"  # -> "ready" -> "decoding"
     decode: _DecodeCall | None = None
     cancelled: WorkerError | None = None  # given up while the transfer is in flight
-    freed: bool = False
 
 
-class DecodeRole(Role):
+class DecodeRole(RoleHandler):
     """`Reserve` + `Decode` (see the module docstring)."""
 
     name = "decode"
@@ -113,14 +120,10 @@ class DecodeRole(Role):
             raise self.invalid(ValueError("request_id is empty"))
         if rid in self._res or rid in self.engine.scheduler.requests:
             raise self.duplicate(rid)
-        limit = self.engine.model_config.max_position_embeddings
-        if n <= 0 or m <= 0 or n + m > limit:
-            raise self.invalid(
-                ValueError(
-                    f"request {rid!r}: need num_prompt_tokens > 0, max_tokens > 0 and their sum "
-                    f"<= the model's context {limit}; got {n} + {m}"
-                )
-            )
+        try:
+            check_context(rid, n, m, self.engine.model_config.max_position_embeddings)
+        except ValueError as exc:
+            raise self.invalid(exc) from exc
         pool = self.engine.block_pool
         need = blocks_needed(n + m - 1, self.engine.config.block_size)
         if need > pool.num_blocks:
@@ -129,7 +132,8 @@ class DecodeRole(Role):
                     f"request {rid!r} needs {need} KV blocks, the cache has {pool.num_blocks}"
                 )
             )
-        blocks = pool.allocate(need)
+        tid = f"{self.ctx.transport.endpoint.worker_id}/{uuid.uuid4().hex}"
+        blocks = self.engine.scheduler.reserve_remote(tid, need)
         if blocks is None:
             raise WorkerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -144,11 +148,18 @@ class DecodeRole(Role):
         started = time.monotonic()
         try:
             ticket = new_ticket(
-                transport.endpoint, transport.layout, rid, blocks, n, life, epoch=self.ctx.epoch
+                transport.endpoint,
+                transport.layout,
+                rid,
+                blocks,
+                n,
+                life,
+                transfer_id=tid,
+                epoch=self.ctx.epoch,
             )
             transport.expect(ticket)
         except ValueError as exc:
-            pool.free(list(reversed(blocks)))
+            self.engine.scheduler.remote_result(tid, ok=False)  # refused: a failed transfer
             raise WorkerError(grpc.StatusCode.INTERNAL, f"expect failed: {exc}") from exc
         res = _Reservation(ticket, blocks, m, started + ticket.timeout_ms / 1000, sink)
         self._res[rid] = res
@@ -204,13 +215,14 @@ class DecodeRole(Role):
         d = res.decode
         assert d is not None and res.state == "ready", res.state
         rid = res.ticket.request_id
+        tid = res.ticket.transfer_id
         try:
-            out = self.engine.add_prefilled_request(
-                rid, d.prompt, d.first_token, d.params, res.block_ids, d.num_sampled
+            out = self.engine.admit_received(
+                tid, rid, d.prompt, d.first_token, d.params, d.num_sampled
             )
         except ValueError as exc:  # nothing was taken over
             error = self.invalid(exc)
-            self._free(res)
+            self.engine.scheduler.abandon_remote(tid)
             d.sink.fail(error)
             self._end(rid, error)
             return
@@ -252,17 +264,16 @@ class DecodeRole(Role):
                 log.error("transfer result for no reservation of this worker: %s", r)
                 continue
             rid = res.ticket.request_id
+            received = self.engine.scheduler.remote_result(r.transfer_id, r.ok)
             if res.cancelled is not None:  # already out of `_res`, its RPCs answered
-                self._free(res)
-            elif r.ok:
+                assert not received, r  # an abandoned reservation is freed at its result
+            elif received:
                 res.state = "ready"
                 if res.decode is not None:
                     self._admit(res)
             elif res.decode is None and time.monotonic() >= res.expires:
-                self._free(res)  # the transfer ran out with its reservation: no one came
-                self._end(rid, self._expiry(res))
+                self._end(rid, self._expiry(res))  # ran out with its reservation: no one came
             else:
-                self._free(res)
                 error = WorkerError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"KV transfer {r.transfer_id} for request {rid!r} failed: {r.error}; its "
@@ -306,11 +317,12 @@ class DecodeRole(Role):
             decode_sink.fail(error)
         if res.state == "transferring":
             res.cancelled = error
-            self.ctx.transport.cancel(res.ticket.transfer_id)  # blocks freed at its result
+            self.engine.scheduler.abandon_remote(res.ticket.transfer_id)  # freed at its result
+            self.ctx.transport.cancel(res.ticket.transfer_id)
             del self._res[request_id]  # stays in `_by_tid` until then
             self._gone[request_id] = (error, time.monotonic() + TOMBSTONE_TTL_S)
         elif res.state == "ready":
-            self._free(res)
+            self.engine.scheduler.abandon_remote(res.ticket.transfer_id)  # RECEIVED: freed now
             self._end(request_id, error)
         else:
             self.engine.abort_request(request_id)  # frees the blocks it took over
@@ -318,11 +330,6 @@ class DecodeRole(Role):
         return True
 
     # ---- bookkeeping -------------------------------------------------------------------------
-
-    def _free(self, res: _Reservation) -> None:
-        assert not res.freed and res.state != "decoding", (res.ticket.transfer_id, res.state)
-        res.freed = True
-        self.engine.block_pool.free(list(reversed(res.block_ids)))
 
     def _end(self, request_id: str, error: WorkerError | None) -> None:
         res = self._res.pop(request_id)
@@ -346,11 +353,3 @@ class DecodeRole(Role):
 
     def num_pending(self) -> int:
         return sum(1 for r in self._res.values() if r.state != "decoding")
-
-    def external_blocks(self) -> dict[int, int]:
-        held: dict[int, int] = {}
-        for res in self._all():
-            if res.state != "decoding" and not res.freed:
-                for b in res.block_ids:
-                    held[b] = held.get(b, 0) + 1
-        return held

@@ -153,10 +153,11 @@ def _default_configs() -> tuple[str, ...]:
 
 
 def _run(prog: str, cfg: Any) -> int:
+    from deploy.tool_launchers import launch_cluster
     from tooling.goodput.bench import run_bench
 
     try:
-        summary = run_bench(cfg)
+        summary = run_bench(cfg, launch=launch_cluster)
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"pdserve {prog}: failed: {exc}", file=sys.stderr)
         return 1
@@ -243,7 +244,7 @@ def demo_config(model: Path, out: Path, seed: int = 0) -> Any:
 
 
 def demo_main(args: argparse.Namespace) -> int:
-    from model_runtime.random_model import make_random_model
+    from tooling.models.random_model import make_random_model
 
     model = Path(args.model)
     if not (model / "config.json").is_file():

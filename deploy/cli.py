@@ -79,7 +79,7 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
 
 
 def make_model_main(args: argparse.Namespace) -> int:
-    from model_runtime.random_model import PRESETS, make_random_model
+    from tooling.models.random_model import PRESETS, make_random_model
 
     if args.if_missing and (Path(args.out) / "config.json").is_file():
         print(f"model already present in {args.out}")
@@ -122,7 +122,7 @@ def add_batch_demo_parser(
 def demo_prompts(n: int, max_tokens: int) -> list[dict[str, object]]:
     """`n` deterministic request lines: corpus sentences, half behind a shared system prefix
     (so prefix caching has something to reuse), one sampled with a seed."""
-    from model_runtime.corpus import PROSE
+    from tooling.models.corpus import PROSE
 
     sentences = [s.strip() for s in PROSE.replace("\n", " ").split(". ") if len(s) > 40]
     system = "You are the keeper of the lighthouse. Answer briefly and in plain words. "
@@ -139,7 +139,7 @@ def demo_prompts(n: int, max_tokens: int) -> list[dict[str, object]]:
 
 def batch_demo_main(args: argparse.Namespace) -> int:
     from deploy.batch import run_batch
-    from model_runtime.random_model import make_random_model
+    from tooling.models.random_model import make_random_model
 
     model, out = Path(args.model), Path(args.out)
     if args.num_prompts < 1 or args.max_tokens < 1:

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
+from proto.pdserve.v1.roles import ROLES, Role
 from router.config import RouterConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
@@ -54,7 +55,6 @@ from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
 
 Mode = Literal["disagg", "colocated"]
-Role = Literal["prefill", "decode", "colocated"]
 
 
 class _Frozen(BaseModel):
@@ -140,6 +140,17 @@ class RouterSection(_Frozen):
     )
     status_poll_interval_s: float = Field(
         default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
+    )
+    status_poll_timeout_s: float = Field(
+        default=RouterConfig.model_fields["status_poll_timeout_s"].default,
+        gt=0,
+        description="Timeout of one GetStatus poll; a timeout is a miss, not a failure.",
+    )
+    status_poll_misses: int = Field(
+        default=RouterConfig.model_fields["status_poll_misses"].default,
+        ge=1,
+        description="Consecutive poll timeouts that mark a worker unhealthy (a refused "
+        "connection marks it at once).",
     )
     max_migrations: int = Field(
         default=RouterConfig.model_fields["max_migrations"].default,
@@ -309,8 +320,8 @@ class ClusterConfig(_Frozen):
         return self
 
     def _check_ratio(self) -> None:
-        """`[ratio]` against the topology: disagg only, no scaling (no launcher implements a
-        `WorkerScaler` yet), and the starting counts inside the bounds."""
+        """`[ratio]` against the topology: disagg only, and the starting counts inside the
+        bounds."""
         ratio, w = self.ratio, self.workers
         if not ratio.enabled:
             return
@@ -318,12 +329,6 @@ class ClusterConfig(_Frozen):
             raise ValueError(
                 f"ratio.mode={ratio.mode!r} tunes prefill:decode workers; it needs mode "
                 f"'disagg', got mode={self.mode!r}"
-            )
-        if ratio.allow_scale_out or ratio.allow_scale_in:
-            raise ValueError(
-                "ratio.allow_scale_out / ratio.allow_scale_in: no launcher can add or remove "
-                f"workers yet (got allow_scale_out={ratio.allow_scale_out}, "
-                f"allow_scale_in={ratio.allow_scale_in}); the controller only switches roles"
             )
         try:
             ratio.check_counts(w.prefill, w.decode)
@@ -343,8 +348,7 @@ class ClusterConfig(_Frozen):
         """(worker_id, role) of every worker to start, in a stable order:
         prefill-0.., decode-0.., colocated-0.."""
         out: list[tuple[str, Role]] = []
-        roles: tuple[Role, ...] = ("prefill", "decode", "colocated")
-        for role in roles:
+        for role in ROLES:
             out += [(f"{role}-{i}", role) for i in range(getattr(self.workers, role))]
         return out
 
@@ -371,6 +375,8 @@ class ClusterConfig(_Frozen):
             "max_queued": r.max_queued,
             "default_timeout_s": r.default_timeout_s,
             "status_poll_interval_s": r.status_poll_interval_s,
+            "status_poll_timeout_s": r.status_poll_timeout_s,
+            "status_poll_misses": r.status_poll_misses,
             "max_migrations": r.max_migrations,
             "shutdown_grace_s": r.shutdown_grace_s,
             "stall_timeout_s": r.stall_timeout_s,

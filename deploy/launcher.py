@@ -4,7 +4,7 @@ Runs in the process that launches (`pdserve up --no-ray`, e2e test fixtures). Ch
 started, awaited and stopped by `deploy.processes` (own session, log file, stop by PID, atexit
 clean-up); a cluster stops in order: router first, then workers.
 
-    workers = launch_workers(config)             # N x `python -m worker`, READY parsed
+    workers = launch_workers(config)             # N x `python -m worker_main`, READY parsed
     workers.addresses()                          # {"prefill": ["127.0.0.1:4711"], ...}
     router = launch_router_process(config.router_config(workers.addresses(), port=0))
     cluster = launch_local_cluster(config)       # both of the above: LocalCluster
@@ -32,8 +32,9 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from deploy.config import ClusterConfig, Role, check_model_dir
+from deploy.config import ClusterConfig, check_model_dir
 from deploy.processes import (
     ManagedProcess,
     child_env,
@@ -48,11 +49,13 @@ from deploy.supervision import (
     Supervised,
     SupervisionEvent,
 )
+from proto.pdserve.v1.roles import Role
 from router.config import RouterConfig
 from router.prefix_index.config import REDIS_PASSWORD_ENV, RedisIndexConfig, strip_password
 from router.ratio.config import RatioConfig
 from security.channels import ClientSecurity, InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
+from tooling.launch import WorkerRef
 from worker.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -64,14 +67,14 @@ ROUTER_READY = re.compile(
 
 
 def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0) -> list[str]:
-    """The command line of one worker process (`python -m worker ...`); `port` 0 picks one (a
+    """The command line of one worker process (`python -m worker_main ...`); `port` 0 picks one (a
     restart passes the worker's old port, so the router's address list stays valid)."""
     host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
     kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
     argv = [
         sys.executable,
         "-m",
-        "worker",
+        "worker_main",
         "--model",
         str(config.model.resolve()),
         "--role",
@@ -141,6 +144,15 @@ class ProcessWorkers:
     def pids(self) -> list[int]:
         """The workers' current pids (a restarted worker has a new one)."""
         return [w.process.pid for w in self.workers]
+
+    def members(self) -> list[WorkerRef]:
+        """The workers, in launch order (`tooling.launch.Workers`)."""
+        return [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers]
+
+    def live_pid(self, worker_id: str) -> int | None:
+        """The pid running `worker_id` now; None while it is dead (before its restart)."""
+        w = next(w for w in self.workers if w.worker_id == worker_id)
+        return w.process.pid if w.process.running() else None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop supervising, SIGTERM every worker (each drains for up to its own
@@ -232,6 +244,8 @@ def router_argv(rc: RouterConfig) -> list[str]:
     argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
     argv += ["--default-timeout-s", str(rc.default_timeout_s)]
     argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
+    argv += ["--status-poll-timeout-s", str(rc.status_poll_timeout_s)]
+    argv += ["--status-poll-misses", str(rc.status_poll_misses)]
     argv += ["--max-migrations", str(rc.max_migrations)]
     argv += ["--stall-timeout-s", str(rc.stall_timeout_s)]
     argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
@@ -336,6 +350,20 @@ class LocalCluster:
     def pids(self) -> list[int]:
         routers = [self.router, *self.extra_routers]
         return [r.process.pid for r in routers] + self.workers.pids()
+
+    def members(self) -> list[WorkerRef]:
+        """The workers, in launch order (`tooling.launch.Cluster`)."""
+        return [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers.workers]
+
+    def labelled_pids(self) -> dict[str, int]:
+        """{"router": pid, <worker id>: pid, ...} now (`tooling.launch.Cluster`)."""
+        out = {"router": self.router.process.pid}
+        out.update({w.worker_id: w.process.pid for w in self.workers.workers})
+        return out
+
+    def effective_config(self) -> dict[str, Any]:
+        """The cluster config as JSON-able data (`tooling.launch.Cluster`)."""
+        return self.config.model_dump(mode="json")
 
     def add_router(self, **overrides: object) -> RouterProcess:
         """Another router over the same workers (e.g. a smaller queue), stopped with the

@@ -87,11 +87,14 @@ def profile_main(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
             )
             if args.calibrate:
+                from deploy.tool_launchers import launch_cluster
                 from tooling.planner.calibrate import calibrate_local
 
                 mode = "disagg" if threads == 1 else "colocated"
                 logs = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
-                cost = calibrate_local(model, cost, engine, threads, logs, args.context, mode=mode)
+                cost = calibrate_local(
+                    model, cost, engine, threads, logs, launch_cluster, args.context, mode=mode
+                )
             costs[threads] = cost
             print(f"--- {threads} thread(s)\n{cost.summary()}", flush=True)
     except ValueError as exc:

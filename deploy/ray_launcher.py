@@ -53,12 +53,14 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.config import ClusterConfig, Role, check_model_dir
+from deploy.config import ClusterConfig, check_model_dir
 from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_collision
 from deploy.processes import wait_serving
 from deploy.supervision import EventLog, SupervisionEvent
+from proto.pdserve.v1.roles import Role
 from security.channels import InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
+from tooling.launch import WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class WorkerActor:
         self, worker_config_json: str, port_file: str, cluster_secret: str | None = None
     ) -> None:
         from worker.config import WorkerConfig
-        from worker.server import WorkerServer
+        from worker_main import server as worker_server
 
         secret = (
             None if cluster_secret is None else ClusterSecret.from_text(cluster_secret, "actor")
@@ -94,7 +96,7 @@ class WorkerActor:
         path = Path(port_file)
         if path.is_file():  # a restart: take the port the router already knows
             update["port"] = int(path.read_text())
-        self._server = WorkerServer(config.model_copy(update=update), secret)
+        self._server = worker_server(config.model_copy(update=update), secret)
         self._address = self._server.start()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self._address.rpartition(":")[2])
@@ -173,6 +175,20 @@ class RayWorkers:
 
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers]
+
+    def members(self) -> list[WorkerRef]:
+        """The workers, in launch order (`tooling.launch.Workers`)."""
+        return [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers]
+
+    def live_pid(self, worker_id: str) -> int | None:
+        """The pid running `worker_id` now, asked of its actor (2 s); when it cannot answer
+        (restarting, or SIGSTOPped), the supervisor's last pid if that process still runs."""
+        w = next(w for w in self.workers if w.worker_id == worker_id)
+        try:
+            return int(ray.get(w.actor.pid.remote(), timeout=2.0))
+        except (GetTimeoutError, ActorUnavailableError, RayActorError) as exc:
+            log.info("pid of %s: no answer (%s); the supervisor's last pid", worker_id, exc)
+        return w.pid if _running(w.pid) else None
 
     @property
     def events(self) -> list[SupervisionEvent]:
@@ -253,6 +269,15 @@ class RayWorkers:
         remove_placement_group(self.placement_group)
         if self.owns_ray:
             ray.shutdown()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (/proc/<pid>/stat's state field)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: str) -> str:

@@ -57,7 +57,8 @@ def add_soak_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def soak_main(args: argparse.Namespace) -> int:
-    from model_runtime.random_model import make_random_model
+    from deploy.tool_launchers import launch_workers
+    from tooling.models.random_model import make_random_model
     from tooling.soak.config import SoakConfig
     from tooling.soak.run import run_soak
 
@@ -77,7 +78,7 @@ def soak_main(args: argparse.Namespace) -> int:
         print(f"pdserve soak: building the tiny random model in {config.model}", file=sys.stderr)
         make_random_model(config.model, "tiny", seed=0)
     try:
-        result = run_soak(config)
+        result = run_soak(config, launch_workers)
     except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
         print(f"pdserve soak: failed: {exc}", file=sys.stderr)
         return 1

@@ -48,10 +48,10 @@ import torch
 from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.lifecycle import Mover
 from kvtransfer.same_host import Offer, control_device, pair_backend
 from kvtransfer.send_state import SendPair, SendState, SendTransfer
 from kvtransfer.staging import StagingPool, read_layer
+from kvtransfer.transitions import Mover
 from kvtransfer.types import Code, PeerEndpoint, TransferError
 from kvtransfer.wire import (
     CLOSE_WAIT_S,

@@ -4,7 +4,7 @@ thread (`kvtransfer.torch_dist`) and the receiving threads (`kvtransfer.dist_rec
 thread may touch which field is noted beside it.
 
 A `RecvTransfer` moves only through `RecvTransfer.move`, along the edges of `RECV_MOVES`
-(anything else raises `kvtransfer.lifecycle.IllegalTransition`). Its state is two things at
+(anything else raises `kvtransfer.transitions.IllegalTransition`). Its state is two things at
 once — has the engine decided the result, and may receives posted straight into the
 destination blocks still land there (`kvtransfer.recv_stream`, "direct") — so the states form
 a grid. (E) = the engine thread, (H) = a helper thread (the transfer's thread, or the control
@@ -49,8 +49,8 @@ from typing import Final
 from torch._C._distributed_c10d import TCPStore
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.lifecycle import Edge, Mover, check_move
 from kvtransfer.same_host import PeerKV
+from kvtransfer.transitions import Edge, Mover, check_move
 from kvtransfer.types import Code, TransferTicket
 
 

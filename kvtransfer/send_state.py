@@ -4,7 +4,7 @@ transfer's lifecycle as an explicit state machine. Used in prefill workers by th
 (`kvtransfer.dist_send`).
 
 A `SendTransfer` moves only through `SendTransfer.move`, along the edges of `SEND_MOVES`
-(anything else raises `kvtransfer.lifecycle.IllegalTransition`). (E) = the engine thread,
+(anything else raises `kvtransfer.transitions.IllegalTransition`). (E) = the engine thread,
 (H) = the transfer's helper thread; every move is made under `SendTransfer.cond`::
 
                announced (H)             every send and the trailer completed (H)
@@ -53,7 +53,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore, Work
 
 from kvtransfer import rendezvous as rdv
-from kvtransfer.lifecycle import Edge, Mover, check_move
+from kvtransfer.transitions import Edge, Mover, check_move
 from kvtransfer.types import PeerEndpoint, TransferTicket
 
 

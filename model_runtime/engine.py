@@ -32,6 +32,7 @@ from model_runtime.block_pool import BlockPool, KVCacheEventListener
 from model_runtime.config import ModelConfig
 from model_runtime.engine_config import EngineConfig
 from model_runtime.kv_cache import KVCache
+from model_runtime.limits import check_context
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampler import Sampler, skip_draws
@@ -110,10 +111,10 @@ class LLMEngine:
         """Start over with an empty scheduler on the same runner, KV cache and block pool (the
         prefix cache is kept). RuntimeError if any request is unfinished or holds blocks."""
         sched = self.scheduler
-        if sched.requests or sched.held:
+        if sched.requests or sched.held or sched.remote:
             raise RuntimeError(
                 f"reset_scheduler needs an idle engine: {len(sched.requests)} unfinished, "
-                f"{len(sched.held)} holding blocks"
+                f"{len(sched.held) + len(sched.remote)} holding blocks"
             )
         self.scheduler = self._new_scheduler()
 
@@ -192,19 +193,39 @@ class LLMEngine:
         (nothing taken over) for a duplicate id, bad params or tokens, or a prompt +
         max_tokens beyond the model's context.
         """
+        request = self._prefilled(request_id, prompt_token_ids, first_token, params, num_sampled)
+        request.block_ids = list(block_ids)
+        return self.scheduler.add_prefilled(request, first_token)
+
+    def admit_received(
+        self,
+        transfer_id: str,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        num_sampled: int = 0,
+    ) -> RequestOutput | None:
+        """`add_prefilled_request` with the blocks of `transfer_id`'s RECEIVED reservation
+        (`Scheduler.reserve_remote`), which the request takes over. Raises ValueError as
+        `add_prefilled_request` does; the reservation then stays RECEIVED."""
+        request = self._prefilled(request_id, prompt_token_ids, first_token, params, num_sampled)
+        return self.scheduler.admit_remote(transfer_id, request, first_token)
+
+    def _prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        num_sampled: int,
+    ) -> Request:
         request = self._make_request(request_id, prompt_token_ids, params, num_sampled + 1)
         vocab = self.model_config.vocab_size
         if isinstance(first_token, bool) or not 0 <= first_token < vocab:
             raise ValueError(f"request {request_id!r}: first_token must be in [0, {vocab})")
-        limit = self.model_config.max_position_embeddings
-        if request.num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(
-                f"request {request_id!r}: prompt length {request.num_prompt_tokens} + max_tokens "
-                f"{params.max_tokens} exceeds the model's context {limit}"
-            )
-        request.block_ids = list(block_ids)
         request.status = RequestStatus.RUNNING
-        return self.scheduler.add_prefilled(request, first_token)
+        return request
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks of a finished `hold_blocks` request (KeyError if none held)."""
@@ -228,8 +249,8 @@ class LLMEngine:
                 f"request {request_id!r}: prompt token ids must be ints in [0, {vocab}), "
                 f"got {bad[0]!r}"
             )
-        if not tokens:
-            raise ValueError(f"request {request_id!r}: prompt is empty")
+        context = self.model_config.max_position_embeddings
+        check_context(request_id, len(tokens), params.max_tokens, context)
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -338,7 +359,6 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
-    def check_integrity(self, external: dict[int, int] | None = None) -> None:
-        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`); `external`
-        counts block references held outside the scheduler (block id -> references)."""
-        self.scheduler.check_integrity(external)
+    def check_integrity(self) -> None:
+        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`)."""
+        self.scheduler.check_integrity()

@@ -29,12 +29,21 @@ Two entry/exit paths serve disaggregated workers:
 - **Held blocks** (`Request.hold_blocks`, prefill worker): when such a request finishes, its
   blocks are not freed but parked in `held` until `release(request_id)` — the KV transfer still
   reads them. `abort` never parks: an aborted request's blocks are freed at once.
+- **Receiving KV** (decode worker; vLLM v1's WAITING_FOR_REMOTE_KVS): `reserve_remote` takes
+  blocks for a transfer that will write them, keyed by transfer id, in state RECEIVING. The
+  transport's result (`remote_result`) makes them RECEIVED or, on failure, frees them;
+  `abandon_remote` gives them up (freed at once when RECEIVED; when still RECEIVING they stay
+  ABANDONED until the result, since the transport writes them until then); `admit_remote`
+  hands RECEIVED blocks to a prefilled request. Every reservation's blocks are freed exactly
+  once, or handed over once: each of those paths removes it, and `check_integrity` counts it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import Request, RequestOutput, RequestStatus
@@ -48,6 +57,23 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class Receive(enum.Enum):
+    """Where the KV of a reservation (`Scheduler.reserve_remote`) stands."""
+
+    RECEIVING = "receiving"  # the transport may write the blocks
+    RECEIVED = "received"  # the transport reported every layer written; no admission yet
+    ABANDONED = "abandoned"  # given up while RECEIVING: freed at the transport's result
+
+
+@dataclass
+class RemoteKV:
+    """The blocks a transfer writes into, and its `Receive` state."""
+
+    transfer_id: str
+    block_ids: list[int]
+    state: Receive = Receive.RECEIVING
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch of one engine; see the module docstring."""
 
@@ -59,13 +85,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.ready: deque[Request] = deque()  # prefilled, holding blocks, waiting for a slot
         self.held: dict[str, Request] = {}  # finished with hold_blocks, blocks not yet freed
+        self.remote: dict[str, RemoteKV] = {}  # reserved for incoming KV, by transfer id
 
     # ------------------------------------------------------------------ requests in and out
 
     def add(self, request: Request) -> None:
         """Queue a new request. Raise ValueError if it could never run to completion: duplicate
-        id, empty prompt, prompt or prompt + max_tokens beyond `max_model_len`, more KV blocks
-        than the pool has, or (chunked prefill off) a re-prefill larger than the budget."""
+        id, empty prompt, more KV blocks than the pool has, or (chunked prefill off) a
+        re-prefill larger than the budget. Prompt + max_tokens within `max_model_len` is the
+        caller's to check (`model_runtime.limits.check_context`); asserted here."""
         cfg = self.config
         rid = request.request_id
         if rid in self.requests or rid in self.held:
@@ -74,16 +102,11 @@ class Scheduler:
         max_tokens = request.params.max_tokens
         if n_prompt == 0:
             raise ValueError(f"request {rid!r}: prompt is empty")
-        if n_prompt > cfg.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt length {n_prompt} exceeds the model's "
-                f"max_position_embeddings {cfg.max_model_len}"
-            )
-        if n_prompt + max_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} = "
-                f"{n_prompt + max_tokens} exceeds the model's context {cfg.max_model_len}"
-            )
+        # checked at the edges (`model_runtime.limits.check_context`): an invariant here
+        assert n_prompt + max_tokens <= cfg.max_model_len, (
+            f"request {rid!r}: prompt length {n_prompt} + max_tokens {max_tokens} exceeds "
+            f"max_model_len {cfg.max_model_len}"
+        )
         # The last generated token is never run, so the KV holds at most this many tokens.
         kv_tokens = n_prompt + max_tokens - 1
         need = _blocks_for(kv_tokens, cfg.block_size)
@@ -136,6 +159,65 @@ class Scheduler:
         self.requests[rid] = request
         self.ready.append(request)
         return None
+
+    # ------------------------------------------------------------------ receiving KV
+
+    def reserve_remote(self, transfer_id: str, num_blocks: int) -> list[int] | None:
+        """Blocks for incoming KV (state RECEIVING), or None when fewer are free. ValueError
+        for a transfer id already reserved."""
+        if transfer_id in self.remote:
+            raise ValueError(f"transfer {transfer_id!r} already has a reservation")
+        blocks = self.block_pool.allocate(num_blocks)
+        if blocks is not None:
+            self.remote[transfer_id] = RemoteKV(transfer_id, blocks)
+        return blocks
+
+    def remote_state(self, transfer_id: str) -> Receive | None:
+        """The reservation's state (None: none, or it ended)."""
+        kv = self.remote.get(transfer_id)
+        return None if kv is None else kv.state
+
+    def remote_result(self, transfer_id: str, ok: bool) -> bool:
+        """The transport's one result for `transfer_id`: True when the blocks are now
+        RECEIVED; else they were freed (failed, or abandoned before it)."""
+        kv = self.remote[transfer_id]
+        assert kv.state is not Receive.RECEIVED, f"transfer {transfer_id!r}: a second result"
+        if ok and kv.state is Receive.RECEIVING:
+            kv.state = Receive.RECEIVED
+            return True
+        self._free_remote(kv)
+        return False
+
+    def abandon_remote(self, transfer_id: str) -> None:
+        """Give up a reservation: RECEIVED blocks are freed now, RECEIVING ones at the
+        transport's result (ABANDONED)."""
+        kv = self.remote[transfer_id]
+        assert kv.state is not Receive.ABANDONED, f"transfer {transfer_id!r} abandoned twice"
+        if kv.state is Receive.RECEIVING:
+            kv.state = Receive.ABANDONED
+        else:
+            self._free_remote(kv)
+
+    def admit_remote(
+        self, transfer_id: str, request: Request, first_token: int
+    ) -> RequestOutput | None:
+        """`add_prefilled` with the RECEIVED blocks of `transfer_id`, which leave the
+        reservation (the request frees them). On ValueError nothing is taken over: the
+        reservation stays RECEIVED."""
+        kv = self.remote[transfer_id]
+        assert kv.state is Receive.RECEIVED, (transfer_id, kv.state)
+        request.block_ids = list(kv.block_ids)
+        try:
+            out = self.add_prefilled(request, first_token)
+        except ValueError:
+            request.block_ids = []
+            raise
+        del self.remote[transfer_id]
+        return out
+
+    def _free_remote(self, kv: RemoteKV) -> None:
+        del self.remote[kv.transfer_id]  # once: a second free finds no reservation
+        self.block_pool.free(list(reversed(kv.block_ids)))
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished `hold_blocks` request. KeyError if none is held."""
@@ -346,15 +428,16 @@ class Scheduler:
         request.block_ids = []
         request.num_registered_blocks = 0
 
-    def check_integrity(self, external: dict[int, int] | None = None) -> None:
-        """Assert that queues, request states and pool ref counts agree (with the values).
-
-        `external` maps block id -> references held outside this scheduler (a decode worker's
-        reservations), which the pool's ref counts must include.
-        """
+    def check_integrity(self) -> None:
+        """Assert that queues, request states, reservations and pool ref counts agree (with
+        the values): every allocated block is held by exactly the references counted here."""
         bs = self.config.block_size
-        held: dict[int, int] = dict(external or {})
+        held: dict[int, int] = {}
         assert len(self.running) <= self.config.max_num_seqs, len(self.running)
+        for tid, kv in self.remote.items():
+            assert kv.transfer_id == tid and kv.block_ids, (tid, kv)
+            for b in kv.block_ids:
+                held[b] = held.get(b, 0) + 1
         for request in [*self.ready, *self.held.values()]:
             assert request.block_ids, (request.request_id, "ready/held without blocks")
             for b in request.block_ids:

@@ -3,5 +3,5 @@ local prefix reuse), push each layer's KV to the decode worker as soon as that l
 answer with the first token.
 
 `prefill.PrefillRole` plugs into the worker host (`worker`: engine thread, gRPC service, role
-switch, `python -m worker`) and depends on it; it never imports `decode_worker`.
+switch, `python -m worker_main`) and depends on it; it never imports `decode_worker`.
 """

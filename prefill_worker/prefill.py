@@ -49,19 +49,22 @@ import grpc
 
 from kvtransfer.types import LayoutMismatchError, TransferResult, TransferTicket, check_layout
 from model_runtime.engine import LayerCallback
+from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput, stop_reason
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_from_proto
-from worker.roles import Role, ms
+from worker.roles import RoleHandler, ms
 from worker.sinks import Sink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Job:
+class _PrefillJob:
+    """One Prefill RPC's request: its answer, its transfer and what the engine produced."""
+
     request_id: str
     engine_id: str  # the engine request's id: unique per job
     sink: UnarySink
@@ -77,7 +80,7 @@ class _Job:
     cancelled: bool = False  # given up while the transfer is in flight (RPC already answered)
 
 
-class PrefillRole(Role):
+class PrefillRole(RoleHandler):
     """`Prefill` with layer-wise KV push (see the module docstring)."""
 
     name = "prefill"
@@ -86,9 +89,10 @@ class PrefillRole(Role):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._jobs: dict[str, _Job] = {}  # live jobs by request id
-        self._by_engine: dict[str, _Job] = {}  # every job holding engine state (cancelled too)
-        self._by_tid: dict[str, _Job] = {}  # open transfers
+        self._jobs: dict[str, _PrefillJob] = {}  # live jobs by request id
+        # every job holding engine state (cancelled ones too)
+        self._by_engine: dict[str, _PrefillJob] = {}
+        self._by_tid: dict[str, _PrefillJob] = {}  # open transfers
         self._seq = itertools.count()
 
     def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
@@ -114,12 +118,8 @@ class PrefillRole(Role):
                 )
             if ticket.request_id and ticket.request_id != rid:
                 raise ValueError(f"ticket is for request {ticket.request_id!r}, not {rid!r}")
-            limit = self.engine.model_config.max_position_embeddings
-            if len(prompt) + params.max_tokens > limit:
-                raise ValueError(
-                    f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
-                    f"model's context {limit}"
-                )
+            context = self.engine.model_config.max_position_embeddings
+            check_context(rid, len(prompt), params.max_tokens, context)
             first_only = dataclasses.replace(
                 params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
             )
@@ -135,7 +135,7 @@ class PrefillRole(Role):
         except ValueError as exc:
             raise self.invalid(ValueError(f"request {rid!r}: {exc}")) from exc
         arrival = sink.created  # queue_ms includes the wait for the engine thread's next turn
-        job = _Job(rid, engine_id, sink, ticket, params, self.deadline(timeout_s), arrival)
+        job = _PrefillJob(rid, engine_id, sink, ticket, params, self.deadline(timeout_s), arrival)
         self._jobs[rid] = self._by_engine[engine_id] = job
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
@@ -240,7 +240,7 @@ class PrefillRole(Role):
             del self._jobs[request_id], self._by_engine[job.engine_id]
         return True
 
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: _PrefillJob) -> None:
         """Release the held blocks of a finished job and drop it everywhere."""
         self.engine.release_held(job.engine_id)
         del self._by_engine[job.engine_id]

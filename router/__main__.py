@@ -93,6 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument("--default-timeout-s", type=float, default=120.0)
     p.add_argument("--status-poll-interval-s", type=float, default=0.5)
+    p.add_argument("--status-poll-timeout-s", type=float, default=0.5)
+    p.add_argument("--status-poll-misses", type=int, default=3)
     p.add_argument(
         "--stall-timeout-s",
         type=float,
@@ -150,6 +152,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
             default_timeout_s=args.default_timeout_s,
             status_poll_interval_s=args.status_poll_interval_s,
+            status_poll_timeout_s=args.status_poll_timeout_s,
+            status_poll_misses=args.status_poll_misses,
             max_migrations=args.max_migrations,
             stall_timeout_s=args.stall_timeout_s,
             shutdown_grace_s=args.shutdown_grace_s,

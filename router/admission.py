@@ -17,8 +17,8 @@ class Overloaded(Exception):
 
 
 class Admission:
-    """`enter()` (decides at once) then `Ticket.wait()` / `Ticket.leave()`; or `acquire()` a
-    running slot (waiting FIFO if needed) and `release()` it exactly once."""
+    """`enter()` (decides at once) then `AdmissionPlace.wait()` / `.leave()`; or `acquire()`
+    a running slot (waiting FIFO if needed) and `release()` it exactly once."""
 
     def __init__(self, max_inflight: int, max_queued: int) -> None:
         if max_inflight < 1 or max_queued < 0:
@@ -41,12 +41,12 @@ class Admission:
         """Requests waiting for a slot now."""
         return self._queued
 
-    def enter(self) -> Ticket:
+    def enter(self) -> AdmissionPlace:
         """Decide at once, without awaiting: a running slot now, a place in the queue, or
-        `Overloaded` (the queue is full). The caller must `leave()` the ticket exactly once."""
+        `Overloaded` (the queue is full). The caller must `leave()` the place exactly once."""
         if self._running < self.max_inflight and not self._waiters:
             self._running += 1
-            return Ticket(self, None)
+            return AdmissionPlace(self, None)
         if self._queued >= self.max_queued:
             raise Overloaded(
                 f"router queue full ({self.max_queued} waiting, {self._running} running)"
@@ -54,7 +54,7 @@ class Admission:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self._queued += 1
-        return Ticket(self, fut)
+        return AdmissionPlace(self, fut)
 
     async def acquire(self) -> None:
         """Take a slot, waiting in FIFO order; raise `Overloaded` at once if the queue is full.
@@ -62,11 +62,11 @@ class Admission:
         Cancellation while waiting leaves no trace (a slot granted in the same instant is
         passed on to the next waiter).
         """
-        ticket = self.enter()
+        place = self.enter()
         try:
-            await ticket.wait()
+            await place.wait()
         except asyncio.CancelledError:
-            ticket.leave()
+            place.leave()
             raise
 
     def release(self) -> None:
@@ -81,13 +81,13 @@ class Admission:
         self._running -= 1
 
     def _withdraw(self, fut: asyncio.Future[None]) -> None:
-        """A queued ticket leaves before its slot came (its future is not done)."""
+        """A queued place leaves before its slot came (its future is not done)."""
         self._waiters.remove(fut)
         self._queued -= 1
         fut.cancel()
 
 
-class Ticket:
+class AdmissionPlace:
     """One request's place in an `Admission`: running (`fut` None or done) or queued."""
 
     def __init__(self, admission: Admission, fut: asyncio.Future[None] | None) -> None:
@@ -100,7 +100,7 @@ class Ticket:
         return self._fut is None or (self._fut.done() and not self._fut.cancelled())
 
     async def wait(self) -> None:
-        """Until the ticket holds a running slot (FIFO); cancellable (then `leave()` it)."""
+        """Until this place holds a running slot (FIFO); cancellable (then `leave()` it)."""
         if self._fut is not None:
             await asyncio.shield(self._fut)
 

@@ -183,6 +183,13 @@ class RouterHandle:
         await self.server.wait_for_termination()
 
 
+def registry_ttl_s(config: RouterConfig) -> float:
+    """How long a worker stays healthy without an answer: longer than the `status_poll_misses`
+    slow polls the health rule allows (at least 5 s, and ten poll periods)."""
+    per_poll = config.status_poll_interval_s + config.status_poll_timeout_s
+    return max(5.0, 10 * config.status_poll_interval_s, 2 * config.status_poll_misses * per_poll)
+
+
 def _config_for_log(config: RouterConfig) -> str:
     """The effective config as JSON (a Redis password is masked by the config itself)."""
     return config.model_dump_json()
@@ -216,11 +223,10 @@ async def start_router(
     updater = RouterHealth(config.mode, health_servicer)
     await updater([])  # NOT_SERVING until the first poll says otherwise
     pool = WorkerPool(
-        registry
-        if registry is not None
-        else InMemoryWorkerRegistry(ttl_s=max(5.0, 10 * config.status_poll_interval_s)),
+        registry if registry is not None else InMemoryWorkerRegistry(ttl_s=registry_ttl_s(config)),
         poll_interval_s=config.status_poll_interval_s,
         poll_timeout_s=config.status_poll_timeout_s,
+        poll_misses=config.status_poll_misses,
         on_change=updater,
         internal=internal,
     )
@@ -329,13 +335,13 @@ def make_ratio_controller(
     """The (not yet started) ratio controller for `config.ratio`: None in mode 'fixed';
     'advisory' without an actuator; 'adaptive' with a `PoolActuator` whose `on_role_change`
     adds an indexer for a worker that became prefill/colocated and removes the indexer of one
-    that became anything else or left."""
+    that became anything else."""
     if not config.ratio.enabled:
         return None
     if config.ratio.mode == "advisory":
         return RatioController(config.ratio, pool)
 
-    async def on_role_change(address: str, role: Role | None) -> None:
+    async def on_role_change(address: str, role: Role) -> None:
         if role in ("prefill", "colocated"):
             indexers.add(address, sources(address))
         else:

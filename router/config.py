@@ -114,7 +114,14 @@ class RouterConfig(BaseModel):
     status_poll_timeout_s: float = Field(
         default=0.5,
         gt=0,
-        description="Timeout of one GetStatus call; a miss marks the worker unhealthy.",
+        description="Timeout of one GetStatus call; a timeout is a miss (the worker is slow), "
+        "not a failure.",
+    )
+    status_poll_misses: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive GetStatus timeouts that mark a worker unhealthy; a refused "
+        "connection or any other error marks it unhealthy at once.",
     )
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Timeout of cleanup Abort calls.")
     shutdown_grace_s: float = Field(
@@ -191,12 +198,6 @@ class RouterConfig(BaseModel):
             raise ValueError(
                 f"ratio.mode={r.mode!r} tunes prefill:decode workers; it needs mode 'disagg', "
                 f"got mode={self.mode!r}"
-            )
-        if r.allow_scale_out or r.allow_scale_in:
-            raise ValueError(
-                "ratio.allow_scale_out / ratio.allow_scale_in: the router has no launcher to "
-                f"add or remove workers (got allow_scale_out={r.allow_scale_out}, "
-                f"allow_scale_in={r.allow_scale_in}); it can only switch roles"
             )
         try:
             r.check_counts(len(self.prefill_addrs), len(self.decode_addrs))

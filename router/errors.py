@@ -5,7 +5,7 @@ client's status once, at the edge: the gRPC `Generate` handler (a gRPC status) o
 (an OpenAI error object with the matching HTTP status). `InvalidRequest` is the
 INVALID_ARGUMENT case and keeps the offending field's path, so each edge can name the field in
 its own vocabulary. `worker_error` maps a failed worker call to the status the client gets,
-following DESIGN.md's error table.
+following the status table in `router/server.py`.
 
 Two texts per error: `message`, the whole story for the router's log (worker addresses,
 transfer ids, the transport's own words), and `public`, what the client reads: what failed in
@@ -50,7 +50,7 @@ class Retryable(RouterError):
 
 
 def worker_error(exc: grpc.aio.AioRpcError, what: str, public_what: str) -> RouterError:
-    """Map a failed worker call to the status the client gets (DESIGN.md's error table).
+    """Map a failed worker call to the status the client gets (`router/server.py`'s table).
     `what` names the call and the worker (the log's text); `public_what` names the call
     without the worker (``"Reserve on a decode worker"``). Only a RESOURCE_EXHAUSTED keeps the
     worker's own words for the client (how much room was missing)."""

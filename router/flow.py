@@ -1,8 +1,11 @@
 """One admitted request's worker calls: disagg (Reserve -> Prefill -> Decode) or colocated,
 and the move to another decode worker when one fails mid-stream.
 
-Runs in the router process, inside the `Generate` handler's task. A *leg* (`Leg`) is one
-placement of the request on workers; the first leg is the client's prompt. Steps (disagg):
+Runs in the router process, inside the `Generate` handler's task. A `RequestRun` is the one
+owner of a request's router-side state: it owns its legs (`worker_calls.Leg`: one attempt to
+place the request on workers, with that attempt's holders, in-flight counts and measurements)
+and reads them; the client's stream and final facts are written only here. The first leg's
+prompt is the client's. Steps (disagg):
 
 0. the leg's prompt's block-hash chain is looked up in the prefix index (one round trip,
    bounded by the index's lookup timeout; no answer means "route by load only"), unless the
@@ -34,7 +37,6 @@ address left in `holders` (`RequestRun.holders`), from a task that outlives the 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,7 +50,9 @@ from router.policy import Role, RouteRequest, RoutingDecision, RoutingPolicy, Wo
 from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex, PromptPrefix
 from router.validation import ValidatedRequest
-from router.worker_calls import Chunks, Leg, WorkerLost, reserve_and_prefill, start_colocated
+from router.worker_calls import Chunks, Leg, LegSpec, WorkerLost
+
+__all__ = ["RequestRun", "RunTimings"]
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +74,10 @@ class RequestRun:
     max_migrations: int = 0
     stall_timeout_s: float = 3.0  # a worker stream silent this long: is its worker frozen?
     prefix_index: GuardedPrefixIndex | None = None
-    holders: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)  # workers that failed this request
     migrations: int = 0
-    streaming_from: str = ""  # address of the worker whose stream the client is fed from
-    placed_on: list[str] = field(default_factory=list)  # workers it was in flight on, in order
-    _tracking: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    legs: list[Leg] = field(default_factory=list)  # every attempt so far, in order
+    _first: Leg | None = None  # the leg that first streamed: its timings are reported
 
     @property
     def timings(self) -> RunTimings:
@@ -86,46 +88,59 @@ class RequestRun:
         """Tokens sent to the client so far."""
         return len(self.client.tokens)
 
-    def remaining(self) -> float:
-        """Seconds left before the deadline; raises DEADLINE_EXCEEDED when none are."""
-        left = self.deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline passed")
-        return left
+    @property
+    def holders(self) -> set[str]:
+        """Every worker that may still hold this request (any leg's): each gets an Abort when
+        the request ends early."""
+        return set().union(*(leg.holders for leg in self.legs))
 
-    def track(self, address: str) -> None:
-        """Count this request as in flight on `address` until the leg ends (`close`); it
-        joins `placed_on`."""
-        self._tracking.enter_context(self.pool.track(address))
-        self.note_placed(address)
-
-    def note_placed(self, address: str) -> None:
-        """Remember that this request was sent to `address` (`placed_on`, first time only)."""
-        if address not in self.placed_on:
-            self.placed_on.append(address)
+    @property
+    def placed_on(self) -> list[str]:
+        """Every worker the request was sent to, in order, each once (all legs)."""
+        return list(dict.fromkeys(a for leg in self.legs for a in leg.placed))
 
     def close(self) -> None:
         """Drop this request's in-flight counts on its workers (at the end of a leg and of the
         request, whatever happened)."""
-        self._tracking.close()
+        for leg in self.legs:
+            leg.close()
 
     async def execute(self) -> None:
         """Run the request to its final message; raise `RouterError` on failure."""
-        chunks = await self._place(Leg(self.req.prompt_token_ids, self.req.sampling.max_tokens))
+        spec = LegSpec(self.req.prompt_token_ids, self.req.sampling.max_tokens)
+        leg, chunks = await self._place(spec)
+        self._first = leg
         while True:
             try:
                 async with contextlib.aclosing(chunks):  # closing cancels the worker call
                     async for chunk in chunks:
+                        self._report(leg)
                         if await self.client.push(
                             chunk.token_ids, chunk.finished, chunk.finish_reason, chunk.logprobs
                         ):
                             return
-                lost = f"the stream of worker {self.streaming_from} ended without finishing"
-                raise WorkerLost(self.streaming_from, lost)
+                lost = f"the stream of worker {leg.streaming_from} ended without finishing"
+                raise WorkerLost(leg.streaming_from, lost)
             except WorkerLost as lost:
-                chunks = await self._migrate(lost)
+                leg, chunks = await self._migrate(leg, lost)
 
-    async def _migrate(self, lost: WorkerLost) -> Chunks:
+    def _report(self, leg: Leg) -> None:
+        """What the final message says of the workers: the streaming leg's workers, the first
+        leg's timings and cached tokens (a migrated leg's are not the client's)."""
+        facts, report = self.client.facts, leg.report
+        facts.prefill_worker, facts.decode_worker = report.prefill_worker, report.decode_worker
+        if leg is self._first:
+            t = self.client.timings
+            t.prefill_queue_ms, t.prefill_compute_ms = (
+                report.prefill_queue_ms,
+                report.prefill_compute_ms,
+            )
+            t.kv_transfer_ms = report.kv_transfer_ms
+            t.decode_admission_ms = report.decode_admission_ms
+            t.first_decode_step_ms = report.first_decode_step_ms
+            facts.cached_tokens = report.cached_tokens
+
+    async def _migrate(self, leg: Leg, lost: WorkerLost) -> tuple[Leg, Chunks]:
         """Move the request off the worker that failed mid-stream (see the module docstring)."""
         left = self.req.sampling.max_tokens - len(self.client.tokens)
         if self.migrations >= self.max_migrations or left <= 0:
@@ -133,10 +148,9 @@ class RequestRun:
         self.migrations += 1
         self.client.facts.migrations = self.migrations
         self.excluded.add(lost.address)
-        if lost.address in self.holders:
-            self.holders.discard(lost.address)
+        if leg.release(lost.address):
             self.abort_later(self.request_id, [lost.address])
-        self.close()  # no longer in flight on the failed worker
+        leg.close()  # no longer in flight on the failed worker
         sent = self.client.tokens
         log.warning(
             "request %s: %s after %d tokens; moving it to another worker (migration %d of %d)",
@@ -146,9 +160,9 @@ class RequestRun:
             self.migrations,
             self.max_migrations,
         )
-        leg = Leg(self.req.prompt_token_ids + tuple(sent), left, num_sampled=len(sent))
+        spec = LegSpec(self.req.prompt_token_ids + tuple(sent), left, num_sampled=len(sent))
         try:
-            return await self._place(leg)
+            return await self._place(spec)
         except RouterError as exc:
             why = f"{lost.message}; moving the request failed: {exc.message}"
             public = f"{lost.public}; moving the request failed: {exc.public}"
@@ -156,26 +170,33 @@ class RequestRun:
 
     # -- routing and the first token -------------------------------------------------------
 
-    async def _place(self, leg: Leg) -> Chunks:
-        """Route `leg` and start it, retrying elsewhere while nothing of it reached the client;
-        return its chunk stream, whose first chunk (the leg's first token) is already known."""
+    async def _place(self, spec: LegSpec) -> tuple[Leg, Chunks]:
+        """Route a leg asking `spec` and start it, retrying elsewhere (a new leg per attempt)
+        while nothing of it reached the client; return the leg and its chunk stream, whose
+        first chunk (the leg's first token) is already known."""
         last: Retryable | None = None
-        prefix = await self._prefix_lookup(leg)
+        prefix = await self._prefix_lookup(spec)
         for _ in range(self.max_attempts):
-            decision = self._choose(leg, last, prefix)
+            decision = self._choose(spec, last, prefix)
+            leg = Leg(
+                self.request_id, spec, self.req, self.pool, self.deadline, self.stall_timeout_s
+            )
+            self.legs.append(leg)
             try:
                 if decision.colocated is not None:
-                    return await start_colocated(self, leg, decision.colocated)
+                    return leg, await leg.start_colocated(decision.colocated)
                 assert decision.prefill is not None and decision.decode is not None
-                return await reserve_and_prefill(
-                    self, leg, decision.prefill, decision.decode, decision.cached_tokens
+                chunks = await leg.reserve_and_prefill(
+                    decision.prefill, decision.decode, decision.cached_tokens
                 )
+                return leg, chunks
             except Retryable as exc:
                 last = exc
                 self.excluded.add(exc.address)
-                self.close()
-                if self.holders:  # nothing reached the client: undo, then try elsewhere
-                    holders, self.holders = sorted(self.holders), set()
+                leg.close()
+                if leg.holders:  # nothing reached the client: undo, then try elsewhere
+                    holders = sorted(leg.holders)
+                    leg.holders.clear()
                     # the failed worker is not tried again here: no need to wait for it
                     self.abort_later(self.request_id, [a for a in holders if a in self.excluded])
                     await self.abort_now(
@@ -184,7 +205,7 @@ class RequestRun:
         assert last is not None
         raise RouterError(last.code, last.message, last.public)
 
-    async def _prefix_lookup(self, leg: Leg) -> PromptPrefix:
+    async def _prefix_lookup(self, spec: LegSpec) -> PromptPrefix:
         """The prompt's chain and the index's matches (block size: the workers', if they agree;
         else, without an index, or for a policy that ignores prefixes: none, by load only)."""
         if self.prefix_index is None or not self.policy.uses_prefix_matches:
@@ -193,9 +214,11 @@ class RequestRun:
         sizes = {v.block_size for v in self.pool.views(role) if v.healthy}
         if len(sizes) != 1:
             return PromptPrefix()
-        return await self.prefix_index.lookup_prompt(leg.prompt, sizes.pop())
+        return await self.prefix_index.lookup_prompt(spec.prompt, sizes.pop())
 
-    def _choose(self, leg: Leg, last: Retryable | None, prefix: PromptPrefix) -> RoutingDecision:
+    def _choose(
+        self, spec: LegSpec, last: Retryable | None, prefix: PromptPrefix
+    ) -> RoutingDecision:
         def views(role: str) -> list[WorkerView]:
             return [
                 v for v in self.pool.views() if v.role == role and v.address not in self.excluded
@@ -203,8 +226,8 @@ class RequestRun:
 
         route = RouteRequest(
             self.request_id,
-            len(leg.prompt),
-            leg.max_tokens,
+            len(spec.prompt),
+            spec.max_tokens,
             self.colocated,
             block_hashes=prefix.block_hashes,
             prefix_matches=prefix.matches,

@@ -49,7 +49,7 @@ import grpc
 
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2, worker_pb2
-from router.admission import Admission, Overloaded, Ticket
+from router.admission import Admission, AdmissionPlace, Overloaded
 from router.client_stream import ClientStream, FinalFacts, Send
 from router.config import RouterConfig
 from router.errors import InvalidRequest, RouterError
@@ -167,7 +167,7 @@ class RequestLifecycle:
         rec = RequestRecord()
         try:
             try:
-                ticket = self.admission.enter()  # first, and O(1): a burst is shed at once
+                place = self.admission.enter()  # first, and O(1): a burst is shed at once
             except Overloaded as exc:
                 self._observe(None, None, False, time.perf_counter() - t_arrival)
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
@@ -177,9 +177,9 @@ class RequestLifecycle:
                 except RequestValidationError as exc:
                     raise InvalidRequest(exc.field, exc.problem) from None
                 rec.prompt_tokens = len(req.prompt_token_ids)
-                await self._run_validated(req, ticket, t_arrival, send, timeout_s, rec)
+                await self._run_validated(req, place, t_arrival, send, timeout_s, rec)
             finally:
-                ticket.leave()
+                place.leave()
         except RouterError as exc:
             rec.status = exc.code.name
             raise
@@ -210,7 +210,7 @@ class RequestLifecycle:
     async def _run_validated(
         self,
         req: ValidatedRequest,
-        ticket: Ticket,
+        place: AdmissionPlace,
         t_arrival: float,
         send: Send,
         timeout_s: float | None,
@@ -263,7 +263,7 @@ class RequestLifecycle:
         try:
             async with asyncio.timeout_at(deadline):
                 t0 = time.perf_counter()
-                await ticket.wait()
+                await place.wait()
                 rec.queue_s = time.perf_counter() - t0
                 run.timings.router_queue_ms = rec.queue_s * 1e3
                 await run.execute()

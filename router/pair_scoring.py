@@ -32,12 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:  # router.policy builds on this module; only the types come back
-    from router.policy import RouteRequest, WorkerView
+from router.views import RouteRequest, WorkerView
 
 
 class PairScoringConfig(BaseModel):

@@ -3,7 +3,10 @@
 Runs in the router process, on its event loop. One channel per worker address, opened at
 `add` and closed at `stop`. A background task calls `Worker.GetStatus` on every registered
 worker each `poll_interval_s` (each call bounded by `poll_timeout_s`) and reports the result to
-the `WorkerRegistry`; a request path that sees a worker fail calls `report_failure`, which marks
+the `WorkerRegistry` by the `PollHealth` rule: an answer is healthy; a poll that times out is
+"slow", and only `status_poll_misses` of them in a row make the worker unhealthy (a live but
+CPU-starved worker is not dead); any other failure (connection refused or reset, auth) marks it
+unhealthy at once. A request path that sees a worker fail calls `report_failure`, which marks
 it unhealthy at once (the next good poll makes it healthy again). `views(role)` builds the
 `WorkerView` snapshots policies choose from, adding this router's live in-flight counts.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -34,12 +38,53 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+class Verdict(enum.Enum):
+    """What one `GetStatus` outcome does to a worker's health."""
+
+    HEALTHY = "healthy"  # it answered: healthy, with this status
+    SLOW = "slow"  # it timed out, fewer than the allowed misses in a row: health unchanged
+    DOWN = "down"  # unhealthy until its next answer
+
+
+class PollHealth:
+    """The poll health rule, per worker address (pure: no I/O, no clock).
+
+    `observe(address, code)` takes one poll's outcome (`code` None for an answer, else the
+    failed call's status code) and returns the `Verdict`. DEADLINE_EXCEEDED is a miss: the
+    `misses`-th consecutive one is DOWN, earlier ones SLOW; any other code is DOWN at once; an
+    answer is HEALTHY and resets the count. `forget(address)` drops a removed worker's count.
+    """
+
+    def __init__(self, misses: int) -> None:
+        if misses < 1:
+            raise ValueError(f"status_poll_misses must be >= 1, got {misses}")
+        self._limit = misses
+        self._misses: dict[str, int] = {}
+
+    def observe(self, address: str, code: grpc.StatusCode | None) -> Verdict:
+        """The verdict for `address` after one poll that ended with `code`."""
+        if code is None:
+            self._misses.pop(address, None)
+            return Verdict.HEALTHY
+        if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._misses.pop(address, None)
+            return Verdict.DOWN
+        count = self._misses.get(address, 0) + 1
+        self._misses[address] = count
+        return Verdict.DOWN if count >= self._limit else Verdict.SLOW
+
+    def forget(self, address: str) -> None:
+        """Drop `address`'s miss count (it was deregistered)."""
+        self._misses.pop(address, None)
+
+
 class WorkerPool:
     """Owns one channel + stub per worker and keeps the registry's health up to date.
 
     `await on_change(views)` runs after every registry update with the views of every role, so
     the app can recompute its health status. `internal` says how to reach the workers: the
     cluster secret every call carries and the optional mutual TLS (default: neither).
+    `poll_misses` is the `PollHealth` limit: consecutive poll timeouts before unhealthy.
     """
 
     def __init__(
@@ -47,6 +92,7 @@ class WorkerPool:
         registry: WorkerRegistry,
         poll_interval_s: float,
         poll_timeout_s: float,
+        poll_misses: int = 3,
         on_change: Callable[[list[WorkerView]], Awaitable[None]] | None = None,
         internal: InternalAuth | None = None,
     ) -> None:
@@ -54,6 +100,7 @@ class WorkerPool:
         self._internal = internal or InternalAuth()
         self._interval = poll_interval_s
         self._timeout = poll_timeout_s
+        self._health = PollHealth(poll_misses)
         self._on_change = on_change
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
@@ -82,6 +129,7 @@ class WorkerPool:
         self._stubs.pop(address, None)
         self._in_flight.pop(address, None)
         self._in_flight_tokens.pop(address, None)
+        self._health.forget(address)
         if channel is not None:
             await channel.close()
         await self._refresh()
@@ -204,8 +252,14 @@ class WorkerPool:
         try:
             status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            await self._registry.heartbeat(address, None, f"{exc.code().name}: {exc.details()}")
+            verdict = self._health.observe(address, exc.code())
+            error = f"{exc.code().name}: {exc.details()}"
+            if verdict is Verdict.DOWN:
+                await self._registry.heartbeat(address, None, error)
+            else:
+                log.info("worker %s slow to answer GetStatus: %s", address, error)
             return
+        self._health.observe(address, None)
         await self._registry.heartbeat(address, status)
 
     async def _poll_loop(self) -> None:

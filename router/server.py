@@ -3,7 +3,7 @@
 A thin edge over `lifecycle.RequestLifecycle`, which runs every public request (this service's
 and the HTTP front's alike): `Generate` passes the decoded request, a `send` that writes each
 `GenerateResponse` to the stream and the client's deadline, and turns a `RouterError` into the
-call's status. Status codes at this edge (DESIGN.md's error table):
+call's status. Status codes at this edge (the router's error table):
 
 - INVALID_ARGUMENT: bad input, message names the field; never reaches a worker;
 - RESOURCE_EXHAUSTED: admission queue full (answered at once) or no worker with KV room;

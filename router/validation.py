@@ -22,7 +22,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message, message_fa
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from model_runtime.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
-from proto.pdserve.v1 import inference_pb2, worker_pb2
+from proto.pdserve.v1 import inference_pb2
 
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 128
@@ -99,22 +99,6 @@ class ValidatedRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     stop: tuple[str, ...]
-
-    def worker_sampling(self) -> worker_pb2.WorkerSampling:
-        """The sampling params in the worker API's form (stop strings stay in the router)."""
-        s = self.sampling
-        return worker_pb2.WorkerSampling(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            has_seed=s.seed is not None,
-            seed=s.seed or 0,
-            stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            min_tokens=s.min_tokens,
-            logprobs=s.logprobs,
-        )
 
 
 def _top_level_fields(data: bytes) -> frozenset[int]:

@@ -3,7 +3,7 @@
 Runs in every process of a cluster. `pdserve up` generates one at start (`generate`), or
 reads it from a file (`security.cluster_secret_file`, which must not be readable by group or
 others) or from the environment (``PDSERVE_CLUSTER_SECRET``, hex) for multi-node launches. It
-reaches a worker through the launcher: the environment of a `python -m worker` child, or a
+reaches a worker through the launcher: the environment of a `python -m worker_main` child, or a
 Ray actor's constructor argument — never a command line or a log (`repr` masks it).
 
 The secret itself never goes over a wire: each use gets its own key, `derive(purpose)` =

@@ -1,6 +1,6 @@
-"""The worker process's command line: ``python -m worker`` (see `worker/__main__.py`).
+"""The worker process's command line: ``python -m worker_main`` (`worker_main/__main__.py`).
 
-    python -m worker --model DIR --role prefill|decode|colocated [--port 0] [--metrics-port 0]
+    python -m worker_main --model DIR --role prefill|decode|colocated [--port 0] [--metrics-port 0]
         [--worker-id ID] [--engine-json JSON] [--torch-threads N] [--host H] [--kv-host H]
         [--kv-port P] [--transfer-timeout-s S] [--stop-grace-s S] [--log-level LEVEL]
         [--cluster-secret-file FILE] [--internal-tls-json JSON] [--insecure]
@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from model_runtime.engine_config import EngineConfig
@@ -33,6 +33,7 @@ from security.config import InternalTLS
 from security.secret import ClusterSecret
 from worker.config import READY_PREFIX, WorkerConfig
 from worker.parent_watch import ParentWatch, parent_pid_from_env
+from worker.roles import RoleHandler
 from worker.server import WorkerServer
 
 log = logging.getLogger("pdserve.worker")
@@ -45,7 +46,9 @@ def parse_args(
 ) -> tuple[WorkerConfig, float, ClusterSecret | None]:
     """(config, stop grace in seconds, cluster secret) from the command line and the
     environment; argparse exits on bad input, a bad secret raises ValueError."""
-    p = argparse.ArgumentParser(prog="python -m worker", description="One pdserve worker process.")
+    p = argparse.ArgumentParser(
+        prog="python -m worker_main", description="One pdserve worker process."
+    )
     p.add_argument("--model", required=True, help="HF model folder")
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     p.add_argument("--worker-id", help="unique worker id (default: worker-<random>)")
@@ -111,7 +114,8 @@ def parse_args(
     return WorkerConfig(**fields), args.stop_grace_s, secret
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = None) -> int:
+    """Run one worker process that can take any of `roles` (`worker_main.ROLES`)."""
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
@@ -135,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop.set()
 
     watch = ParentWatch(parent, on_orphaned) if parent is not None else None
-    server = WorkerServer(config, secret)
+    server = WorkerServer(config, roles, secret)
     try:
         server.start()
     except ValueError as exc:  # e.g. a public host without a cluster secret

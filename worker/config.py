@@ -1,6 +1,6 @@
 """`WorkerConfig`: everything one worker process is started with. Torch-free.
 
-Used by the worker process (`python -m worker`), the launchers that build its command line or
+Used by the worker process (`python -m worker_main`), the launchers that build its command line or
 Ray actor (`deploy.launcher`, `deploy.ray_launcher`) and the cluster config (`deploy.config`).
 """
 
@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_runtime.engine_config import EngineConfig
+from proto.pdserve.v1.roles import Role
 from security.config import InternalTLS
 
 READY_PREFIX = "PDSERVE_WORKER_READY"
 """Start of the one stdout line a worker prints once it serves (``... host:port``)."""
-
-Role = Literal["prefill", "decode", "colocated"]
 
 
 class WorkerConfig(BaseModel):

@@ -44,7 +44,7 @@ from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler_types import SchedulerOutput
-from worker.roles import Role, RoleContext
+from worker.roles import RoleContext, RoleHandler
 from worker.sinks import Sink, UnarySink, WorkerError, delivered_together
 
 log = logging.getLogger(__name__)
@@ -104,13 +104,13 @@ class EngineThread:
 
     `roles` maps every role name this worker may take (`role` first, then any `SetRole`
     target) to its class; the worker host plugs the role packages in here
-    (`worker.server.ROLES`), so this module depends on the `Role` contract only.
+    (`worker.server.ROLES`), so this module depends on the `RoleHandler` contract only.
     """
 
     def __init__(
         self,
         ctx: RoleContext,
-        roles: Mapping[str, type[Role]],
+        roles: Mapping[str, type[RoleHandler]],
         role: str,
         metrics: StepMetrics | None = None,
     ) -> None:
@@ -121,12 +121,13 @@ class EngineThread:
         self.metrics = metrics
         self.roles = dict(roles)
         self._served_by = {m: r.name for r in self.roles.values() for m in r.methods}
-        self.role: Role = self.roles[role](ctx)
+        self.role: RoleHandler = self.roles[role](ctx)
         # (command, the sink it answers or None): the sink is failed if the thread has ended
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Sink | None]] = (
             queue.SimpleQueue()
         )
-        # RPCs that may run between layers (`Role.between_layers`); always before `_commands`.
+        # RPCs that may run between layers (`RoleHandler.between_layers`); always before
+        # `_commands`.
         self._urgent: queue.SimpleQueue[tuple[Callable[[], object], Sink | None]] = (
             queue.SimpleQueue()
         )
@@ -366,7 +367,7 @@ class EngineThread:
         if drain.target is None:
             self._stopped.set()
             return
-        self.engine.check_integrity(self.role.external_blocks())
+        self.engine.check_integrity()
         self.engine.reset_scheduler()
         self.role = self.roles[drain.target](self.ctx)
         self._drain = None

@@ -32,10 +32,10 @@ from prometheus_client.registry import Collector
 
 from kvtransfer.types import TransferResult
 from model_runtime.request import RequestOutput
+from proto.pdserve.v1.roles import ROLES
 from worker.engine_thread import Snapshot
 
 P = "pdserve:"
-ROLES = ("prefill", "decode", "colocated")
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 _REASONS = (

@@ -1,4 +1,4 @@
-"""`WorkerProcess`: a ``python -m worker`` child seen from its parent (launcher, tests).
+"""`WorkerProcess`: a ``python -m worker_main`` child seen from its parent (launcher, tests).
 
 Runs in the parent process: `spawn` starts the worker and waits for its READY line; `stop`
 sends SIGTERM (SIGKILL after a timeout); `kill` sends SIGKILL. Always by PID.
@@ -23,7 +23,7 @@ log = logging.getLogger("pdserve.worker")
 
 
 class WorkerProcess:
-    """A ``python -m worker`` child: `spawn` waits for its READY line; `stop` sends
+    """A ``python -m worker_main`` child: `spawn` waits for its READY line; `stop` sends
     SIGTERM (SIGKILL after `timeout_s`), `kill` SIGKILL — always by PID."""
 
     def __init__(self, popen: subprocess.Popen[str], address: str) -> None:
@@ -33,9 +33,9 @@ class WorkerProcess:
 
     @classmethod
     def spawn(cls, args: Sequence[str], ready_timeout_s: float = 120.0) -> WorkerProcess:
-        """Start ``python -m worker *args`` (stderr inherited) and wait for READY."""
+        """Start ``python -m worker_main *args`` (stderr inherited) and wait for READY."""
         popen = subprocess.Popen(
-            [sys.executable, "-m", "worker", *args],
+            [sys.executable, "-m", "worker_main", *args],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,

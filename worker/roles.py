@@ -1,7 +1,7 @@
 """What a worker role is: the engine-thread half of the RPCs one role serves.
 
 Runs in the engine thread of every worker process; nothing here is thread-safe and nothing
-blocks. The engine thread (`worker.engine_thread`) owns one `Role` at a time and calls:
+blocks. The engine thread (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
 
 - `handle(method, request, sink, timeout_s)` for each accepted RPC (it has already checked the
   role and the draining state). Rejections raise `WorkerError`; the engine thread fails the
@@ -17,9 +17,9 @@ blocks. The engine thread (`worker.engine_thread`) owns one `Role` at a time and
   (blocks of a transfer in flight: when its result arrives). Returns whether it found it.
 
 `num_active()` counts requests the role still holds anything for; a role switch waits until
-it is 0. Block ownership: a block allocated by a role (decode reservations) is the role's until
-it hands it to the engine (`add_prefilled_request`) or frees it; `external_blocks()` lists
-those, for `check_integrity`.
+it is 0. Block ownership: every KV block is the engine scheduler's (a decode reservation is a
+"receiving KV" reservation there, `Scheduler.reserve_remote`); a role holds none itself, so
+`LLMEngine.check_integrity` sees them all.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-class Role(ABC):
+class RoleHandler(ABC):
     """One role's request handling on the engine thread (see the module docstring)."""
 
     name: ClassVar[str]
@@ -106,9 +106,6 @@ class Role(ABC):
     def num_pending(self) -> int:
         """Requests the role holds that the engine has not seen yet (status: waiting)."""
         return 0
-
-    def external_blocks(self) -> dict[int, int]:
-        return {}
 
     # ---- helpers for subclasses --------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""`WorkerServer`: one worker's engine thread + gRPC server in this process (the composition root).
+"""`WorkerServer`: one worker's engine thread + gRPC server in this process.
 
-Runs in a worker process (`python -m worker`, a Ray actor, or a test fixture). `start()` loads
-the model once, starts the engine thread (`worker.engine_thread`) with the three roles plugged
-in (prefill from `prefill_worker`, decode and colocated from `decode_worker`), the Prometheus
-exporter (`worker.metrics`, unless `metrics_port` is None) and a grpc.aio server on its own
-event-loop thread, and returns ``"host:port"``. This module is the only part
-of the worker host that knows the role packages; the rest of `worker` is role-agnostic.
+Runs in a worker process (`python -m worker_main`, a Ray actor, or a test fixture). `start()`
+loads the model once, starts the engine thread (`worker.engine_thread`) with the roles it was
+given plugged in (the table of every role, `worker_main.ROLES`, lives in the package above both
+the host and the role packages: the composition root), the Prometheus exporter
+(`worker.metrics`, unless `metrics_port` is None) and a grpc.aio server on its own event-loop
+thread, and returns ``"host:port"``. The `worker` package knows no role package.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2_grpc
 
-from decode_worker.colocated import ColocatedRole
-from decode_worker.decode import DecodeRole
 from kvtransfer.torch_dist import TorchDistTransport
 from model_runtime.engine import LLMEngine
-from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2_grpc
 from security.channels import InternalAuth
 from security.config import is_loopback
@@ -34,13 +32,10 @@ from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
 from worker.metrics import WorkerMetrics
-from worker.roles import Role, RoleContext
+from worker.roles import RoleContext, RoleHandler
 from worker.service import WorkerService
 
 log = logging.getLogger("pdserve.worker")
-
-ROLES: dict[str, type[Role]] = {r.name: r for r in (PrefillRole, DecodeRole, ColocatedRole)}
-"""Every role a worker can take, by name (what `--role` and `SetRole` accept)."""
 
 
 class WorkerServer:
@@ -51,8 +46,16 @@ class WorkerServer:
     only join/transfer records signed with it. None leaves both open, which `start` allows
     only on loopback addresses unless `config.insecure`."""
 
-    def __init__(self, config: WorkerConfig, cluster_secret: ClusterSecret | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        roles: Mapping[str, type[RoleHandler]],
+        cluster_secret: ClusterSecret | None = None,
+    ) -> None:
+        """`roles`: every role this worker can take, by name (what `--role` and `SetRole`
+        accept; `worker_main.ROLES`)."""
         self.config = config
+        self.roles = dict(roles)
         self._internal = InternalAuth(cluster_secret, config.internal_tls)
         self._secret = cluster_secret
         self.epoch = time.time_ns()  # changes on every start of a worker process
@@ -111,7 +114,7 @@ class WorkerServer:
             default_timeout_s=cfg.default_timeout_s,
         )
         model_name = cfg.model_dir.resolve().name
-        engine_thread = EngineThread(ctx, ROLES, cfg.role)
+        engine_thread = EngineThread(ctx, self.roles, cfg.role)
         if cfg.metrics_port is not None:
             self.metrics = WorkerMetrics(model_name, lambda: engine_thread.snapshot)
             engine_thread.metrics = self.metrics

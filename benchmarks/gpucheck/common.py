@@ -114,7 +114,7 @@ def timed(fn: Any, device: torch.device, iters: int, warmup: int = 1) -> float:
 
 def model_dir(ctx: Ctx, preset: str) -> Path:
     """The `preset` random model (float32 checkpoint, seed 0), made once per work folder."""
-    from model_runtime.random_model import make_random_model
+    from tooling.models.random_model import make_random_model
 
     out = ctx.work / "models" / preset
     if not (out / "model.safetensors").is_file():

@@ -59,7 +59,7 @@ def make_model(out: Path, s: Shape, dtype: str) -> Path:
     paths take token ids)."""
     from safetensors.torch import save_file
 
-    from model_runtime.random_model import RandomModelPreset, hf_config, random_weights
+    from tooling.models.random_model import RandomModelPreset, hf_config, random_weights
 
     if (out / "model.safetensors").is_file():
         return out

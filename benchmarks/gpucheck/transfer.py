@@ -53,7 +53,7 @@ def run(ctx: Ctx) -> StepReport:
 def _layout_config(ctx: Ctx) -> Path:
     """A config.json of the 1B layout (GPU) or a small one (dry run): KVCache needs only that."""
     from benchmarks.gpucheck.speed import DRY_SHAPE, GPU_SHAPE
-    from model_runtime.random_model import RandomModelPreset, hf_config
+    from tooling.models.random_model import RandomModelPreset, hf_config
 
     s = DRY_SHAPE if ctx.dry_run else GPU_SHAPE
     out = ctx.work / "models" / ("layout-dry" if ctx.dry_run else "layout-1b")

@@ -4,10 +4,10 @@
 - `metrics` — request outcomes + worker samples -> `MetricsWindow`;
 - `controller.decide` — the pure core: window + state -> `Decision` with its reason;
 - `driver.RatioController` — the async loop, `observe(...)` hook and the JSONL decision log;
-- `actuator` — the `Actuator` seam (`PoolActuator`: Worker.SetRole; optional `WorkerScaler`);
+- `actuator` — the `Actuator` seam (`PoolActuator`: Worker.SetRole);
 """
 
-from router.ratio.actuator import ActuationError, Actuator, PoolActuator, WorkerScaler
+from router.ratio.actuator import ActuationError, Actuator, PoolActuator
 from router.ratio.config import RatioConfig
 from router.ratio.controller import ControllerState, Decision, decide
 from router.ratio.driver import DecisionRecord, RatioController
@@ -24,6 +24,5 @@ __all__ = [
     "PoolActuator",
     "RatioConfig",
     "RatioController",
-    "WorkerScaler",
     "decide",
 ]

@@ -7,15 +7,12 @@ at a time). Contract of an `Actuator`:
   role, finishes (or, at the timeout, aborts) what it holds, then switches role in place —
   same process, same weights. Returns once the switch is done *and* the router's pool reports
   the worker under its new role (so the next window sees it); raises `ActuationError`.
-- `add_worker(role)`: start a worker of `role` and register it with the pool; returns its
-  address. `remove_worker(address)`: drain and stop it, then deregister it. Both raise
-  `ActuationError` (also when this actuator cannot scale).
-- `spare_workers()`: how many workers could be added now (0 when it cannot scale).
 
-`PoolActuator` is the real one: `Worker.SetRole` over the pool's channel, then a pool poll
-(the registry takes a worker's role from its status), then `on_role_change` (e.g. start or
-stop the worker's prefix indexer). Scaling goes through an optional `WorkerScaler`, a launcher
-callback. The in-memory fake for tests is `tests.fakes.ratio_pool.FakeActuator`.
+The controller never adds or removes workers (the launcher's business), so switching roles is
+the whole seam. `PoolActuator` is the real one: `Worker.SetRole` over the pool's channel, then
+a pool poll (the registry takes a worker's role from its status), then `on_role_change` (e.g.
+start or stop the worker's prefix indexer). The in-memory fake for tests is
+`tests.fakes.ratio_pool.FakeActuator`.
 """
 
 from __future__ import annotations
@@ -41,47 +38,20 @@ class ActuationError(Exception):
 
 
 class Actuator(Protocol):
-    """Changes roles and membership (see the module docstring for the contract)."""
+    """Changes worker roles (see the module docstring for the contract)."""
 
     async def switch_role(self, address: str, role: Role, drain_timeout_s: float) -> None: ...
 
-    async def add_worker(self, role: Role) -> str: ...
 
-    async def remove_worker(self, address: str, drain_timeout_s: float) -> None: ...
-
-    def spare_workers(self) -> int: ...
-
-
-class WorkerScaler(Protocol):
-    """Launcher callback that starts and stops worker processes (Ray actors or local).
-
-    `spare()`: workers that fit now (free placement resources). `add(role)`: start one, return
-    its host:port once it answers health SERVING. `remove(address, drain_timeout_s)`: stop it
-    gracefully (the worker drains on SIGTERM / actor stop) and return when it is gone.
-    """
-
-    def spare(self) -> int: ...
-
-    async def add(self, role: Role) -> str: ...
-
-    async def remove(self, address: str, drain_timeout_s: float) -> None: ...
-
-
-RoleChange = Callable[[str, Role | None], Awaitable[None]]
-"""`await on_role_change(address, new_role)`; new_role None: the worker left."""
+RoleChange = Callable[[str, Role], Awaitable[None]]
+"""`await on_role_change(address, new_role)` after a switch."""
 
 
 class PoolActuator:
-    """`Actuator` over a `WorkerPool` (SetRole RPC) and an optional `WorkerScaler`."""
+    """`Actuator` over a `WorkerPool` (SetRole RPC)."""
 
-    def __init__(
-        self,
-        pool: WorkerPool,
-        scaler: WorkerScaler | None = None,
-        on_role_change: RoleChange | None = None,
-    ) -> None:
+    def __init__(self, pool: WorkerPool, on_role_change: RoleChange | None = None) -> None:
         self._pool = pool
-        self._scaler = scaler
         self._on_role_change = on_role_change
 
     async def switch_role(self, address: str, role: Role, drain_timeout_s: float) -> None:
@@ -108,28 +78,3 @@ class PoolActuator:
         log.info("worker %s is now %s", address, role)
         if self._on_role_change is not None:
             await self._on_role_change(address, role)
-
-    async def add_worker(self, role: Role) -> str:
-        """Start a worker through the scaler and register it with the pool."""
-        if self._scaler is None:
-            raise ActuationError(f"add {role} worker: no scaler (launcher cannot add workers)")
-        address = await self._scaler.add(role)
-        await self._pool.add(address, role)
-        log.info("added %s worker %s", role, address)
-        if self._on_role_change is not None:
-            await self._on_role_change(address, role)
-        return address
-
-    async def remove_worker(self, address: str, drain_timeout_s: float) -> None:
-        """Stop a worker through the scaler (it drains first), then deregister it."""
-        if self._scaler is None:
-            raise ActuationError(f"remove {address}: no scaler (launcher cannot remove workers)")
-        await self._scaler.remove(address, drain_timeout_s)
-        await self._pool.remove(address)
-        log.info("removed worker %s", address)
-        if self._on_role_change is not None:
-            await self._on_role_change(address, None)
-
-    def spare_workers(self) -> int:
-        """The scaler's free room (0 without a scaler)."""
-        return 0 if self._scaler is None else max(0, self._scaler.spare())

@@ -21,8 +21,11 @@ How the fields interact (what `decide` in `controller.py` does with them): every
 the controller looks at the last `window_s` seconds, counting only requests that *finished
 after the last change completed*; it acts when both-SLO attainment is below
 `attainment_target - hysteresis` and at least `min_requests` requests finished, never within
-`cooldown_s` of the previous change, and never outside the bounds. Scale-out / scale-in need
-``allow_scale_out`` / ``allow_scale_in`` and a launcher that can add or remove workers.
+`cooldown_s` of the previous change, and never outside the bounds. The controller only moves
+workers between roles; adding and removing workers is the launcher's (Ray autoscaler's) job.
+The keys of the scaling that was never built (``allow_scale_out``, ``allow_scale_in``,
+``scale_in_load``, ``max_workers``) still load, with one warning each per process;
+``allow_scale_out = true`` or ``allow_scale_in = true`` is refused.
 
 Invalid combinations raise at start (pydantic `ValidationError`, message naming the fields).
 `check_counts(prefill, decode)` checks a running cluster's worker counts against the bounds.
@@ -30,12 +33,37 @@ Invalid combinations raise at start (pydantic `ValidationError`, message naming 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+log = logging.getLogger(__name__)
+
 RatioMode = Literal["fixed", "adaptive", "advisory"]
+
+REMOVED_SCALING_KEYS = ("allow_scale_out", "allow_scale_in", "scale_in_load", "max_workers")
+"""Keys of the removed scale-out/scale-in settings: accepted and ignored, with a warning."""
+_warned: set[str] = set()
+
+
+def _drop_removed_keys(data: Any) -> Any:
+    """`data` without `REMOVED_SCALING_KEYS` (each warned about once per process); ValueError
+    when one asks for scaling (`allow_scale_out` / `allow_scale_in` true)."""
+    if not isinstance(data, dict) or not any(k in data for k in REMOVED_SCALING_KEYS):
+        return data
+    for key in ("allow_scale_out", "allow_scale_in"):
+        if data.get(key) is True:
+            raise ValueError(
+                f"ratio.{key}=true: the controller no longer adds or removes workers (it only "
+                "switches roles; scaling is the launcher's job); remove the key"
+            )
+    for key in REMOVED_SCALING_KEYS:
+        if key in data and key not in _warned:
+            _warned.add(key)
+            log.warning("ratio.%s is deprecated and ignored (scaling was removed)", key)
+    return {k: v for k, v in data.items() if k not in REMOVED_SCALING_KEYS}
 
 
 class RatioConfig(BaseModel):
@@ -46,7 +74,7 @@ class RatioConfig(BaseModel):
     mode: RatioMode = Field(
         default="fixed",
         description="'fixed': the ratio never changes (controller off); 'adaptive': the "
-        "controller switches roles (and scales, when allowed); 'advisory': it decides and logs "
+        "controller switches roles; 'advisory': it decides and logs "
         "what it would do, changing nothing.",
     )
     slo_ttft_ms: float | None = Field(
@@ -69,12 +97,6 @@ class RatioConfig(BaseModel):
     max_decode: int | None = Field(
         default=None, ge=1, description="Most decode workers (None: no bound but the cluster)."
     )
-    max_workers: int | None = Field(
-        default=None,
-        ge=2,
-        description="Most workers in total when scaling out (None: whatever the launcher has "
-        "room for).",
-    )
     window_s: float = Field(
         default=10.0, gt=0, description="Observation window: outcomes and samples this recent."
     )
@@ -96,8 +118,7 @@ class RatioConfig(BaseModel):
         ge=0,
         lt=0.5,
         description="Dead band in attainment points: act below target - hysteresis; a phase is "
-        "'the' bottleneck only when its miss rate exceeds the other's by more than this; "
-        "scale in only above target + hysteresis.",
+        "'the' bottleneck only when its miss rate exceeds the other's by more than this.",
     )
     evidence_z: float = Field(
         default=1.0,
@@ -143,19 +164,6 @@ class RatioConfig(BaseModel):
     sample_interval_s: float = Field(
         default=0.5, gt=0, description="Period of worker-load samples (from the pool's views)."
     )
-    allow_scale_out: bool = Field(
-        default=False,
-        description="May add a worker of the needed role when the launcher has room.",
-    )
-    allow_scale_in: bool = Field(
-        default=False, description="May remove a worker when its role is lightly loaded."
-    )
-    scale_in_load: float = Field(
-        default=0.5,
-        ge=0,
-        description="Scale in a role when its mean requests (running + waiting) per worker "
-        "over the window is below this.",
-    )
     decisions_path: Path | None = Field(
         default=None,
         description="JSONL file every decision record is appended to (None: memory and log).",
@@ -165,6 +173,11 @@ class RatioConfig(BaseModel):
         description="Record 'hold' evaluations too (off: only changes and their results).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        return _drop_removed_keys(data)
+
     @model_validator(mode="after")
     def _check(self) -> RatioConfig:
         if self.mode != "fixed" and (self.slo_ttft_ms is None or self.slo_tpot_ms is None):
@@ -172,21 +185,10 @@ class RatioConfig(BaseModel):
                 f"mode {self.mode!r} needs slo_ttft_ms and slo_tpot_ms, got "
                 f"slo_ttft_ms={self.slo_ttft_ms}, slo_tpot_ms={self.slo_tpot_ms}"
             )
-        if self.mode == "fixed" and (self.allow_scale_out or self.allow_scale_in):
-            raise ValueError(
-                "allow_scale_out / allow_scale_in have no effect in mode 'fixed' (got "
-                f"allow_scale_out={self.allow_scale_out}, allow_scale_in={self.allow_scale_in})"
-                "; set mode to 'adaptive' or 'advisory'"
-            )
         for role in ("prefill", "decode"):
             lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
             if hi is not None and hi < lo:
                 raise ValueError(f"max_{role}={hi} is below min_{role}={lo}")
-        if self.max_workers is not None and self.max_workers < self.min_prefill + self.min_decode:
-            raise ValueError(
-                f"max_workers={self.max_workers} is below min_prefill + min_decode = "
-                f"{self.min_prefill} + {self.min_decode}"
-            )
         if self.window_s < self.interval_s:
             raise ValueError(
                 f"window_s={self.window_s} must be >= interval_s={self.interval_s} (a window "
@@ -202,17 +204,12 @@ class RatioConfig(BaseModel):
                 f"attainment_target - hysteresis must be > 0, got attainment_target="
                 f"{self.attainment_target}, hysteresis={self.hysteresis}"
             )
-        pinned = (
-            self.max_prefill == self.min_prefill
-            and self.max_decode == self.min_decode
-            and not self.allow_scale_out
-            and not self.allow_scale_in
-        )
+        pinned = self.max_prefill == self.min_prefill and self.max_decode == self.min_decode
         if self.mode != "fixed" and pinned:
             raise ValueError(
                 f"mode {self.mode!r} with min_prefill == max_prefill ({self.min_prefill}) and "
-                f"min_decode == max_decode ({self.min_decode}) and no scaling leaves nothing to "
-                "decide; use mode 'fixed' or widen the bounds"
+                f"min_decode == max_decode ({self.min_decode}) leaves nothing to decide; use "
+                "mode 'fixed' or widen the bounds"
             )
         return self
 
@@ -248,8 +245,3 @@ class RatioConfig(BaseModel):
                     f"the cluster starts with {n} {role} workers, outside ratio.min_{role}={lo}"
                     f" .. ratio.max_{role}={hi}"
                 )
-        if self.max_workers is not None and prefill + decode > self.max_workers:
-            raise ValueError(
-                f"the cluster starts with {prefill + decode} workers, above "
-                f"ratio.max_workers={self.max_workers}"
-            )

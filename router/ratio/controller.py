@@ -26,18 +26,15 @@ The rules, in order (the first that applies wins):
    (`bottleneck`): decode when decode KV utilisation >= `kv_high` (reservations start to
    fail), else the phase whose SLO miss rate exceeds the other's by more than `hysteresis`,
    else none (hold: both miss alike — nothing a ratio change can fix);
-4. the needy role must be below its `max_*` bound. Then, preferring what costs nothing:
-   - switch one worker from the other role when that role is above its `min_*` bound and its
-     own SLO attainment is inside the band (>= target - hysteresis; not required of prefill
-     when decode KV is saturated, since that is what makes TTFT miss): the least-loaded
-     usable worker of that role drains and switches — unless that direction is barred;
-   - else add a worker of the needy role when `allow_scale_out`, the launcher has room
-     (`window.spare_workers > 0`) and `max_workers` allows;
-   - else hold, saying which bound or which miss stopped it;
-5. attainment at or above `attainment_target + hysteresis` and `allow_scale_in`: remove the
-   least-loaded worker of the most lightly loaded role whose mean requests per worker is below
-   `scale_in_load` and whose count is above its `min_*` bound;
-6. otherwise hold ("meets target" / "inside the dead band" / "too few requests").
+4. the needy role must be below its `max_*` bound. Then switch workers from the other role
+   when that role is above its `min_*` bound and its own SLO attainment is inside the band
+   (>= target - hysteresis; not required of prefill when decode KV is saturated, since that is
+   what makes TTFT miss): the least-loaded usable workers of that role drain and switch —
+   unless that direction is barred; else hold, saying which bound or which miss stopped it;
+5. otherwise hold ("meets target" / "inside the dead band" / "too few requests").
+
+The controller only moves workers between roles; adding and removing workers is left to the
+launcher (the Ray autoscaler), not decided here.
 """
 
 from __future__ import annotations
@@ -56,14 +53,14 @@ from router.ratio.evidence import (
 )
 from router.ratio.metrics import MetricsWindow, WorkerLoad
 
-Action = Literal["hold", "switch", "add", "remove"]
+Action = Literal["hold", "switch"]
 Phase = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What to do now. `switch`: `address` moves `from_role` -> `to_role`; `add`: a new
-    worker of `to_role`; `remove`: `address` (of `from_role`) leaves; `hold`: nothing."""
+    """What to do now. `switch`: `address` (and `also`) move `from_role` -> `to_role`;
+    `hold`: nothing."""
 
     action: Action
     reason: str
@@ -75,17 +72,12 @@ class Decision:
 
     @property
     def addresses(self) -> tuple[str, ...]:
-        """Every worker this decision moves or removes (`address` first)."""
+        """Every worker this decision moves (`address` first)."""
         return () if self.address is None else (self.address, *self.also)
 
     def __post_init__(self) -> None:
         assert not self.also or self.action == "switch", f"only a switch moves several: {self}"
-        need = {
-            "hold": (False, False, False),
-            "switch": (True, True, True),
-            "add": (False, False, True),
-            "remove": (True, True, False),
-        }[self.action]
+        need = {"hold": (False, False, False), "switch": (True, True, True)}[self.action]
         have = (self.address is not None, self.from_role is not None, self.to_role is not None)
         assert have == need, f"inconsistent decision {self}"
 
@@ -220,10 +212,6 @@ def decide(
                 f"{upper:.0%} at z={config.evidence_z:g}): wait for more requests"
             )
         return _grow(window, state, now, config, att)
-    if window.attainment >= target + band and config.allow_scale_in:
-        removal = _shrink(window, config, att)
-        if removal is not None:
-            return removal
     if window.attainment >= target:
         return _hold(f"{att} meets target {target:.0%}")
     return _hold(f"{att} inside the dead band {target - band:.0%}..{target:.0%}")
@@ -286,7 +274,7 @@ def _judge(
 def _grow(
     window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig, att: str
 ) -> Decision:
-    """Rules 2-3: more capacity for the bottleneck phase, by switch or by scale-out."""
+    """Rules 3-4: more capacity for the bottleneck phase, by a switch."""
     need, why = bottleneck(window, config)
     if need is None:
         return _hold(f"{att} below target, no clear bottleneck: {why}")
@@ -325,41 +313,4 @@ def _grow(
             to_role=need,
             also=tuple(picks[1:]),
         )
-    total = window.prefill_workers + window.decode_workers
-    if config.allow_scale_out:
-        if window.spare_workers <= 0:
-            blocked += "; no room to add a worker"
-        elif config.max_workers is not None and total >= config.max_workers:
-            blocked += f"; max_workers={config.max_workers} reached"
-        else:
-            return Decision(
-                "add",
-                f"{att}; {need} is the bottleneck ({why}); cannot switch ({blocked}): add one",
-                to_role=need,
-            )
     return _hold(f"{att}; need {need} ({why}) but {blocked}")
-
-
-def _shrink(window: MetricsWindow, config: RatioConfig, att: str) -> Decision | None:
-    """Rule 4: a removal when a role is lightly loaded, else None."""
-    options: list[tuple[float, Phase]] = []
-    for role, load in (("prefill", window.prefill_requests), ("decode", window.decode_requests)):
-        phase: Phase = "prefill" if role == "prefill" else "decode"
-        lo = _bound(config, "min", phase)
-        assert lo is not None
-        if window.count(phase) > lo and load < config.scale_in_load:
-            options.append((load, phase))
-    if not options:
-        return None
-    load, role = min(options)
-    candidates = [w for w in window.workers if w.role == role and w.usable]
-    if not candidates:
-        return None
-    pick = _by_load(candidates)[0]
-    return Decision(
-        "remove",
-        f"{att} >= target + hysteresis; {role} load {load:.2f} requests/worker < "
-        f"scale_in_load={config.scale_in_load}: remove least-loaded {pick.address}",
-        address=pick.address,
-        from_role=role,
-    )

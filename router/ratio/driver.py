@@ -122,10 +122,7 @@ class RatioController:
 
     def window(self) -> MetricsWindow:
         """The window a decision made now would see."""
-        spare = 0
-        if self._actuator is not None and self.config.allow_scale_out:
-            spare = self._actuator.spare_workers()
-        return self._agg.window(self._clock(), self.state.last_change_end, spare)
+        return self._agg.window(self._clock(), self.state.last_change_end)
 
     # ---- one evaluation --------------------------------------------------------------------
 
@@ -159,23 +156,16 @@ class RatioController:
         error = ""
         address = d.address
         try:
-            if d.action == "switch":
-                assert d.address is not None and d.to_role is not None
-                role, drain = d.to_role, self.config.drain_timeout_s
-                # several workers drain side by side; the change completes when all are done
-                done = await asyncio.gather(
-                    *(self._actuator.switch_role(a, role, drain) for a in d.addresses),
-                    return_exceptions=True,
-                )
-                failed = [e for e in done if isinstance(e, BaseException)]
-                if failed:
-                    raise failed[0]
-            elif d.action == "add":
-                assert d.to_role is not None
-                address = await self._actuator.add_worker(d.to_role)
-            else:
-                assert d.action == "remove" and d.address is not None
-                await self._actuator.remove_worker(d.address, self.config.drain_timeout_s)
+            assert d.action == "switch" and d.address is not None and d.to_role is not None
+            role, drain = d.to_role, self.config.drain_timeout_s
+            # several workers drain side by side; the change completes when all are done
+            done = await asyncio.gather(
+                *(self._actuator.switch_role(a, role, drain) for a in d.addresses),
+                return_exceptions=True,
+            )
+            failed = [e for e in done if isinstance(e, BaseException)]
+            if failed:
+                raise failed[0]
         except ActuationError as exc:
             error = str(exc)
         except asyncio.CancelledError:

@@ -95,7 +95,6 @@ class MetricsWindow:
     decode_batch: float  # mean running requests per decode worker
     decode_requests: float  # mean running + waiting per decode worker
     workers: tuple[WorkerLoad, ...] = ()
-    spare_workers: int = 0  # workers the launcher could add now
     # TPOT attainment of the requests that got a first token (None: as `tpot_attainment`):
     # a request shed or failed before it tells nothing about decode
     tpot_reached_attainment: float | None = None
@@ -211,9 +210,7 @@ class MetricsAggregator:
         while self._samples and (not self._samples[0] or self._samples[0][0].t < horizon):
             self._samples.popleft()
 
-    def window(
-        self, now: float, since: float | None = None, spare_workers: int = 0
-    ) -> MetricsWindow:
+    def window(self, now: float, since: float | None = None) -> MetricsWindow:
         """The window ending at `now`: the last `window_s` seconds, and nothing before `since`."""
         self._trim(now)
         start = now - self.window_s if since is None else max(now - self.window_s, since)
@@ -248,7 +245,6 @@ class MetricsAggregator:
             decode_batch=_mean([w.num_running for w in dec]),
             decode_requests=_mean([w.requests for w in dec]),
             workers=tuple(loads),
-            spare_workers=spare_workers,
             tpot_reached_attainment=sum(reached) / len(reached) if reached else 1.0,
             prefill_waiting=_mean([w.num_waiting for w in pre]),
         )

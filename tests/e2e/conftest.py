@@ -1,7 +1,7 @@
 """End-to-end fixtures: real router and worker processes on 127.0.0.1, the tiny model.
 
 Runs in the pytest process. Clusters are started with `deploy.launcher` (one
-`python -m worker` per worker, one `python -m router`), shared per test module through
+`python -m worker_main` per worker, one `python -m router`), shared per test module through
 `start_cluster`, and stopped by PID in teardown, which checks that no process is left.
 Readiness is each process's READY line plus a grpc.health.v1 check, never a sleep. Helpers
 (prompt set, reference tokens, `E2ECluster`) are in helpers.py.

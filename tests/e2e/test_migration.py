@@ -159,7 +159,13 @@ def test_sigterm_drain_flips_health_takes_no_new_work_and_moves_the_rest(
     seen: dict[str, object] = {}
 
     def while_draining(address: str) -> None:
-        seen["health"] = _health(address)  # at once: well within the 0.5 s drain
+        # The signal is handled asynchronously: wait on the state (polled well within the
+        # 0.5 s drain), never read it once right after `kill` and hope it was handled.
+        deadline = time.monotonic() + 10.0
+        while (health := _health(address)) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, f"still {health} after SIGTERM"
+            time.sleep(0.005)
+        seen["health"] = health
         seen["victim"] = cluster.status(address).worker_id
         short = build_request(token_ids=PROMPT[:9], max_tokens=4, temperature=0.0)
         _, info = cluster.generate(short)  # new work goes to the other decode worker

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.tool_launchers import launch_workers
 from tooling.redis_server import SKIP_REASON, redis_server_path
 from tooling.soak.config import SoakConfig
 from tooling.soak.run import run_soak
@@ -37,7 +38,7 @@ def test_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
         faults=CI_FAULTS,
         stop_max_s=4.0,
     )
-    result = run_soak(config)
+    result = run_soak(config, launch_workers)
     s = result.summary
     detail = json.dumps({k: s[k] for k in ("failures", "examples", "faults")}, indent=1)
     assert s["passed"], detail

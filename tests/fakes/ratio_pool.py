@@ -4,7 +4,7 @@ Runs wherever the controller's driver runs in a test. `FakePool` holds `WorkerVi
 address (tests set their load with `set_load`); `FakeActuator` implements the `Actuator`
 contract on it: a switch marks the worker draining, waits `switch_delay_s`, then changes its
 role in the pool — the same order a real `SetRole` + pool poll produces. `fail` makes the
-next calls raise `ActuationError`; `room` is how many workers `add_worker` may still create.
+next calls raise `ActuationError`.
 `calls` lists every call, for assertions.
 """
 
@@ -58,13 +58,11 @@ class FakePool:
 class FakeActuator:
     """`Actuator` over a `FakePool` (module docstring)."""
 
-    def __init__(self, pool: FakePool, switch_delay_s: float = 0.0, room: int = 0) -> None:
+    def __init__(self, pool: FakePool, switch_delay_s: float = 0.0) -> None:
         self.pool = pool
         self.switch_delay_s = switch_delay_s
-        self.room = room
         self.fail = False
         self.calls: list[tuple[str, ...]] = []
-        self._next = 0
 
     def _check(self, what: str) -> None:
         if self.fail:
@@ -78,27 +76,3 @@ class FakeActuator:
         self.pool.workers[address] = replace(self.pool.workers[address], draining=True)
         await asyncio.sleep(self.switch_delay_s)
         self.pool.workers[address] = replace(self.pool.workers[address], role=role, draining=False)
-
-    async def add_worker(self, role: Role) -> str:
-        self.calls.append(("add", role))
-        self._check(f"add {role}")
-        if self.room <= 0:
-            raise ActuationError(f"add {role}: no room")
-        self.room -= 1
-        self._next += 1
-        address = f"added-{self._next}:1"
-        total = next(iter(self.pool.workers.values())).total_blocks if self.pool.workers else 100
-        self.pool.workers[address] = WorkerView(
-            address, address, role, True, False, total_blocks=total, free_blocks=total
-        )
-        return address
-
-    async def remove_worker(self, address: str, drain_timeout_s: float) -> None:
-        self.calls.append(("remove", address))
-        self._check(f"remove {address}")
-        if self.pool.workers.pop(address, None) is None:
-            raise ActuationError(f"remove {address}: not in the pool")
-        self.room += 1
-
-    def spare_workers(self) -> int:
-        return self.room

@@ -26,9 +26,9 @@ import torch
 
 from model_runtime.engine import EngineConfig, LLMEngine, num_kv_blocks_for
 from model_runtime.model_runner import StepInput
-from model_runtime.random_model import make_random_model
 from model_runtime.request import RequestOutput, RequestStatus
 from model_runtime.sampling_params import SamplingParams
+from tooling.models.random_model import make_random_model
 
 BLOCK = 8
 TIE_TOL = 1e-3

@@ -5,6 +5,7 @@ between steps."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,13 +17,11 @@ from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from worker.engine_thread import EngineThread
-from worker.roles import Role, RoleContext
+from worker.roles import RoleContext, RoleHandler
 from worker.sinks import Sink, UnarySink, WorkerError
 
-LAYER_S = 0.1  # each layer of the slowed-down model
 
-
-class SlowStepRole(Role):
+class SlowStepRole(RoleHandler):
     """`Start` queues a long generation; `Ping` (between layers) and `Later` (between steps
     only) answer the time they ran."""
 
@@ -56,48 +55,48 @@ class SlowStepRole(Role):
 
 
 @pytest.fixture
-def slow_thread(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def held_thread(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An engine thread whose first step stops after its first layer until `release` is set
+    (`in_step` says it got there): RPCs sent meanwhile arrive inside a step by construction."""
     engine = LLMEngine.from_model_dir(tiny_model_dir, EngineConfig(block_size=8, num_kv_blocks=64))
     execute = engine.runner.execute
+    in_step, release = threading.Event(), threading.Event()
 
-    def slow_execute(items: Any, on_layer_done: Any = None) -> Any:
+    def held_execute(items: Any, on_layer_done: Any = None) -> Any:
         def each_layer(layer: int) -> None:
-            time.sleep(LAYER_S)
+            in_step.set()
+            assert release.wait(30.0), "the test never released the step"
             if on_layer_done is not None:
                 on_layer_done(layer)
 
         return execute(items, each_layer)
 
-    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    monkeypatch.setattr(engine.runner, "execute", held_execute)
     transport = LoopbackTransport(LoopbackHub(), "w", engine.runner.kv_cache)
     ctx = RoleContext(engine, transport, "w", 1, 30.0, 60.0)
     thread = EngineThread(ctx, {SlowStepRole.name: SlowStepRole}, SlowStepRole.name)
     thread.start()
-    yield thread, engine.model_config.num_hidden_layers * LAYER_S
+    yield thread, in_step, release
+    release.set()
     thread.stop(0.0)
 
 
-def test_between_layers_rpcs_do_not_wait_for_the_step(slow_thread: Any) -> None:
-    thread, step_s = slow_thread
+def test_between_layers_rpcs_do_not_wait_for_the_step(held_thread: Any) -> None:
+    thread, in_step, release = held_thread
 
-    async def call(method: str) -> tuple[float, float]:
+    def send(method: str) -> UnarySink:
         sink = UnarySink(asyncio.get_running_loop())
-        sent = time.monotonic()
         thread.submit(method, None, sink, 5.0)
-        return sent, await sink.wait()
+        return sink
 
     async def scenario() -> None:
-        await call("Start")
-        await asyncio.sleep(LAYER_S * 1.5)  # inside the first step now
-        ping_sent, ping_ran = await call("Ping")
-        later_sent, later_ran = await call("Later")
-        role = thread.role
-        assert ping_ran - ping_sent < 2.5 * LAYER_S < step_s, (ping_ran - ping_sent, step_s)
-        # `Later` waited for the step in progress: it ran after that step ended.
-        assert any(later_sent < end <= later_ran for end in role.step_ends), (
-            later_sent,
-            later_ran,
-            role.step_ends,
-        )
+        await send("Start").wait()
+        assert await asyncio.to_thread(in_step.wait, 30.0), "the first step never started"
+        ping, later = send("Ping"), send("Later")  # both queued while the step is held
+        release.set()
+        ping_ran, later_ran = await ping.wait(), await later.wait()
+        first_step_end = thread.role.step_ends[0]
+        # `Ping` ran between two layers of the step in progress; `Later` waited for it to end.
+        assert ping_ran < first_step_end <= later_ran, (ping_ran, first_step_end, later_ran)
 
     asyncio.run(scenario())

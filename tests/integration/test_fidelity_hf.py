@@ -1,7 +1,7 @@
 """Greedy tokens of the colocated engine equal HF transformers `generate`, token for token.
 
 Tiny random model (sharp attention, special tokens never the argmax; see
-`model_runtime.random_model`), float32. Prompt lengths hit the edge cases: 1 token, block
+`tooling.models.random_model`), float32. Prompt lengths hit the edge cases: 1 token, block
 boundaries (block_size 16: 15/16/17, 31/32/33, 127/128/129), and long prompts.
 
 Near-tie rule: if our token differs from HF's at step k, the test still passes only when HF's

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from deploy.bench_cli import main as bench_cli_main
+from deploy.tool_launchers import launch_cluster
 from tooling.goodput.bench import BenchConfig, run_bench
 from tooling.goodput.records import TIMING_FIELDS
 
@@ -36,7 +37,7 @@ def test_bench_tiny_clusters_writes_a_valid_report(tiny_model_dir: Path, tmp_pat
         context=256, output_len=8, rates=(2.0, 4.0), duration_s=2.0, min_requests=8,
         ttft_scale=20.0, tpot_scale=20.0, bisect_steps=0, num_kv_blocks=256,
     )  # fmt: skip
-    summary = run_bench(cfg)
+    summary = run_bench(cfg, launch=launch_cluster)
     data = json.loads((out / "results.json").read_text())
     runs = data["runs"]
     assert sorted((r["config"], r["rate"]) for r in runs) == [

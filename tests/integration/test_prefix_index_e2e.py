@@ -3,7 +3,7 @@ this process and a real redis-server: shared prefixes hit the prefill worker tha
 greedy outputs equal the colocated engine's without prefix reuse, and Redis killed mid-run
 fails no request and heals when it comes back.
 
-Workers are `python -m worker` processes started by `deploy.launcher.launch_workers`
+Workers are `python -m worker_main` processes started by `deploy.launcher.launch_workers`
 (ready = READY line + health SERVING) and stopped by PID; Redis is started on a free port and
 stopped by PID.
 """

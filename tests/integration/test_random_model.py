@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from model_runtime.config import ModelConfig
-from model_runtime.random_model import BOS_ID, EOS_ID, PAD_ID, PRESETS, make_random_model
 from model_runtime.tokenizer import Tokenizer
+from tooling.models.random_model import BOS_ID, EOS_ID, PAD_ID, PRESETS, make_random_model
 
 FILES = (
     "config.json",
@@ -69,7 +69,7 @@ def test_every_file_gets_the_same_permissions(tmp_path: Path) -> None:
 
 def test_tokenizer_training_is_independent_of_process_hashing() -> None:
     code = (
-        "import hashlib; from model_runtime.corpus import train_tokenizer; "
+        "import hashlib; from tooling.models.corpus import train_tokenizer; "
         "print(hashlib.sha256(train_tokenizer(1024, 20000).to_str().encode()).hexdigest())"
     )
     digests = {

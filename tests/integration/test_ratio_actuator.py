@@ -1,7 +1,7 @@
 """The real `PoolActuator` over gRPC against model-free fake workers (127.0.0.1): SetRole then
-the pool reports the new role; failures become `ActuationError` naming the cause; scaling goes
-through a `WorkerScaler`; the controller's driver acts through it end to end. Runs in the
-pytest process, on one event loop, in well under a second of work."""
+the pool reports the new role; failures become `ActuationError` naming the cause; the
+controller's driver acts through it end to end. Runs in the pytest process, on one event loop,
+in well under a second of work."""
 
 from __future__ import annotations
 
@@ -18,29 +18,6 @@ from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from router.registry import InMemoryWorkerRegistry
 from tests.fakes.fake_worker import FakeWorker, FakeWorkerConfig
-
-
-class Scaler:
-    """A `WorkerScaler` that starts and stops fake workers in this process."""
-
-    def __init__(self, room: int) -> None:
-        self.room = room
-        self.workers: dict[str, FakeWorker] = {}
-
-    def spare(self) -> int:
-        return self.room
-
-    async def add(self, role: Role) -> str:
-        w = FakeWorker(FakeWorkerConfig(role=role, worker_id=f"extra-{len(self.workers)}"))
-        address = await w.start()
-        self.workers[address] = w
-        self.room -= 1
-        return address
-
-    async def remove(self, address: str, drain_timeout_s: float) -> None:
-        await self.workers.pop(address).stop()
-        self.room += 1
-
 
 Scenario = Callable[[dict[str, FakeWorker], WorkerPool], Awaitable[None]]
 
@@ -68,9 +45,9 @@ def run(scenario: Scenario) -> None:
 
 def test_switch_updates_the_pool_and_calls_back() -> None:
     async def scenario(workers: dict[str, FakeWorker], pool: WorkerPool) -> None:
-        seen: list[tuple[str, Role | None]] = []
+        seen: list[tuple[str, Role]] = []
 
-        async def on_change(address: str, role: Role | None) -> None:
+        async def on_change(address: str, role: Role) -> None:
             seen.append((address, role))
 
         act = PoolActuator(pool, on_role_change=on_change)
@@ -79,7 +56,6 @@ def test_switch_updates_the_pool_and_calls_back() -> None:
         assert workers["decode1"].calls["SetRole"] == 1
         assert {v.address for v in pool.views("prefill")} == {workers["prefill0"].address, d1}
         assert seen == [(d1, "prefill")]
-        assert act.spare_workers() == 0
 
     run(scenario)
 
@@ -93,26 +69,6 @@ def test_failures_name_their_cause() -> None:
         with pytest.raises(ActuationError, match="FAILED_PRECONDITION"):
             await act.switch_role(workers["decode0"].address, "prefill", 1.0)
         assert pool.views("decode")[0].role == "decode"
-        with pytest.raises(ActuationError, match="no scaler"):
-            await act.add_worker("decode")
-        with pytest.raises(ActuationError, match="no scaler"):
-            await act.remove_worker(workers["decode0"].address, 1.0)
-
-    run(scenario)
-
-
-def test_scale_out_and_in_through_a_scaler() -> None:
-    async def scenario(workers: dict[str, FakeWorker], pool: WorkerPool) -> None:
-        scaler = Scaler(room=1)
-        act = PoolActuator(pool, scaler=scaler)
-        assert act.spare_workers() == 1
-        addr = await act.add_worker("prefill")
-        await pool.poll_once()
-        assert addr in {v.address for v in pool.views("prefill") if v.usable}
-        assert act.spare_workers() == 0
-        await act.remove_worker(addr, 1.0)
-        assert addr not in {v.address for v in pool.views()}
-        assert act.spare_workers() == 1
 
     run(scenario)
 

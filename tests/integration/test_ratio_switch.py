@@ -4,10 +4,13 @@ Runs in the pytest process: a tiny-model cluster of 1 prefill + 2 decode worker 
 a router process (`tooling.planner.harness.start_cluster`), and in this process a sidecar
 pool + `RatioController` (adaptive) acting through the real `PoolActuator` (Worker.SetRole).
 While requests stream, the controller is fed TTFT misses, decides "decode -> prefill", drains
-the least-loaded decode worker and switches it. Checked: every request completes with all its
-tokens; the decision and its `done` record are logged with their inputs; the pool and the
-worker report the new role; the router then prefills on the switched worker; every worker's
-free KV blocks return to their totals.
+the least-loaded decode worker and switches it. Both decode workers are busy when it decides by
+construction, not by speed: two long "anchor" requests (hundreds of decode steps each) are sent
+one after the other: the second is sent once the first runs on a decode worker, so the
+least-load policy puts it on the other; the test waits on each state. Checked: every request
+completes with all its tokens; the decision and its `done` record are logged with their inputs;
+the pool and the worker report the new role; the router then prefills on the switched worker;
+every worker's free KV blocks return to their totals.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ from pathlib import Path
 
 import pytest
 
+from deploy.tool_launchers import launch_cluster
 from model_runtime.config import ModelConfig
+from proto.pdserve.v1.roles import ROLES
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
-from tooling.goodput.records import RequestSpec
+from tooling.goodput.records import RequestRecord, RequestSpec
 from tooling.planner.harness import Sidecar, send_all, start_cluster
 
 pytestmark = pytest.mark.slow
 
+ANCHOR_TOKENS = 900  # decode steps each anchor runs: far longer than the test's 10 ms poll
 ENGINE = {"block_size": 16, "num_kv_blocks": 256, "max_num_batched_tokens": 128, "max_num_seqs": 16}
 
 
@@ -35,10 +41,11 @@ def specs(n: int, rate: float, t0: float = 0.0) -> list[RequestSpec]:
 
 async def _scenario(model: Path, tmp: Path) -> None:
     vocab = ModelConfig.from_model_dir(model).vocab_size
-    cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs")
+    cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs", launch_cluster)
     try:
-        roles = {a: r for r, addrs in cluster.workers.addresses().items() for a in addrs}
-        sc = Sidecar(roles, internal=cluster.workers.internal)  # type: ignore[arg-type]
+        addresses = cluster.workers.addresses()
+        roles = {a: r for r in ROLES for a in addresses[r]}
+        sc = Sidecar(roles, internal=cluster.workers.internal)
         await sc.start()
         config = RatioConfig(
             mode="adaptive",
@@ -50,17 +57,35 @@ async def _scenario(model: Path, tmp: Path) -> None:
             cooldown_s=1,
             drain_timeout_s=30,
             decisions_path=tmp / "decisions.jsonl",
+            # the decision rests on the fed TTFT misses alone, not on how long the queues
+            # happen to be on this machine at this instant (a loaded CPU queues decode work)
+            backlog=1e9,
+            kv_high=1.0,
         )
         controller = RatioController(config, sc.pool, sc.actuator)
+        loop = asyncio.get_running_loop()
+
+        def anchor(i: int) -> asyncio.Task[tuple[list[RequestRecord], float]]:
+            spec = [RequestSpec(i, 0.0, 24, ANCHOR_TOKENS)]
+            return asyncio.create_task(send_all(cluster.address, spec, vocab, 5 + i, f"a{i}"))
+
+        async def decode_busy(n: int) -> dict[str, int]:
+            """Wait on the state: `n` decode workers hold running requests."""
+            deadline = loop.time() + 60.0
+            while True:
+                await sc.pool.poll_once()
+                busy = {v.address: v.num_running for v in sc.pool.views() if v.role == "decode"}
+                if sum(1 for b in busy.values() if b) >= n:
+                    return busy
+                assert loop.time() < deadline, busy
+                await asyncio.sleep(0.01)
+
+        # the second anchor is sent once the first runs: least-load then puts it on the other
+        anchors = [anchor(0)]
+        await decode_busy(1)
+        anchors.append(anchor(1))
         load = asyncio.create_task(send_all(cluster.address, specs(60, 12.0), vocab, 3, "pre"))
-        # wait until both decode workers hold running requests
-        for _ in range(400):
-            await sc.pool.poll_once()
-            dec = [v for v in sc.pool.views() if v.role == "decode"]
-            if all(v.num_running > 0 for v in dec):
-                break
-            await asyncio.sleep(0.02)
-        busy = {v.address: v.num_running for v in sc.pool.views() if v.role == "decode"}
+        busy = await decode_busy(2)
         assert all(busy.values()), f"decode workers never all busy: {busy}"
         for _ in range(6):
             controller.observe(0.5, 0.01, True)  # TTFT misses (50 ms SLO), TPOT fine
@@ -72,6 +97,8 @@ async def _scenario(model: Path, tmp: Path) -> None:
         assert mover is not None
         await controller.wait_idle()
         records, _ = await load
+        anchored = [r for task in anchors for r in (await task)[0]]
+        records += anchored
         # nothing dropped: every request completed with every token
         bad = [(r.request_id, r.status, r.error) for r in records if not r.ok]
         assert not bad, bad
@@ -86,10 +113,14 @@ async def _scenario(model: Path, tmp: Path) -> None:
         assert status.role == "prefill" and not status.draining
         # the router learns the role from its own poll and prefills on the mover
         mover_id = status.worker_id
-        await asyncio.sleep(1.0)
-        after, _ = await send_all(cluster.address, specs(16, 8.0), vocab, 4, "post")
+        # (its poll interval is 0.25 s: wait on the state, a request prefilled on the mover)
+        after: list[RequestRecord] = []
+        deadline = asyncio.get_running_loop().time() + 30.0
+        while not any(r.prefill_worker == mover_id for r in after):
+            assert asyncio.get_running_loop().time() < deadline, {r.prefill_worker for r in after}
+            batch, _ = await send_all(cluster.address, specs(8, 8.0), vocab, 4, "post")
+            after += batch
         assert all(r.ok for r in after)
-        assert any(r.prefill_worker == mover_id for r in after), {r.prefill_worker for r in after}
         assert all(r.decode_worker != mover_id for r in after)
         # the decision log holds the decision with its inputs, then its result
         lines = [json.loads(x) for x in (tmp / "decisions.jsonl").read_text().splitlines()]

@@ -38,6 +38,7 @@ from security.secret import ClusterSecret
 from tests.certs import CertSet, mint
 from worker.config import WorkerConfig
 from worker.server import WorkerServer
+from worker_main import server as worker_server
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 17, 40, 2, 8, 30], [21, 22]]
 ENGINE = EngineConfig(block_size=8, num_kv_blocks=64, max_num_seqs=4)
@@ -109,7 +110,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     try:
         for role in ("prefill", "decode"):
             cfg = WorkerConfig(model_dir=tiny_model_dir, role=role, engine=ENGINE)
-            workers[role] = WorkerServer(cfg, secret)
+            workers[role] = worker_server(cfg, secret)
             workers[role].start()
         base = RouterConfig(
             model_dir=tiny_model_dir,
@@ -288,7 +289,7 @@ def test_worker_mtls_needs_the_secret_too_and_routes_end_to_end(
         tls_cert=internal.server_cert, tls_key=internal.server_key, tls_ca=internal.ca
     )
     cfg = WorkerConfig(model_dir=tiny_model_dir, role="colocated", engine=ENGINE, internal_tls=tls)
-    worker = WorkerServer(cfg, cluster.secret)
+    worker = worker_server(cfg, cluster.secret)
     worker.start()
     router = None
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.tool_launchers import launch_workers
 from tooling.redis_server import SKIP_REASON, redis_server_path
 from tooling.soak.check import judge
 from tooling.soak.client import Outcome
@@ -83,7 +84,7 @@ def test_the_injector_resumes_only_a_process_it_stopped(tmp_path: Path) -> None:
     one that died meanwhile (its pid possibly reused) gets no SIGCONT."""
     if redis_server_path() is None:
         pytest.skip(SKIP_REASON)
-    cluster = SoakCluster(SoakConfig(model=tmp_path, out=tmp_path))
+    cluster = SoakCluster(SoakConfig(model=tmp_path, out=tmp_path), launch_workers)
     proc = subprocess.Popen(["sleep", "30"])
     try:
         assert cluster.send_signal(proc.pid, signal.SIGSTOP)

@@ -1,6 +1,6 @@
 """Prefill and decode worker processes driven by a direct gRPC client playing the router.
 
-Real processes (`python -m worker`, started by fixtures, ready on their READY line,
+Real processes (`python -m worker_main`, started by fixtures, ready on their READY line,
 stopped by PID) on the tiny model; KV moves over gloo. The client runs the router's hand-off:
 Reserve on D -> Prefill on P with the ticket -> Decode stream on D. Oracle: the colocated
 LLMEngine in this process, greedy, one prompt at a time. After every test both workers' free
@@ -421,6 +421,15 @@ def test_wrong_role_and_bad_requests(pd: tuple[Worker, Worker]) -> None:
     held = reserve(d, "hog", 900, 100, 30)  # 125 of 160 blocks
     assert code_of(lambda: reserve(d, "more", 900, 100, 5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert code_of(lambda: reserve(d, "hog", 8, 8, 5)) == grpc.StatusCode.ALREADY_EXISTS
+    # the prefill role's context check covers the whole request, not just its first token
+    long = pb.PrefillRequest(
+        request_id="hog",
+        prompt_token_ids=[7] * 900,
+        sampling=pb.WorkerSampling(max_tokens=200),
+        ticket=held,
+    )
+    err = rpc_error(lambda: p.stub.Prefill(long, timeout=5))
+    assert err.code() == invalid and "exceeds the model's context 1024" in err.details(), err
     wrong = pb.DecodeRequest(request_id="hog", transfer_id="nope", first_token=1)
     assert code_of(lambda: list(d.stub.Decode(wrong, timeout=5))) == fp
     assert held.block_ids and d.stub.Abort(pb.AbortRequest(request_id="hog"), timeout=5).found

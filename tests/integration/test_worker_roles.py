@@ -1,6 +1,6 @@
 """Worker roles on real processes: colocated Generate, SetRole draining and switching.
 
-Two `python -m worker` processes on the tiny model: W1 starts as prefill, W2 as
+Two `python -m worker_main` processes on the tiny model: W1 starts as prefill, W2 as
 colocated. Oracle: the colocated LLMEngine in this process (greedy). Checked: Generate streams
 the oracle's tokens (first chunk = first token, with timings); a role switch under load lets
 every accepted request finish with the oracle's tokens (new work during the drain is refused

@@ -20,7 +20,7 @@ from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
 from worker.cli import parse_args
 from worker.config import WorkerConfig
-from worker.server import WorkerServer
+from worker_main import server as worker_server
 
 OPTS = [("grpc.enable_http_proxy", 0)]
 
@@ -64,7 +64,7 @@ def test_server_lifecycle_in_process(tiny_model_dir: Path) -> None:
         role="colocated",
         engine=EngineConfig(block_size=8, num_kv_blocks=160),
     )
-    server = WorkerServer(cfg)
+    server = worker_server(cfg)
     address = server.start()
     try:
         with grpc.insecure_channel(address, OPTS) as channel:

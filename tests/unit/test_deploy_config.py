@@ -197,7 +197,7 @@ def test_router_config_and_command_lines() -> None:
     niced = load_cluster_config(None, {"model": "m", "worker_nice": 7})
     wargv = worker_argv(niced, "decode-0", "decode")
     assert wargv[wargv.index("--nice") + 1] == "7"
-    cli = wargv[wargv.index("worker") + 1 :]
+    cli = wargv[wargv.index("worker_main") + 1 :]
     assert parse_worker_args(cli)[0].nice == 7
     assert json.loads(wargv[wargv.index("--engine-json") + 1]) == c.engine.model_dump(mode="json")
 
@@ -295,8 +295,8 @@ def test_worker_sched_idle_reaches_both_launchers() -> None:
 
 def test_ray_bundles_deal_the_roles_in_turn() -> None:
     """SPREAD then gives each node a prefill and a decode worker, however it deals bundles."""
-    from deploy.config import Role
     from deploy.ray_launcher import interleave_roles
+    from proto.pdserve.v1.roles import Role
 
     p: Role = "prefill"
     d: Role = "decode"

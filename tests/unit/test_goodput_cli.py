@@ -15,7 +15,8 @@ from deploy.bench_cli import (
     demo_config,
     main,
 )
-from tooling.goodput.clusters import CONFIG_NAMES, EngineSizing, cluster_config
+from deploy.config import load_cluster_config
+from tooling.goodput.clusters import CONFIG_NAMES, EngineSizing, cluster_settings
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -74,7 +75,8 @@ def test_demo_config_is_valid(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_compared_configurations_use_the_same_threads(name: str) -> None:
-    cc = cluster_config(name, Path("models/small"), EngineSizing(context=512, chunk_tokens=128))
+    sizing = EngineSizing(context=512, chunk_tokens=128)
+    cc = load_cluster_config(None, cluster_settings(name, Path("models/small"), sizing))
     threads = cc.torch_threads * cc.num_workers
     assert threads == 2 and cc.launcher == "process"
     assert cc.engine.enable_chunked_prefill == (name != "colocated-nochunk")

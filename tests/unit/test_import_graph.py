@@ -4,11 +4,13 @@ Two checks, both over the product packages a wheel ships (`pyproject.toml`'s pac
 
 - every module imports in this interpreter, so an undeclared or broken import fails here, fast,
   instead of in the middle of a test or a user's `pdserve` command;
-- the module graph read from the source (`ast`, every import statement, also those inside
-  functions; `if TYPE_CHECKING:` blocks excluded) has no loop, and the layering rules hold:
+- the module graph read from the source (`ast`, every import statement: those inside
+  functions and inside `if TYPE_CHECKING:` blocks too, relative ones resolved) has no loop,
+  neither between modules nor between top-level packages (an edge `a.x -> b.y` is an edge
+  `a -> b`), and the layering rules hold:
   the product never imports `benchmarks` or `tests`, `benchmarks` never imports `tests`,
-  `prefill_worker` and `decode_worker` never import each other, the worker host's core never
-  imports a role package (only its composition root `worker.server` does), and the router
+  `prefill_worker` and `decode_worker` never import each other, the worker host never
+  imports a role package (only its composition root `worker_main`, above both, does), and the router
   never imports torch.
 """
 
@@ -45,36 +47,41 @@ def _modules(packages: list[str]) -> dict[str, Path]:
     return found
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.If)
-            and isinstance(node.test, ast.Name)
-            and node.test.id == "TYPE_CHECKING"
-        ):
-            skip.update(id(n) for n in ast.walk(node))
-    return skip
+def _resolve(name: str, known: set[str]) -> str:
+    """The longest project module that `name` is or lies in; else its top-level name."""
+    probe = name
+    while probe and probe not in known:
+        probe = probe.rpartition(".")[0]
+    return probe or name.split(".")[0]
 
 
-def _imports(path: Path, known: set[str]) -> Iterator[str]:
-    """Every module `path` imports: a project module where one matches, else the top name."""
+def _imports(module: str, path: Path, known: set[str]) -> Iterator[str]:
+    """Every module `path` imports, counting every import statement (function-local ones and
+    `TYPE_CHECKING` ones too: a loop hidden from the interpreter is still a loop of ideas)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_nodes(tree)
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            submodules = [f"{node.module}.{a.name}" for a in node.names]
-            yield from [m for m in submodules if m in known] or [node.module]
+            yield from (_resolve(alias.name, known) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                up = parts[: len(parts) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                yield _resolve(f"{base}.{alias.name}", known)
 
 
 def _graph() -> dict[str, set[str]]:
     modules = _modules([*PRODUCT, "benchmarks", "tests"])
     known = set(modules)
-    return {name: set(_imports(path, known)) - {name} for name, path in modules.items()}
+    graph = {name: set(_imports(name, path, known)) for name, path in modules.items()}
+    # a module importing a package it lies in (its own `__init__`) is not a loop of ideas
+    return {
+        name: {t for t in targets if t != name and not name.startswith(t + ".")}
+        for name, targets in graph.items()
+    }
 
 
 GRAPH = _graph()
@@ -138,6 +145,23 @@ def test_no_import_loop_between_modules() -> None:
     assert _loops(GRAPH) == []
 
 
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        edges = packages.setdefault(_top(module), set())
+        edges.update(_top(t) for t in targets if _top(t) != _top(module))
+    return packages
+
+
+def test_no_import_loop_between_packages() -> None:
+    assert _loops(_package_graph(GRAPH)) == []
+
+
+def test_tooling_sits_below_deploy() -> None:
+    """deploy's commands run tooling; tooling takes deploy's launchers as parameters."""
+    assert _violations({"tooling"}, {"deploy"}) == []
+
+
 def _violations(source_tops: set[str], forbidden_tops: set[str]) -> list[str]:
     return sorted(
         f"{module} imports {target}"
@@ -162,19 +186,26 @@ def test_the_two_roles_never_import_each_other() -> None:
 
 
 def test_the_worker_host_core_knows_no_role_package() -> None:
-    roots = {"worker.server", "worker.cli", "worker.__main__"}
-    bad = [
-        f"{module} imports {target}"
-        for module, targets in GRAPH.items()
-        if _top(module) == "worker" and module not in roots
-        for target in targets
-        if _top(target) in {"prefill_worker", "decode_worker"}
-    ]
-    assert bad == []
+    """The host takes its roles from the composition root above it (`worker_main`)."""
+    assert _violations({"worker"}, {"prefill_worker", "decode_worker", "worker_main"}) == []
 
 
 def test_the_router_never_imports_torch() -> None:
     assert _violations({"router"}, {"torch", "triton"}) == []
+
+
+def test_the_reader_sees_hidden_and_relative_imports(tmp_path: Path) -> None:
+    """A `TYPE_CHECKING` import, a function-local one and a relative one are all edges."""
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.b import B\n"
+        "def f():\n    import p.c\nfrom . import d\nfrom .e import E\n"
+    )
+    known = {"p", "p.a", "p.b", "p.c", "p.d", "p.e"}
+    found = set(_imports("p.a", pkg / "a.py", known))
+    assert found >= {"p.b", "p.c", "p.d", "p.e"}, found
 
 
 def test_the_loop_finder_finds_a_loop() -> None:

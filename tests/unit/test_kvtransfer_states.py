@@ -16,9 +16,9 @@ import pytest
 
 import kvtransfer.recv_state as recv_state_module
 import kvtransfer.send_state as send_state_module
-from kvtransfer.lifecycle import Edge, IllegalTransition, Mover
 from kvtransfer.recv_state import RECV_MOVES, RecvState, RecvTransfer
 from kvtransfer.send_state import SEND_MOVES, SendState, SendTransfer
+from kvtransfer.transitions import Edge, IllegalTransition, Mover
 from kvtransfer.types import PeerEndpoint, TransferTicket, new_ticket
 from model_runtime.kv_cache import KVLayout
 

@@ -47,10 +47,9 @@ def test_toml_section_validates() -> None:
     [
         ({"mode": "adaptive"}, ["slo_ttft_ms", "slo_tpot_ms"]),
         ({"mode": "advisory", "slo_ttft_ms": 100.0}, ["slo_tpot_ms"]),
-        ({"allow_scale_out": True}, ["allow_scale_out", "fixed"]),
+        ({"allow_scale_out": True}, ["allow_scale_out", "switches roles"]),
         ({**SLOS, "mode": "adaptive", "min_prefill": 3, "max_prefill": 2}, ["max_prefill"]),
         ({**SLOS, "mode": "adaptive", "min_decode": 2, "max_decode": 1}, ["max_decode"]),
-        ({**SLOS, "mode": "adaptive", "min_prefill": 2, "max_workers": 2}, ["max_workers"]),
         ({**SLOS, "mode": "adaptive", "window_s": 1, "interval_s": 2}, ["window_s", "interval_s"]),
         ({**SLOS, "mode": "adaptive", "sample_interval_s": 3}, ["sample_interval_s"]),
         (
@@ -76,14 +75,31 @@ def test_invalid_combinations_name_their_fields(fields: dict[str, Any], named: l
 
 
 def test_check_counts_names_the_bound() -> None:
-    c = RatioConfig(**SLOS, mode="adaptive", max_prefill=2, max_decode=3, max_workers=4)
+    c = RatioConfig(**SLOS, mode="adaptive", max_prefill=2, max_decode=3)
     c.check_counts(2, 2)
     with pytest.raises(ValueError, match=r"ratio\.max_prefill=2"):
         c.check_counts(3, 1)
     with pytest.raises(ValueError, match=r"ratio\.min_decode=1"):
         c.check_counts(2, 0)
-    with pytest.raises(ValueError, match=r"ratio\.max_workers=4"):
-        c.check_counts(2, 3)
+
+
+def test_removed_scaling_keys_load_with_one_warning_each(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`allow_scale_out/in = false`, `scale_in_load` and `max_workers` (the scaling that was
+    removed) still load, ignored, warned about once per process; asking for scaling fails."""
+    import router.ratio.config as ratio_config
+
+    monkeypatch.setattr(ratio_config, "_warned", set())
+    old = {"allow_scale_out": False, "allow_scale_in": False, "scale_in_load": 0.5}
+    with caplog.at_level("WARNING", logger="router.ratio.config"):
+        c = RatioConfig(**SLOS, mode="adaptive", max_workers=4, **old)
+        again = RatioConfig(**SLOS, mode="adaptive", max_workers=4, **old)
+    assert c == again == RatioConfig(**SLOS, mode="adaptive")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 4 and all("deprecated and ignored" in m for m in warned), warned
+    with pytest.raises(ValidationError, match="allow_scale_in=true"):
+        RatioConfig(**SLOS, mode="adaptive", allow_scale_in=True)
 
 
 def test_ratio_package_never_imports_torch() -> None:

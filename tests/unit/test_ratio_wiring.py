@@ -51,7 +51,6 @@ def test_default_is_fixed_and_reaches_the_router_config() -> None:
         (cluster({"prefill": 3, "decode": 1}, max_prefill=2), ["ratio.max_prefill", "workers"]),
         (cluster({"prefill": 1, "decode": 1}, min_decode=2), ["ratio.min_decode", "workers"]),
         (cluster({"prefill": 1, "decode": 3}, max_decode=2), ["ratio.max_decode", "workers"]),
-        (cluster({"prefill": 2, "decode": 2}, max_workers=3), ["ratio.max_workers"]),
         (cluster(min_prefill=3, max_prefill=2), ["ratio", "max_prefill", "min_prefill"]),
         (cluster(min_prefill=0), ["ratio.min_prefill"]),
         (cluster(slo_tpot_ms=None), ["ratio", "slo_tpot_ms"]),
@@ -103,8 +102,6 @@ def test_router_config_checks_the_ratio_against_its_workers(tmp_path: Path) -> N
     assert ok.ratio.enabled
     with pytest.raises(ValidationError, match=r"ratio\.max_decode=1"):
         RouterConfig(**base, ratio=RatioConfig(**ON, max_decode=1))
-    with pytest.raises(ValidationError, match="allow_scale_in"):
-        RouterConfig(**base, ratio=RatioConfig(**ON, allow_scale_in=True))
     with pytest.raises(ValidationError, match="needs mode 'disagg'"):
         RouterConfig(
             model_dir=tmp_path, mode="colocated", colocated_addrs=("h:1",), ratio=RatioConfig(**ON)

@@ -14,6 +14,7 @@ from router.validation import (
     decode_generate_request,
     validate_request,
 )
+from router.wire import worker_sampling
 from tests.fakes.bad_requests import BAD_REQUESTS, CONTEXT, VOCAB, BadRequest
 
 LIMITS = ModelLimits(vocab_size=VOCAB, context_length=CONTEXT)
@@ -80,7 +81,7 @@ def test_explicit_values_pass_through_to_worker_sampling() -> None:
     v = validate_request(req, LIMITS, fake_encode)
     assert v.request_id == "req-1" and v.prompt_token_ids == (5, 6, VOCAB - 1)
     assert v.stop == ("\n\n", "ü")
-    ws = v.worker_sampling()
+    ws = worker_sampling(v.sampling)
     assert ws.max_tokens == CONTEXT - 3 and math.isclose(ws.temperature, 0.7, rel_tol=1e-6)
     assert math.isclose(ws.top_p, 0.9, rel_tol=1e-6) and ws.top_k == 40
     assert ws.has_seed and ws.seed == 2**63 - 1
@@ -89,7 +90,7 @@ def test_explicit_values_pass_through_to_worker_sampling() -> None:
 
 def test_seed_zero_is_a_seed() -> None:
     req = ipb.GenerateRequest(text="x", sampling=ipb.SamplingParams(seed=0))
-    ws = validate_request(req, LIMITS, fake_encode).worker_sampling()
+    ws = worker_sampling(validate_request(req, LIMITS, fake_encode).sampling)
     assert ws.has_seed and ws.seed == 0
 
 
@@ -122,7 +123,7 @@ def test_tiny_temperature_is_greedy(temperature: float) -> None:
     msg = ipb.GenerateRequest(text="hi", sampling=ipb.SamplingParams(temperature=temperature))
     v = validate_request(msg, LIMITS, fake_encode)
     assert v.sampling.temperature == 0.0 and v.sampling.greedy
-    assert v.worker_sampling().temperature == 0.0
+    assert worker_sampling(v.sampling).temperature == 0.0
 
 
 def test_text_beyond_the_context_is_refused_by_size_before_tokenizing() -> None:

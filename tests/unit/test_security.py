@@ -22,7 +22,7 @@ from security.secret import ENV_VAR, ClusterSecret, resolve_cluster_secret
 from security.tokens import TokenFile, bearer_token, parse_tokens
 from worker.cli import parse_args as worker_args
 from worker.config import WorkerConfig
-from worker.server import WorkerServer
+from worker_main import server as worker_server
 
 
 def test_loopback_addresses() -> None:
@@ -116,7 +116,7 @@ def test_the_worker_takes_its_secret_from_the_environment_and_removes_it(
 def test_a_worker_refuses_a_public_host_without_the_secret(tmp_path: Path) -> None:
     cfg = WorkerConfig(model_dir=tmp_path, role="decode", host="0.0.0.0")
     with pytest.raises(ValueError, match="no cluster secret"):
-        WorkerServer(cfg).start()  # refused before any model is loaded
+        worker_server(cfg).start()  # refused before any model is loaded
 
 
 def test_redis_passwords_are_masked_everywhere(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.corpus import BOS_ID, EOS_ID, PAD_ID, train_tokenizer, write_tokenizer_files
 from model_runtime.tokenizer import IncrementalDetokenizer, Tokenizer, decode_stream
+from tooling.models.corpus import BOS_ID, EOS_ID, PAD_ID, train_tokenizer, write_tokenizer_files
 
 TEXTS = [
     "The lighthouse on the northern cape was built in 1871.",

@@ -53,6 +53,7 @@ from tooling.goodput.records import RequestSpec, RunResult
 from tooling.goodput.sweep import RateSearch, run_interleaved
 from tooling.goodput.traces import read_trace, scale_to_rate
 from tooling.goodput.workloads import WORKLOADS, length_summary, make_requests
+from tooling.launch import Cluster, LaunchCluster
 
 
 class BenchConfig(BaseModel):
@@ -272,10 +273,12 @@ class Bench:
         return path
 
 
-def _targets(cfg: BenchConfig, meta: dict[str, Any]) -> tuple[Any, int]:
+def _targets(
+    cfg: BenchConfig, meta: dict[str, Any], launch: LaunchCluster[Cluster] | None
+) -> tuple[Any, int]:
     """(context manager giving the `ClusterSet` of pdserve configurations, length budget):
-    the running router at `cfg.address`, or local clusters of `cfg.configs` (none: an
-    OpenAI server alone). Fills `meta["model"]`."""
+    the running router at `cfg.address`, or local clusters of `cfg.configs` started by
+    `launch` (none: an OpenAI server alone). Fills `meta["model"]`."""
     if cfg.address is not None:
         security = ClientSecurity.from_json(cfg.client_security)
         info = asyncio.run(model_info(cfg.address, security=security))
@@ -287,6 +290,8 @@ def _targets(cfg: BenchConfig, meta: dict[str, Any]) -> tuple[Any, int]:
                                                      info.context_length)  # fmt: skip
     if not cfg.configs:
         return contextlib.nullcontext(ClusterSet()), cfg.context or 0
+    if launch is None:
+        raise ValueError("configs: local clusters need a launch function (or give address)")
     model_ctx = model_context(cfg.model)
     context = min(cfg.context or model_ctx, model_ctx)
     meta["model"] = json.loads((cfg.model / "config.json").read_text()) | {"path": str(cfg.model)}
@@ -294,7 +299,8 @@ def _targets(cfg: BenchConfig, meta: dict[str, Any]) -> tuple[Any, int]:
         context, cfg.chunk_tokens, 16, cfg.num_kv_blocks, cfg.max_num_seqs, cfg.device
     )
     say(f"starting {len(cfg.configs)} clusters: {', '.join(cfg.configs)} ...")
-    return start_clusters(cfg.configs, cfg.model, sizing, cfg.out / "logs", cfg.threads), context
+    logs = cfg.out / "logs"
+    return start_clusters(cfg.configs, cfg.model, sizing, logs, launch, cfg.threads), context
 
 
 def _openai_target(cfg: BenchConfig, meta: dict[str, Any]) -> OpenAITarget:
@@ -320,8 +326,14 @@ def _openai_target(cfg: BenchConfig, meta: dict[str, Any]) -> OpenAITarget:
     return OpenAITarget(url, model, vocab)
 
 
-def run_bench(cfg: BenchConfig, on_ready: Callable[[Bench], None] | None = None) -> Any:
-    """Run the whole benchmark (module docstring); returns `report.Summary`."""
+def run_bench(
+    cfg: BenchConfig,
+    on_ready: Callable[[Bench], None] | None = None,
+    launch: LaunchCluster[Cluster] | None = None,
+) -> Any:
+    """Run the whole benchmark (module docstring); returns `report.Summary`. `launch`
+    starts the local clusters of `cfg.configs` (`tooling.launch`; not needed with
+    `cfg.address`)."""
     from tooling.goodput.report import write_report
     from tooling.machine import measure_machine
 
@@ -331,7 +343,7 @@ def run_bench(cfg: BenchConfig, on_ready: Callable[[Bench], None] | None = None)
     machine = measure_machine(size_mb=256, gemm_n=1024, repeats=3).to_json()
     meta: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "machine": machine}
     meta["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-    clusters_cm, context = _targets(cfg, meta)
+    clusters_cm, context = _targets(cfg, meta, launch)
     meta["context"] = context
     with clusters_cm as clusters:
         if cfg.openai_url is not None:

@@ -9,10 +9,11 @@ same model, block size, KV blocks and batch limits:
 | `colocated-nochunk` | 1 colocated | `threads` | whole prompts (step budget = context + seqs) |
 | `disagg` | 1 prefill + 1 decode | `threads // 2` each | chunked, `chunk_tokens` per step |
 
-`start_clusters` launches them (router + workers as local processes, `deploy.launcher`), all
-at once, so runs can interleave configurations without restarts; `ClusterSet.stop()` (also on
-exit from the context manager) stops every process it started, by PID. An idle cluster's
-workers only answer the router's status polls, so the others barely disturb a run.
+`start_clusters` launches them with the launch function it is given (`tooling.launch`; deploy's
+`tool_launchers.launch_cluster` starts router + workers as local processes), all at once, so
+runs can interleave configurations without restarts; `ClusterSet.stop()` (also on exit from
+the context manager) stops every process it started, by PID. An idle cluster's workers only
+answer the router's status polls, so the others barely disturb a run.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from deploy.config import ClusterConfig
-    from deploy.launcher import LocalCluster
+from tooling.launch import Cluster, LaunchCluster
 
 CONFIG_NAMES = ("colocated", "colocated-nochunk", "disagg")
 
@@ -69,15 +68,12 @@ def cluster_overrides(name: str, sizing: EngineSizing, threads: int = 2) -> dict
     return out
 
 
-def cluster_config(
+def cluster_settings(
     name: str, model: Path, sizing: EngineSizing, threads: int = 2, **extra: Any
-) -> ClusterConfig:
-    """The validated `ClusterConfig` of configuration `name`; `extra` adds dotted overrides."""
-    from deploy.config import load_cluster_config
-
-    return load_cluster_config(
-        None, {"model": str(model), **cluster_overrides(name, sizing, threads), **extra}
-    )
+) -> dict[str, Any]:
+    """The dotted cluster-config overrides of configuration `name` for `model`; `extra` adds
+    more (the launch function validates them)."""
+    return {"model": str(model), **cluster_overrides(name, sizing, threads), **extra}
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class ClusterSet:
     """Running clusters by configuration name; `address(name)` is the router to load (a gRPC
     host:port), or for an `openai` entry the server's /v1 URL (`job_fields` says which)."""
 
-    clusters: dict[str, LocalCluster] = field(default_factory=dict)
+    clusters: dict[str, Cluster] = field(default_factory=dict)
     external: dict[str, str] = field(default_factory=dict)
     openai: dict[str, OpenAITarget] = field(default_factory=dict)
 
@@ -118,9 +114,10 @@ class ClusterSet:
         if name in self.external or name in self.openai:
             return {}
         c = self.clusters[name]
-        out = {"router": c.router.process.pid}
-        for w in c.workers.workers:
-            out[f"{w.role}-{w.worker_id}"] = w.process.pid
+        pids = c.labelled_pids()
+        out = {"router": pids["router"]}
+        for w in c.members():
+            out[f"{w.role}-{w.worker_id}"] = pids[w.worker_id]
         return out
 
     def job_fields(self, name: str) -> dict[str, Any]:
@@ -138,7 +135,7 @@ class ClusterSet:
         for n, t in self.openai.items():
             out[n] = {"address": t.url, "external": True, "api": "openai", "model": t.model}
         for n, c in self.clusters.items():
-            out[n] = {"config": c.config.model_dump(mode="json"), "pids": c.pids()}
+            out[n] = {"config": c.effective_config(), "pids": list(c.labelled_pids().values())}
         return out
 
     def stop(self) -> None:
@@ -153,20 +150,19 @@ def start_clusters(
     model: Path,
     sizing: EngineSizing,
     log_dir: Path,
+    launch: LaunchCluster[Cluster],
     threads: int = 2,
     **extra: Any,
 ) -> Iterator[ClusterSet]:
-    """Launch a local cluster per configuration name; stop all of them on exit (and on a
-    failure to start any of them)."""
-    from deploy.launcher import launch_local_cluster
-
-    configs = {n: cluster_config(n, model, sizing, threads, **extra) for n in names}
+    """Launch a local cluster per configuration name with `launch`; stop all of them on exit
+    (and on a failure to start any of them)."""
+    settings = {n: cluster_settings(n, model, sizing, threads, **extra) for n in names}
     running = ClusterSet()
     try:
-        for name, cfg in configs.items():
+        for name, overrides in settings.items():
             folder = log_dir / name
             folder.mkdir(parents=True, exist_ok=True)
-            running.clusters[name] = launch_local_cluster(cfg, folder, port=0)
+            running.clusters[name] = launch(overrides, folder)
         yield running
     finally:
         running.stop()

@@ -27,6 +27,7 @@ from typing import Any
 
 from tooling.cpu import CpuMeter
 from tooling.goodput.calibrate import sequential
+from tooling.launch import Cluster, LaunchCluster
 from tooling.planner.costs import CostModel, CpuSample, calibrate_overheads, fit_cpu_overheads
 from tooling.planner.harness import cluster_pids, send_all, start_cluster
 from tooling.planner.sim import ClusterSpec, charged
@@ -66,7 +67,7 @@ def moderate_rate(cost: CostModel, name: str, context: int) -> float:
 
 
 async def measure_cpu(
-    cluster: Any,
+    cluster: Cluster,
     cost: CostModel,
     vocab_size: int,
     context: int,
@@ -88,7 +89,7 @@ async def measure_cpu(
         cpu = meter.stop()["cpu_s"]
         sent = [s for s, r in zip(specs, records, strict=True) if r.ok]
         model = charged(to_sim(sent), spec, cost)
-        workers = {w.worker_id: w.role for w in cluster.workers.workers}
+        workers = {w.worker_id: w.role for w in cluster.members()}
         out.append(
             CpuSample(
                 requests=len(sent),
@@ -111,24 +112,26 @@ def calibrate_local(
     engine: dict[str, Any],
     threads: int,
     log_dir: Path,
+    launch: LaunchCluster[Cluster],
     context: int = 512,
     prompt_lens: Sequence[int] = PROMPT_LENGTHS,
     output_len: int = 16,
     repeats: int = 3,
     mode: str = "disagg",
 ) -> CostModel:
-    """Start a local cluster of `model` (`engine`: EngineConfig fields, `threads` torch
-    threads per worker): 1 prefill + 1 decode worker (`mode` "disagg") or one colocated worker
-    ("colocated"); measure both kinds of overhead, stop it; `cost` with them fitted."""
+    """Start a local cluster of `model` with `launch` (`engine`: EngineConfig fields,
+    `threads` torch threads per worker): 1 prefill + 1 decode worker (`mode` "disagg") or one
+    colocated worker ("colocated"); measure both kinds of overhead, stop it; `cost` with them
+    fitted."""
     from model_runtime.config import ModelConfig
 
     vocab = ModelConfig.from_model_dir(model).vocab_size
     if mode == "colocated":
         spec = ClusterSpec(0, 0, colocated=1, threads=threads)
-        cluster = start_cluster(model, 1, engine, threads, log_dir, mode="colocated")
+        cluster = start_cluster(model, 1, engine, threads, log_dir, launch, mode="colocated")
     elif mode == "disagg":
         spec = ClusterSpec(1, 1)
-        cluster = start_cluster(model, 2, engine, threads, log_dir)
+        cluster = start_cluster(model, 2, engine, threads, log_dir, launch)
     else:
         raise ValueError(f"mode must be 'disagg' or 'colocated', got {mode!r}")
     try:

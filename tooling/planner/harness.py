@@ -3,7 +3,8 @@ generator that reports each request as it ends, and the controller as a sidecar.
 
 Runs in the benchmark process (`benchmarks/bench_ratio.py`, the ratio integration test).
 
-- `start_cluster(...)`: N workers + one router, local processes (`deploy.launcher`); the
+- `start_cluster(...)`: N workers + one router, local processes, started by the launch
+  function it is given (`tooling.launch`; deploy's `tool_launchers.launch_cluster`); the
   router is its own process, as in production.
 - `Sidecar`: a `WorkerPool` of this process over the same workers (its own status poll), used
   to read worker views, to `set_ratio` between runs (Worker.SetRole: the same processes and
@@ -38,6 +39,7 @@ from security.channels import InternalAuth
 from tooling.goodput.analysis import SLO, attainment
 from tooling.goodput.loadgen import CHANNEL_OPTIONS, LoadJob, build_requests, consume_stream
 from tooling.goodput.records import RequestRecord, RequestSpec
+from tooling.launch import C, Cluster, LaunchCluster
 from tooling.planner.workload import Phase, phase_starts
 
 
@@ -47,13 +49,11 @@ def start_cluster(
     engine: dict[str, Any],
     threads: int,
     log_dir: Path,
+    launch: LaunchCluster[C],
     mode: str = "disagg",
-) -> Any:
-    """A running `LocalCluster` of `workers` workers: disagg (half prefill, rounded down, at
-    start) or colocated; `threads` torch threads each."""
-    from deploy.config import load_cluster_config
-    from deploy.launcher import launch_local_cluster
-
+) -> C:
+    """A running cluster of `workers` workers, started by `launch`: disagg (half prefill,
+    rounded down, at start) or colocated; `threads` torch threads each."""
     prefill = max(1, workers // 2)
     roles: dict[str, Any] = {
         "mode": "disagg",
@@ -63,29 +63,23 @@ def start_cluster(
     if mode == "colocated":
         roles = {"mode": "colocated", "workers.prefill": 0, "workers.decode": 0}
         roles["workers.colocated"] = workers
-    config = load_cluster_config(
-        None,
-        {
-            "model": str(model),
-            **roles,
-            "launcher": "process",
-            "torch_threads": threads,
-            "router.port": 0,
-            "router.status_poll_interval_s": 0.25,
-            "engine": engine,
-        },
-    )
+    overrides = {
+        "model": str(model),
+        **roles,
+        "launcher": "process",
+        "torch_threads": threads,
+        "router.port": 0,
+        "router.status_poll_interval_s": 0.25,
+        "engine": engine,
+    }
     log_dir.mkdir(parents=True, exist_ok=True)
-    return launch_local_cluster(config, log_dir, port=0)
+    return launch(overrides, log_dir)
 
 
-def cluster_pids(cluster: Any) -> dict[str, int]:
-    """{label: pid} of a `LocalCluster`'s processes and this one ("client": the load
-    generator and the sidecar): "router", and each worker by its launch id."""
-    out = {"router": cluster.router.process.pid, "client": os.getpid()}
-    for w in cluster.workers.workers:
-        out[w.worker_id] = w.process.pid
-    return out
+def cluster_pids(cluster: Cluster) -> dict[str, int]:
+    """{label: pid} of a cluster's processes and this one ("client": the load generator and
+    the sidecar): "router", and each worker by its launch id."""
+    return {**cluster.labelled_pids(), "client": os.getpid()}
 
 
 class Sidecar:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from router.pair_scoring import PairScoringConfig
 from router.policy import LeastLoadPolicy, RouteRequest, RoutingPolicy, WorkerView
-from tooling.planner.sim import Pick, Router, Sim
+from tooling.planner.sim_routing import Pick, Router, SimView
 from tooling.planner.sim_types import SimRequest
 from tooling.planner.sim_workers import Job, Worker
 
@@ -68,7 +68,9 @@ def _view(w: Worker, total_blocks: int, block_size: int) -> WorkerView:
 def policy_router(policy: RoutingPolicy) -> Router:
     """A simulator router that asks `policy` (module docstring)."""
 
-    def route(sim: Sim, r: SimRequest, prefills: list[Worker], room: list[Worker]) -> Pick | None:
+    def route(
+        sim: SimView, r: SimRequest, prefills: list[Worker], room: list[Worker]
+    ) -> Pick | None:
         spec = sim.spec
         by_addr = {f"w{w.index}": w for w in [*prefills, *room]}
         # room: the simulator's own block check (prompt + output - 1); the policy's is one more
@@ -101,7 +103,7 @@ class Links:
     same: int = 0
     cross: int = 0
 
-    def __call__(self, sim: Sim, job: Job) -> float:
+    def __call__(self, sim: SimView, job: Job) -> float:
         assert job.prefill is not None
         n = job.req.input_len
         if job.prefill.node == job.decode.node:

@@ -18,7 +18,6 @@ How the two are joined:
   comes back in its new role `ClusterSpec.role_switch_s` later, and only then does the call
   return — so the change completes, and the cooldown starts, at the simulated time it would.
   The simulator stops at each flip so the controller's change task finishes at that instant.
-  Scale-out / scale-in are refused (a simulated cluster has a fixed size).
 """
 
 from __future__ import annotations
@@ -106,15 +105,6 @@ class SimActuator:
         fut = self._waiting.pop(w.index, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
-
-    async def add_worker(self, role: Role) -> str:
-        raise ActuationError(f"add {role} worker: a simulated cluster has a fixed size")
-
-    async def remove_worker(self, addr: str, drain_timeout_s: float) -> None:
-        raise ActuationError(f"remove {addr}: a simulated cluster has a fixed size")
-
-    def spare_workers(self) -> int:
-        return 0
 
 
 async def _settle() -> None:

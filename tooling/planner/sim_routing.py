@@ -6,21 +6,34 @@ policy code instead).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tooling.planner.sim_types import SimRequest
+from tooling.planner.costs import CostModel
+from tooling.planner.sim_types import ClusterSpec, SimRequest
 from tooling.planner.sim_workers import Worker
 
-if TYPE_CHECKING:  # the simulator calls routers with itself
-    from tooling.planner.sim import Sim
+
+class SimView(Protocol):
+    """What a router may read of the simulator (`sim.Sim` is one): its clock, cluster and
+    costs. Read-only; a router never changes the simulation."""
+
+    @property
+    def now(self) -> float: ...
+    @property
+    def spec(self) -> ClusterSpec: ...
+    @property
+    def cost(self) -> CostModel: ...
+
 
 Pick = tuple[Worker, Worker, float]  # (prefill, decode, KV hand-off seconds)
-Router = Callable[["Sim", SimRequest, list[Worker], list[Worker]], Pick | None]
+Router = Callable[[SimView, SimRequest, list[Worker], list[Worker]], Pick | None]
 """`router(sim, request, prefill workers, decode workers with room)` -> the pair and its KV
 hand-off delay, or None (no capacity: the request fails). Default: `least_load`."""
 
 
-def least_load(sim: Sim, r: SimRequest, prefills: list[Worker], room: list[Worker]) -> Pick | None:
+def least_load(
+    sim: SimView, r: SimRequest, prefills: list[Worker], room: list[Worker]
+) -> Pick | None:
     """The router's `least_load` policy: decode with the fewest requests (then the most free
     blocks), prefill with the fewest queued prompt tokens; hand-off `cost.transfer`."""
     if not prefills or not room:

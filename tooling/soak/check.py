@@ -165,8 +165,8 @@ async def stale_index_entries(
 async def _old_epoch_entries(cluster: SoakCluster, old: set[tuple[str, str]]) -> list[str]:
     import redis.asyncio as aioredis
 
-    assert cluster.cluster is not None
-    index = cluster.cluster.router.prefix_index
+    assert cluster.workers is not None
+    index = cluster.workers.router_config.prefix_index
     assert index.kind == "redis", index
     prefix = index.key_prefix.encode()
     found: dict[str, int] = {}

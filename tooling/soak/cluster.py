@@ -1,13 +1,14 @@
 """The soak's cluster: its own redis-server, the workers started by a product launcher, and the
 router in this process. Runs in the soak process, on its event loop.
 
-The cluster is put together the way `pdserve up` does it: a `ClusterConfig` (here built from
-the `SoakConfig`), `deploy.launcher.launch_workers` or `deploy.ray_launcher.launch_ray_workers`
-for the workers (they supervise and restart them), and `router.app.start_router` with
-`ClusterConfig.router_config` in this process, which lets the soak read the router's own
-in-flight counts at the end and where it placed each request (`placements`, by request id: a
-tee on the router's request recorder). The router serves its HTTP front too (port 0).
-Worker processes are found through the launcher's handle (`worker_pid`), never by name.
+The cluster is put together the way `pdserve up` does it: cluster-config overrides (here built
+from the `SoakConfig`), the launch function the soak is given (`tooling.launch.LaunchWorkers`:
+deploy's process or Ray launcher, which supervise and restart the workers), and
+`router.app.start_router` with the launch's `router_config` in this process, which lets the
+soak read the router's own in-flight counts at the end and where it placed each request
+(`placements`, by request id: a tee on the router's request recorder). The router serves its
+HTTP front too (port 0). Worker processes are found through the launcher's handle
+(`worker_pid`), never by name.
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from deploy.config import ClusterConfig, load_cluster_config
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.app import RouterHandle, start_router
 from router.lifecycle import RequestRecord, RequestRecorder
+from tooling.launch import LaunchWorkers, WorkerRef, Workers
 from tooling.redis_server import RedisServer
 from tooling.soak.client import HttpFront
 from tooling.soak.config import SoakConfig
@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
-def cluster_config(config: SoakConfig, redis_url: str) -> ClusterConfig:
-    """The `ClusterConfig` a soak runs: tiny-model engine sizes, a Redis prefix index with a
-    short TTL, the router's queue bound and default deadline from `config`."""
+def cluster_settings(config: SoakConfig, redis_url: str) -> dict[str, Any]:
+    """The cluster-config overrides a soak runs: tiny-model engine sizes, a Redis prefix index
+    with a short TTL, the router's queue bound and default deadline from `config`."""
     n_prefill, n_decode = config.counts
     overrides: dict[str, Any] = {
         "model": str(config.model),
@@ -69,17 +69,7 @@ def cluster_config(config: SoakConfig, redis_url: str) -> ClusterConfig:
         total = n_prefill + n_decode
         overrides["ray.cpus_per_worker"] = min(1.0, (os.cpu_count() or 2) / total)
         overrides["ray.max_restarts"] = 1000
-    return load_cluster_config(None, overrides)
-
-
-def _launch(config: ClusterConfig, log_dir: Path) -> Any:
-    if config.launcher == "process":
-        from deploy.launcher import launch_workers
-
-        return launch_workers(config, log_dir)
-    from deploy.ray_launcher import launch_ray_workers
-
-    return launch_ray_workers(config)
+    return overrides
 
 
 def process_start_time(pid: int) -> int | None:
@@ -92,15 +82,6 @@ def process_start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
     return None if fields[0] == "Z" else int(fields[19])
-
-
-@dataclass
-class WorkerRef:
-    """A worker as the soak names it: id, role at launch, address."""
-
-    worker_id: str
-    role: str
-    address: str
 
 
 @dataclass
@@ -118,14 +99,15 @@ class _PlacementTee:
 
 
 class SoakCluster:
-    """Redis + workers + in-process router. `start()` then `stop()` (idempotent)."""
+    """Redis + workers (started by `launch`) + in-process router. `start()` then `stop()`
+    (idempotent)."""
 
-    def __init__(self, config: SoakConfig) -> None:
+    def __init__(self, config: SoakConfig, launch: LaunchWorkers) -> None:
         self.config = config
+        self.launch = launch
         self.log_dir = config.out / "logs"
         self.redis = RedisServer(config.out / "redis")
-        self.cluster: ClusterConfig | None = None
-        self.workers: Any = None  # ProcessWorkers | RayWorkers
+        self.workers: Workers | None = None
         self.router: RouterHandle | None = None
         # SIGSTOPped now -> the process's start time (a reused pid never gets our SIGCONT);
         # every one is resumed at stop() whatever happened
@@ -137,11 +119,10 @@ class SoakCluster:
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.redis.start)
-        self.cluster = cluster_config(self.config, self.redis.url)
-        self.workers = await asyncio.to_thread(_launch, self.cluster, self.log_dir)
+        settings = cluster_settings(self.config, self.redis.url)
+        self.workers = await asyncio.to_thread(self.launch, settings, self.log_dir)
         self.router = await start_router(
-            self.cluster.router_config(self.workers.addresses()),
-            cluster_secret=self.workers.internal.secret,
+            self.workers.router_config, cluster_secret=self.workers.internal.secret
         )
         lifecycle = self.router.service.lifecycle
         lifecycle.recorder = _PlacementTee(lifecycle.recorder, self.placements)
@@ -178,29 +159,17 @@ class SoakCluster:
 
     def refs(self, role: str | None = None) -> list[WorkerRef]:
         """Workers in launch order (prefill first), optionally of one role."""
-        out = [WorkerRef(w.worker_id, w.role, w.address) for w in self.workers.workers]
-        return [w for w in out if role is None or w.role == role]
-
-    def _handle(self, worker_id: str) -> Any:
-        return next(w for w in self.workers.workers if w.worker_id == worker_id)
+        assert self.workers is not None
+        return [w for w in self.workers.members() if role is None or w.role == role]
 
     async def worker_pid(self, worker_id: str) -> int | None:
         """The live process id of `worker_id` now (None: no process running)."""
-        w = self._handle(worker_id)
-        if hasattr(w, "process"):  # deploy.launcher.WorkerProcess
-            return int(w.process.pid) if w.process.running() else None
-        import ray
-
-        try:
-            ref = w.actor.pid.remote()
-            return int(await asyncio.to_thread(ray.get, ref, timeout=2.0))
-        except Exception as exc:  # restarting, or stopped (it cannot answer): Ray's errors
-            log.info("pid of %s: no answer (%r); the supervisor's last pid", worker_id, exc)
-        pid = int(w.pid)  # deploy.ray_launcher.RayWorker, kept current by its supervisor
-        return pid if process_start_time(pid) is not None else None
+        assert self.workers is not None
+        return await asyncio.to_thread(self.workers.live_pid, worker_id)
 
     async def status(self, address: str, timeout_s: float = 1.0) -> worker_pb2.WorkerStatus | None:
         """`GetStatus` of the worker at `address`; None when it does not answer in time."""
+        assert self.workers is not None
         auth = self.workers.internal  # the workers take the cluster secret
         if address not in self._channels:
             self._channels[address] = auth.aio_channel(address, CHANNEL_OPTIONS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_runtime.config import ModelConfig
+from tooling.launch import LaunchWorkers
 from tooling.soak.blast import classify
 from tooling.soak.check import (
     Verdict,
@@ -59,22 +60,23 @@ class SoakResult:
         return bool(self.summary["passed"])
 
 
-def run_soak(config: SoakConfig) -> SoakResult:
-    """Run one soak (see the module docstring); never raises for what the soak finds."""
-    return asyncio.run(run_soak_async(config))
+def run_soak(config: SoakConfig, launch: LaunchWorkers) -> SoakResult:
+    """Run one soak (see the module docstring) on workers started by `launch`
+    (`tooling.launch`); never raises for what the soak finds."""
+    return asyncio.run(run_soak_async(config, launch))
 
 
 def _progress(msg: str) -> None:
     log.warning("soak: %s", msg)
 
 
-async def run_soak_async(config: SoakConfig) -> SoakResult:
+async def run_soak_async(config: SoakConfig, launch: LaunchWorkers) -> SoakResult:
     t_start = time.monotonic()
     vocab = ModelConfig.from_model_dir(config.model).vocab_size
     plan = make_plan(config, vocab)
     _progress(f"{len(plan.requests)} requests, {len(plan.faults)} faults planned")
     ref = Reference(config.model)
-    cluster = SoakCluster(config)
+    cluster = SoakCluster(config, launch)
     injector: Injector | None = None
     try:
         # the reference computes (torch, GIL released) while the workers load

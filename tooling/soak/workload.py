@@ -135,7 +135,7 @@ def _prompt_ids(rng: random.Random, prefixes: list[tuple[int, ...]], vocab: int)
 
 
 def _sentences() -> list[str]:
-    from model_runtime.corpus import PROSE
+    from tooling.models.corpus import PROSE
 
     return [s.strip() + "." for s in PROSE.replace("\n", " ").split(". ") if len(s) > 20]
 

@@ -46,7 +46,7 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from model_runtime.corpus import (
+from tooling.models.corpus import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

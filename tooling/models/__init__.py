@@ -1,0 +1,1 @@
+"""Test-model tooling: the random tiny/small models and the corpus their tokenizers learn."""
