@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ from worker.server import WorkerServer
 log = logging.getLogger("pdserve.worker")
 
 ORPHAN_GRACE_S = 1.0  # the stop grace of a worker whose launcher died
+THREAD_EXIT_WAIT_S = 2.0  # how long a stopped worker waits for its threads before leaving
 
 
 def parse_args(
@@ -154,17 +156,29 @@ def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = No
     why = "launcher gone" if orphaned.is_set() else "signal received"
     log.info("%s; stopping (grace %.1f s)", why, grace_s)
     server.stop(grace_s)
-    wait_for_threads(config.kv_connect_timeout_s + 1.0)
+    if not wait_for_threads(THREAD_EXIT_WAIT_S):
+        # A helper is still inside native code (a KV store connect to a frozen or dead peer
+        # retries for up to twice the connect timeout). Returning into an interpreter that
+        # is shutting down would abort the process (SIGABRT, not exit 0); everything of ours
+        # is stopped, so flush and leave without the interpreter's teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
-def wait_for_threads(timeout_s: float) -> None:
-    """Give threads still running after `stop` (a KV helper blocked in a store connect to a
-    peer that died) up to `timeout_s` to end: native code that returns into an interpreter
-    already shutting down aborts the process (SIGABRT instead of exit 0)."""
+def wait_for_threads(timeout_s: float) -> bool:
+    """Give this worker's own threads still running after `stop` (non-daemon ones and the KV
+    helpers, ``kvx-*``) up to `timeout_s` in all to end; whether all did (each one still
+    running is logged). Library daemon threads (grpc's poller) are not waited for."""
     end = time.monotonic() + timeout_s
+    ended = True
     for thread in threading.enumerate():
-        if thread is not threading.current_thread():
+        ours = not thread.daemon or thread.name.startswith("kvx-")
+        if thread is not threading.current_thread() and ours:
             thread.join(max(0.0, end - time.monotonic()))
             if thread.is_alive():
                 log.warning("thread %s still running at exit", thread.name)
+                ended = False
+    return ended
