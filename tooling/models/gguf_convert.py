@@ -468,7 +468,10 @@ def convert_gguf(gguf_path: str | Path, out: str | Path, dtype: Dtype = "bfloat1
         os.chmod(tmp, 0o755)
         if dst.exists():
             dst.rmdir()  # empty (checked above)
-        os.rename(tmp, dst)
+        try:
+            os.rename(tmp, dst)
+        except OSError as exc:  # another conversion filled `dst` meanwhile
+            raise GGUFConversionError(f"{dst} was written by someone else meanwhile") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
