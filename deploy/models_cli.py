@@ -53,8 +53,8 @@ def add_pull_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     p.add_argument("name", choices=sorted(KNOWN_MODELS), help="model to fetch")
     p.add_argument(
-        "--out", help="output folder (default: $PDSERVE_CACHE/models/NAME-DTYPE, cache "
-        "~/.cache/pdserve)"
+        "--out",
+        help="output folder (default: $PDSERVE_CACHE/models/NAME-DTYPE, cache ~/.cache/pdserve)",
     )
     p.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="weight dtype")
     p.set_defaults(func=pull_main)

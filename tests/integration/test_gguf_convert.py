@@ -194,7 +194,7 @@ def test_unsupported_architecture_is_named_and_nothing_is_written(
     bad = tmp_path / "bad-arch.gguf"
     bad.write_bytes(bytes(raw))
     out = tmp_path / "out"
-    with pytest.raises(GGUFConversionError, match="general.architecture='lamma'"):
+    with pytest.raises(GGUFConversionError, match=r"general\.architecture='lamma'"):
         convert_gguf(bad, out)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-arch.gguf", "tiny.gguf"]

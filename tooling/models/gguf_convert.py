@@ -158,9 +158,14 @@ def hf_name(gguf_name: str) -> str:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
-        if parts[2] in _LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[3] == "weight"
+        and parts[2] in _LAYER_NAMES
+    ):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
     if gguf_name == "rope_freqs.weight":
         raise GGUFConversionError(
             "tensor 'rope_freqs.weight' (Llama-3.1 style RoPE frequency scaling) is not supported"
@@ -232,9 +237,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     rows = w.shape[0]
     if rows % (2 * n_head):
         raise GGUFConversionError(f"q/k rows {rows} are not a multiple of 2 x {n_head} heads")
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def dequantize(reader_tensor: Any) -> np.ndarray:
@@ -263,9 +266,7 @@ def _check_tensors(infos: list[GGUFTensorInfo], config: dict[str, Any]) -> None:
         hf_name(info.name)
     have = {i.name for i in infos}
     need = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{n}.weight"
-        for i in range(config["num_hidden_layers"])
-        for n in _LAYER_NAMES
+        f"blk.{i}.{n}.weight" for i in range(config["num_hidden_layers"]) for n in _LAYER_NAMES
     ]
     missing = [n for n in need if n not in have]
     if missing:
@@ -328,9 +329,9 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
+    for i, text in enumerate(tokens):
         # A normal byte-level token is spelled in the byte alphabet already; respell any other.
-        key = tok if set(tok) <= spelled or types[i] == _CONTROL else _respell(tok, alphabet)
+        key = text if set(text) <= spelled or types[i] == _CONTROL else _respell(text, alphabet)
         vocab.setdefault(key, i)
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
     tok = Tokenizer(
