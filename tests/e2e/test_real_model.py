@@ -6,7 +6,9 @@
 - a 1 prefill + 1 decode cluster over HTTP (the official `openai` client): completions equal
   HF's greedy tokens, chat equals `apply_chat_template` + greedy generate and stops at EOS with
   finish_reason "stop", stop strings cut real text, and "What is the capital of France?" is
-  answered with "Paris".
+  answered with "Paris" (also through `pdserve demo`'s own stdlib chat call);
+- the goodput benchmark's text prompts (`--prompts text`) are the built-in corpus in this
+  model's tokens.
 
 Runs in the pytest process; one cluster for the module. Token counts are kept small: the model
 has 30 layers and CI machines have 2 shared CPUs.
@@ -27,6 +29,8 @@ from deploy.cli import main
 from deploy.launcher import launch_local_cluster
 from model_runtime.tokenizer import Tokenizer
 from tests.e2e.helpers import cluster_config, pid_alive
+from tooling.goodput.demo import QUESTION, chat_once
+from tooling.goodput.text_prompts import CORPUS, corpus_ids
 
 pytestmark = pytest.mark.slow
 
@@ -207,3 +211,16 @@ def test_capital_of_france_is_paris_and_stop_strings_cut_real_text(
         model=served, messages=messages, max_tokens=CHAT_MAX_TOKENS, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
+
+
+def test_demo_chat_call_gets_paris(client: openai.OpenAI) -> None:
+    """`pdserve demo`'s chat exchange (urllib, no openai package) against the 1P1D cluster."""
+    answer = chat_once(str(client.base_url).rstrip("/"), QUESTION, max_tokens=CHAT_MAX_TOKENS)
+    assert "Paris" in answer, answer
+
+
+def test_text_prompt_corpus_is_english_in_the_models_tokens(smollm2_dir: Path) -> None:
+    ids = corpus_ids(smollm2_dir)
+    tok = Tokenizer.from_model_dir(smollm2_dir)
+    assert tok.decode(ids) == CORPUS
+    assert 1000 < len(ids) < len(CORPUS) // 3  # real words: several characters per token
