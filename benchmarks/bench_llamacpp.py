@@ -62,11 +62,12 @@ def build_server() -> Path:
 
 
 def f16_gguf(model: Path) -> Path:
-    """`model` written once as an F16 GGUF in the cache (named after the folder)."""
+    """`model` written as an F16 GGUF in the cache (named after the folder; rewritten when
+    older than the folder's config.json)."""
     from tooling.models.gguf_write import hf_to_gguf
 
     out = cache_dir() / f"{model.resolve().name}-F16.gguf"
-    if not out.is_file():
+    if not out.is_file() or out.stat().st_mtime < (model / "config.json").stat().st_mtime:
         print(f"writing {out} ...", file=sys.stderr)
         hf_to_gguf(model, out, "F16")
     return out
