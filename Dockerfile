@@ -35,4 +35,4 @@ COPY --chown=ray deploy ./deploy
 COPY --chown=ray worker ./worker
 COPY --chown=ray tooling ./tooling
 COPY --chown=ray security ./security
-RUN pip install --no-cache-dir . && pip check && pdserve --help >/dev/null
+RUN pip install --no-cache-dir . && pdserve --help >/dev/null

@@ -112,3 +112,19 @@ def test_run_result_json_round_trip() -> None:
     run = RunResult("disagg", 2.0, "poisson", 1, 1001, [r], 1.5, 0.2, 0.9, {"x": 1})
     back = RunResult.from_json(run.to_json())
     assert back == run and back.records[0].send_lag_ms == pytest.approx(1.0)
+
+
+def test_a_load_job_carries_its_corpus_across_the_process_boundary() -> None:
+    """The load generator builds text prompts from the job file's corpus (JSON round trip)."""
+    import json
+
+    from tooling.goodput.loadgen import LoadJob, build_requests
+
+    corpus = list(range(300, 340))
+    specs = [RequestSpec(0, 0.0, 25, 4), RequestSpec(1, 0.5, 60, 4)]
+    job = LoadJob(address="127.0.0.1:1", specs=specs, token_seed=3, corpus=corpus)
+    again = LoadJob.from_json(json.loads(json.dumps(job.to_json())))
+    reqs = build_requests(again, vocab_size=8)
+    assert [list(r.token_ids.ids) for r in reqs] == prompt_tokens(specs, 8, 3, corpus)
+    assert all(x in corpus for r in reqs for x in r.token_ids.ids)
+    assert all(r.sampling.ignore_eos and r.sampling.max_tokens == 4 for r in reqs)
