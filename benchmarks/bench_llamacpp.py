@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,19 +98,30 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 12
 
 
 def start_server(
-    binary: Path, gguf: Path, threads: int, parallel: int, context: int, log: Path
+    binary: Path,
+    gguf: Path,
+    threads: int,
+    parallel: int,
+    context: int,
+    log: Path,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start llama-server on a free 127.0.0.1 port; (process, base URL without /v1)."""
+    """Start llama-server on a free 127.0.0.1 port (`extra`: more of its flags, e.g.
+    `--poll 0`; `env`: more environment for it alone); (process, base URL without /v1)."""
     port = free_port()
     argv = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--threads", str(threads), "--threads-batch", str(threads),
         "--parallel", str(parallel), "--ctx-size", str(parallel * context),
-        "--alias", "smollm2", "--no-webui",
+        "--alias", "smollm2", "--no-webui", *extra,
     ]  # fmt: skip
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -191,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32, help="tokens out per request")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
     p.add_argument("--single-out", type=int, default=64, help="tokens out, single stream")
+    p.add_argument("--server-args", default="", help="more llama-server flags, one string "
+                   "(e.g. '--poll 0': wait for work without spinning)")  # fmt: skip
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="llama-server's own environment, e.g. OMP_WAIT_POLICY=passive")  # fmt: skip
     p.add_argument("--out", default=f"runs/llamacpp-{time.strftime('%Y%m%d-%H%M%S')}")
     args = p.parse_args(argv)
 
@@ -202,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     gguf = f16_gguf(model)
     out = Path(args.out)
     loosest = max(TIERS, key=lambda t: t[1] * t[2])
-    proc, url = start_server(binary, gguf, args.threads, args.parallel, args.context,
-                             out / "logs" / "llama-server.log")  # fmt: skip
+    log = out / "logs" / "llama-server.log"
+    server_args = args.server_args.split()
+    server_env = dict(kv.split("=", 1) for kv in args.server_env)
+    proc, url = start_server(
+        binary, gguf, args.threads, args.parallel, args.context, log, server_args, server_env
+    )
     try:
         cfg = BenchConfig(
             out=out, model=model, openai_url=f"{url}/v1", openai_model="smollm2",
@@ -212,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             rates=tuple(float(r) for r in args.rates.split(",")), bisect_steps=0,
             duration_s=args.duration, min_requests=12, ttft_slo_ms=loosest[1],
             tpot_slo_ms=loosest[2], calibrate_on="openai", threads=args.threads,
-            title=f"llama.cpp (llama-server, F16) vs pdserve, {args.threads} threads each",
+            title=f"llama.cpp (llama-server, F16 {args.server_args} {server_env}) vs pdserve, "
+            f"{args.threads} threads each",
         )  # fmt: skip
         summary = run_bench(
             cfg, on_ready=lambda b: single_stream(b, 128, args.single_out, repeats=3)
