@@ -49,6 +49,9 @@ TIERS: tuple[tuple[str, float, float], ...] = (
 )
 
 
+LABELS = {"openai": "llama.cpp", "colocated": "pdserve colocated", "disagg": "pdserve 1P1D"}
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_LLAMACPP_CACHE", Path.home() / ".cache/pdserve/llamacpp"))
 
@@ -132,8 +135,12 @@ def start_server(
     return proc, url
 
 
+SINGLE_TOKEN_SEED = 3 * 10**6  # not the calibration's seeds: no prefix of its prompts is cached
+
+
 def single_stream(bench: Any, prompt_len: int, output_len: int, repeats: int) -> None:
-    """Every target's unloaded TTFT / TPOT, one request at a time, into meta['single']."""
+    """Every target's unloaded TTFT / TPOT, one request at a time, into meta['single']. Its
+    prompts share no prefix with the calibration's (both servers cache prefixes)."""
     from tooling.goodput.calibrate import calibrate
 
     out = bench.meta["single"] = {}
@@ -141,7 +148,7 @@ def single_stream(bench: Any, prompt_len: int, output_len: int, repeats: int) ->
         addr = bench.clusters.address(name)
         c = asyncio.run(
             calibrate(name, addr, prompt_len, output_len, repeats=repeats,
-                      **bench.clusters.job_fields(name))
+                      token_seed=SINGLE_TOKEN_SEED, **bench.clusters.job_fields(name))
         )  # fmt: skip
         out[name] = c.to_json()
         print(f"single stream {name}: TTFT {c.prefill_ms:.1f} ms, TPOT {c.decode_ms:.1f} ms "
@@ -177,15 +184,17 @@ def tier_table(run_dir: Path, target: float) -> tuple[str, dict[str, Any]]:
                                                    "lower_bound": mg.lower_bound,
                                                    "attainment": points}  # fmt: skip
             cells = [f"{points[r]:.0%}" if r in points else "—" for r in rates]
+            label = LABELS.get(name, name)
             best = (">= " if mg.lower_bound else "") + f"{mg.rate:g}"
-            lines.append(f"| {tier} ({ttft:g} / {tpot:g}) | {name} | {best} | "
+            lines.append(f"| {tier} ({ttft:g} / {tpot:g}) | {label} | {best} | "
                          + " | ".join(cells) + " |")  # fmt: skip
     single = data["meta"].get("single", {})
     if single:
         lines += ["", "Single stream (one request at a time; medians):", "",
                   "| configuration | TTFT ms | TPOT ms |", "|---|---:|---:|"]  # fmt: skip
         for name, c in single.items():
-            lines.append(f"| {name} | {c['prefill_ms']:.1f} | {c['decode_ms']:.1f} |")
+            label = LABELS.get(name, name)
+            lines.append(f"| {label} | {c['prefill_ms']:.1f} | {c['decode_ms']:.1f} |")
         out["single"] = single
     return "\n".join(lines) + "\n", out
 
