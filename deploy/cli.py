@@ -7,7 +7,7 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
     pdserve pull smollm2-135m-instruct [--out DIR] [--dtype bfloat16|float16|float32]
     pdserve convert --gguf FILE --out DIR [--dtype bfloat16|float16|float32]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
-    pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: a chat, then the goodput demo)
+    pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: one chat, then goodput)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
     pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
                [--decode M] [--colocated K] [--port P] [--http-port Q] [--ray-address ADDR]

@@ -314,9 +314,7 @@ def _targets(cfg: BenchConfig, meta: dict[str, Any]) -> tuple[Any, int]:
     )
     say(f"starting {len(cfg.configs)} clusters: {', '.join(cfg.configs)} ...")
     extra = {"router.http_port": 0} if cfg.http_front else {}
-    running = start_clusters(
-        cfg.configs, cfg.model, sizing, cfg.out / "logs", cfg.threads, **extra
-    )
+    running = start_clusters(cfg.configs, cfg.model, sizing, cfg.out / "logs", cfg.threads, **extra)
     return running, context
 
 
