@@ -6,6 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MODEL_DIR ?= models/small
+REAL_MODEL_DIR ?= models/smollm2-135m-instruct
 RUN_DIR ?= runs/demo
 STAMP := $(VENV)/.pdserve-installed
 
@@ -27,12 +28,12 @@ $(STAMP): pyproject.toml
 		echo "warning: could not install redis-server; Redis tests will skip"; }
 	@touch $@
 
-demo: setup  ## make the small model if missing; goodput of disaggregated vs colocated (<10 min)
-	$(PY) -m deploy.cli demo --model $(MODEL_DIR) --out $(RUN_DIR)
+demo: setup  ## SmolLM2-135M-Instruct: one chat over the 1P1D cluster, then disagg vs colocated goodput (~10 min)
+	$(PY) -m deploy.cli demo --model $(REAL_MODEL_DIR) --out $(RUN_DIR)
 
-up: setup  ## start a local 1 prefill + 1 decode cluster on the small model (Ctrl-C stops it)
-	$(PY) -m deploy.cli make-model --preset small --out $(MODEL_DIR) --if-missing
-	$(PY) -m deploy.cli up --config deploy/examples/disagg-1p1d.toml --model $(MODEL_DIR)
+up: setup  ## start a local 1 prefill + 1 decode cluster serving SmolLM2-135M-Instruct (Ctrl-C stops it)
+	$(PY) -m deploy.cli pull smollm2-135m-instruct --out $(REAL_MODEL_DIR)
+	$(PY) -m deploy.cli up --config deploy/examples/disagg-1p1d.toml --model $(REAL_MODEL_DIR)
 
 test: setup  ## the whole test suite (what CI runs)
 	$(PY) -m pytest -q

@@ -6,9 +6,10 @@ Input: one JSON object per line (blank lines are skipped)::
     {"id": "a", "prompt": "Once upon", "max_tokens": 32, "temperature": 0}
     {"prompt_token_ids": [0, 17, 99], "temperature": 0.8, "top_p": 0.9, "seed": 7}
 
-Fields: exactly one of `prompt` (text; tokenized with BOS) or `prompt_token_ids`; optional `id`
-(string or integer; default: the 1-based line number), `max_tokens`, `temperature` (0 = greedy),
-`top_p`, `top_k`, `seed`, `stop_token_ids`, `ignore_eos`. Output: one line per input line, in
+Fields: exactly one of `prompt` (text; tokenized with BOS when the tokenizer adds one) or
+`prompt_token_ids`; optional `id` (string or integer; default: the 1-based line number),
+`max_tokens`, `temperature` (0 = greedy), `top_p`, `top_k`, `seed`, `stop_token_ids`,
+`ignore_eos`. Output: one line per input line, in
 the same order::
 
     {"id": "a", "token_ids": [...], "text": "...", "finish_reason": "stop" | "length",

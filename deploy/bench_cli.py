@@ -3,10 +3,11 @@
     pdserve bench [--configs colocated,colocated-nochunk,disagg | --addr HOST:PORT]
                   [--openai-url URL [--openai-model NAME] [--vocab-size N]]
                   [--workload summarize|chat|code|prefix|multiturn | --trace FILE]
+                  [--prompts random|text]
                   [--rates 0.5,1,2] [--ttft-slo-ms MS --tpot-slo-ms MS | --ttft-scale X ...]
                   [--out DIR] ...
     pdserve report DIR [DIR ...] [--out DIR]
-    pdserve demo [--model models/small] [--out runs/demo]
+    pdserve demo [--model models/smollm2-135m-instruct] [--out runs/demo]
 
 Each prints the report's path and its headline on stdout (progress goes to stderr) and exits 0;
 2 for bad arguments, 1 when the benchmark failed. Heavy imports happen inside the subcommands.
@@ -23,21 +24,6 @@ from typing import Any
 
 from deploy.cli_help import use_defaults_help
 from security.cli import add_client_security_args, client_security
-
-DEMO = {
-    # The demo's experiment (see `demo_config`): summarize-style prompts within a 512-token
-    # budget, 24-token outputs, a TPOT SLO a few decode steps wide, a loose TTFT SLO.
-    "workload": "summarize",
-    "context": 512,
-    "output_len": 24,
-    "ttft_scale": 8.0,
-    "tpot_scale": 3.0,
-    "rel_rates": (0.3, 0.6, 1.2),
-    "duration_s": 20.0,
-    "min_requests": 12,
-    "bisect_steps": 2,
-    "chunk_tokens": 256,
-}
 
 
 def _floats(value: str) -> tuple[float, ...]:
@@ -83,6 +69,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
       help="synthetic request lengths: chat (short in, medium out), summarize (long in, short "
       "out), code (medium in, short out), prefix / multiturn (shared prefixes)")  # fmt: skip
     a("--trace", help="replay a trace file, .csv/.jsonl (default: the --workload)")
+    a("--prompts", choices=["random", "text"], default="random",
+      help="prompt tokens: random ids, or windows of a built-in English corpus tokenized by "
+      "--model's tokenizer; outputs keep their exact length either way (ignore_eos)")  # fmt: skip
     a("--context", type=int, help="length budget in tokens (default: the model's context)")
     a("--output-len", type=int, help="fixed output length (default: the workload's draw)")
     a("--arrival", choices=["poisson", "gamma"], default="poisson",
@@ -133,7 +122,7 @@ def bench_config(args: argparse.Namespace) -> Any:
     return BenchConfig(
         out=Path(out), model=Path(args.model), address=args.addr, configs=configs,
         openai_url=args.openai_url, openai_model=args.openai_model, vocab_size=args.vocab_size,
-        workload=args.workload, trace=args.trace, context=args.context,
+        workload=args.workload, trace=args.trace, prompts=args.prompts, context=args.context,
         output_len=args.output_len, arrival=args.arrival, cv=args.cv, seed=args.seed,
         rates=args.rates, rel_rates=args.rel_rates, duration_s=args.duration,
         min_requests=args.min_requests, ttft_slo_ms=args.ttft_slo_ms,
@@ -179,6 +168,10 @@ def bench_main(args: argparse.Namespace) -> int:
     if cfg.address is None and cfg.configs and not (cfg.model / "config.json").is_file():
         print(f"pdserve bench: --model {cfg.model} is not a model folder", file=sys.stderr)
         return 2
+    if cfg.prompts == "text" and not (cfg.model / "tokenizer.json").is_file():
+        print(f"pdserve bench: --prompts text needs --model's tokenizer: no "
+              f"{cfg.model / 'tokenizer.json'}", file=sys.stderr)  # fmt: skip
+        return 2
     return _run("bench", cfg)
 
 
@@ -215,46 +208,49 @@ def report_main(args: argparse.Namespace) -> int:
 def add_goodput_demo_parser(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> None:
-    """Register `demo`: the short disaggregated-vs-colocated goodput comparison."""
+    """Register `demo`: one chat exchange, then the disaggregated-vs-colocated goodput
+    comparison, on SmolLM2-135M-Instruct (`tooling.goodput.demo`)."""
     p = subparsers.add_parser(
         "demo",
-        help="make the small model if missing; compare disaggregated vs colocated goodput",
-        description="Build the random `small` model into --model unless present, then run a "
-        "short goodput sweep (summarize-style workload, TPOT-tight SLO) against colocated "
-        "(chunked prefill, 2 threads), colocated without chunking, and disaggregated 1P+1D "
-        "(1 thread each), interleaved; write the report and print its headline.",
+        help="SmolLM2-135M-Instruct: one chat over the 1P1D cluster, then disaggregated vs "
+        "colocated goodput",
+        description="Pull and convert SmolLM2-135M-Instruct into --model unless a model is "
+        "there (idempotent), start colocated (chunked prefill, 2 threads), colocated without "
+        "chunking and disaggregated 1P+1D (1 thread each), ask the disaggregated cluster one "
+        "question over the OpenAI chat API, then run a short goodput sweep (summarize-style "
+        "real-text prompts, outputs fixed at 24 tokens with ignore_eos, TPOT-tight SLO), "
+        "configurations interleaved; write the report and print its headline.",
     )
-    p.add_argument("--model", default="models/small", help="model folder")
-    p.add_argument(
-        "--preset", choices=["tiny", "small"], default="small", help="model to build if missing"
-    )
+    p.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder")
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
     p.set_defaults(func=demo_main)
 
 
-def demo_config(model: Path, out: Path, seed: int = 0) -> Any:
-    """The demo's `BenchConfig` (the `DEMO` settings, every configuration)."""
-    from tooling.goodput.bench import BenchConfig
-
-    return BenchConfig(
-        out=out, model=model, seed=seed, calibrate_on="colocated",
-        title="pdserve demo: disaggregated vs colocated goodput", **DEMO,  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
 def demo_main(args: argparse.Namespace) -> int:
-    from tooling.models.random_model import make_random_model
+    from deploy.tool_launchers import launch_cluster
+    from tooling.goodput.demo import ensure_model, run_demo
+    from tooling.models.pull import PullError
 
-    model = Path(args.model)
-    if not (model / "config.json").is_file():
-        print(f"pdserve demo: building the {args.preset} random model in {model} ...",
-              file=sys.stderr)  # fmt: skip
-        make_random_model(model, args.preset, seed=0)
     t0 = time.monotonic()
-    rc = _run("demo", demo_config(model, Path(args.out), args.seed))
+    try:
+        model = ensure_model(Path(args.model))
+    except PullError as exc:
+        print(f"pdserve demo: {exc}", file=sys.stderr)
+        return 1
+    try:
+        summary = run_demo(model, Path(args.out), args.seed, launch_cluster)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"pdserve demo: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # clusters were stopped on the way out; results.json is kept
+        print(f"pdserve demo: interrupted; runs so far in {args.out}/results.json",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    print(f"report: {summary.report}")
+    print(summary.headline)
     print(f"demo took {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    return rc
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,10 @@ Runs in the CLI process (`pdserve ...` or `python -m deploy.cli ...`). Subcomman
 heavy dependencies (torch, the engine) only when they run, so `pdserve --help` is fast.
 
     pdserve make-model --preset tiny|small --out DIR [--seed N] [--dtype float32|bfloat16]
+    pdserve pull smollm2-135m-instruct [--out DIR] [--dtype bfloat16|float16|float32]
+    pdserve convert --gguf FILE --out DIR [--dtype bfloat16|float16|float32]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
-    pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: the goodput demo)
+    pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: one chat, then goodput)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
     pdserve up [--config FILE.toml] [--model DIR] [--mode disagg|colocated] [--prefill N]
                [--decode M] [--colocated K] [--port P] [--http-port Q] [--ray-address ADDR]
@@ -34,6 +36,7 @@ from deploy.batch import add_batch_parser
 from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_report_parser
 from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
+from deploy.models_cli import add_convert_parser, add_pull_parser
 from deploy.plan_cli import add_plan_parser
 from deploy.profile_cli import add_profile_parser
 from deploy.simulate_cli import add_simulate_parser
@@ -370,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_make_model_parser(sub)
+    add_pull_parser(sub)
+    add_convert_parser(sub)
     add_batch_parser(sub)
     add_goodput_demo_parser(sub)
     add_batch_demo_parser(sub)

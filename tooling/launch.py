@@ -38,6 +38,11 @@ class Cluster(Protocol):
         """The router's gRPC host:port."""
         ...
 
+    @property
+    def http_url(self) -> str | None:
+        """The router's OpenAI HTTP base URL (``http://host:port/v1``); None without a front."""
+        ...
+
     def members(self) -> list[WorkerRef]:
         """The workers, in launch order."""
         ...

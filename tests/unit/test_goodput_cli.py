@@ -12,11 +12,11 @@ from deploy.bench_cli import (
     add_goodput_demo_parser,
     add_report_parser,
     bench_config,
-    demo_config,
     main,
 )
 from deploy.config import load_cluster_config
 from tooling.goodput.clusters import CONFIG_NAMES, EngineSizing, cluster_settings
+from tooling.goodput.demo import demo_config
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -69,8 +69,9 @@ def test_report_of_a_folder_without_results(tmp_path: Path) -> None:
 
 
 def test_demo_config_is_valid(tmp_path: Path) -> None:
-    cfg = demo_config(Path("models/small"), tmp_path)
+    cfg = demo_config(Path("models/smollm2-135m-instruct"), tmp_path)
     assert set(cfg.configs) == set(CONFIG_NAMES) and cfg.calibrate_on in CONFIG_NAMES
+    assert cfg.prompts == "text" and cfg.http_front
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)

@@ -118,3 +118,24 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
             names.add(family.name + ("_total" if kind == "counter" else ""))
             names.update(family.name + s for s in ("_bucket", "_count", "_sum"))
     assert used and used <= names, sorted(used - names)
+
+
+def test_every_labelled_series_exists_before_the_first_request() -> None:
+    """A fresh router's scrape already has the model's TTFT / TPOT / e2e histograms and its
+    success, failure and lookup counters, at zero (dashboards' rate() works from the start)."""
+    router = RouterMetrics("smol", Admission(1, 0), lambda: [])
+    text = router.exposition()[0].decode()
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
+        assert f'pdserve:{name}_count{{model_name="smol"}} 0.0' in text, name
+        assert f'pdserve:{name}_bucket{{le="+Inf",model_name="smol"}} 0.0' in text, name
+    assert 'pdserve:request_success_total{finished_reason="stop",model_name="smol"} 0.0' in text
+    assert 'pdserve:request_failure_total{model_name="smol",status="CANCELLED"} 0.0' in text
+    assert 'pdserve:prefix_index_lookups_total{model_name="smol"} 0.0' in text

@@ -50,6 +50,17 @@ def test_generation_config_eos_ids_come_first(tmp_path: Path, tok_dir: Path) -> 
     assert t.eos_ids == (7, 1)
 
 
+def test_add_bos_token_false_means_no_bos(tmp_path: Path, tok_dir: Path) -> None:
+    """A tokenizer_config.json with add_bos_token: false (SmolLM2's) adds no BOS, as in HF."""
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    t = Tokenizer.from_model_dir(tmp_path)
+    assert t.bos_id == BOS_ID and not t.adds_bos
+    assert t.encode("the lighthouse") == t.encode("the lighthouse", add_bos=False)
+    assert t.encode("the lighthouse")[0] != BOS_ID
+
+
 def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json not found"):
         Tokenizer.from_model_dir(tmp_path)

@@ -13,7 +13,8 @@
    `rel_rates` x the unloaded prefill-bound rate 1000 / prefill_ms, then bisection),
    interleaving configurations (`sweep.run_interleaved`); each run is one load-generator
    process (`loadgen.run_load_process`) with a fresh token seed, so no run hits the prefix
-   cache of another;
+   cache of another; prompts are random ids, or with `prompts="text"` windows of a built-in
+   English corpus (`text_prompts`); outputs always have their exact length (`ignore_eos`);
 5. write `results.json` (every request of every run, machine, model, SLOs, seeds) after each
    run, then the Markdown report and PNG plots (`report.write_report`).
 
@@ -31,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -85,6 +86,16 @@ class BenchConfig(BaseModel):
     )
     workload: str = Field(default="summarize", description=f"One of {sorted(WORKLOADS)}.")
     trace: Path | None = Field(default=None, description="Replay this trace (.csv/.jsonl).")
+    prompts: Literal["random", "text"] = Field(
+        default="random",
+        description="Prompt tokens: 'random' ids, or 'text': windows of a built-in English "
+        "corpus tokenized by `model`'s tokenizer (`text_prompts`). Either way outputs have "
+        "their exact length (ignore_eos).",
+    )
+    http_front: bool = Field(
+        default=False,
+        description="Also open each launched cluster's OpenAI HTTP front (on a free port).",
+    )
     context: int | None = Field(
         default=None, ge=16, description="Context budget for lengths; None = the model's."
     )
@@ -178,8 +189,15 @@ def _slo(cfg: BenchConfig, calib: dict[str, Any] | None) -> SLO:
 class Bench:
     """State of one benchmark while it runs (see the module docstring for the steps)."""
 
-    def __init__(self, cfg: BenchConfig, clusters: ClusterSet, meta: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        clusters: ClusterSet,
+        meta: dict[str, Any],
+        corpus: list[int] | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.corpus = corpus  # token stream of text prompts; None = random ids
         self.clusters = clusters
         self.meta = meta
         self.runs: list[RunResult] = []
@@ -245,6 +263,7 @@ class Bench:
             label=f"{name}-{k}",
             **self.clusters.job_fields(name),
             security=self._security(name),
+            corpus=self.corpus,
         )
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
@@ -299,8 +318,10 @@ def _targets(
         context, cfg.chunk_tokens, 16, cfg.num_kv_blocks, cfg.max_num_seqs, cfg.device
     )
     say(f"starting {len(cfg.configs)} clusters: {', '.join(cfg.configs)} ...")
+    extra = {"router.http_port": 0} if cfg.http_front else {}
     logs = cfg.out / "logs"
-    return start_clusters(cfg.configs, cfg.model, sizing, logs, launch, cfg.threads), context
+    running = start_clusters(cfg.configs, cfg.model, sizing, logs, launch, cfg.threads, **extra)
+    return running, context
 
 
 def _openai_target(cfg: BenchConfig, meta: dict[str, Any]) -> OpenAITarget:
@@ -326,14 +347,29 @@ def _openai_target(cfg: BenchConfig, meta: dict[str, Any]) -> OpenAITarget:
     return OpenAITarget(url, model, vocab)
 
 
+def _corpus(cfg: BenchConfig, meta: dict[str, Any]) -> list[int] | None:
+    """The token stream of text prompts (`cfg.prompts == "text"`), tokenized by `cfg.model`'s
+    tokenizer; None for random ids. Fills `meta["prompts"]`."""
+    if cfg.prompts == "random":
+        meta["prompts"] = {"kind": "random"}
+        return None
+    from tooling.goodput.text_prompts import corpus_ids
+
+    ids = corpus_ids(cfg.model)
+    meta["prompts"] = {"kind": "text", "corpus_tokens": len(ids), "tokenizer": str(cfg.model)}
+    return ids
+
+
 def run_bench(
     cfg: BenchConfig,
     on_ready: Callable[[Bench], None] | None = None,
     launch: LaunchCluster[Cluster] | None = None,
+    on_started: Callable[[ClusterSet], None] | None = None,
 ) -> Any:
     """Run the whole benchmark (module docstring); returns `report.Summary`. `launch`
     starts the local clusters of `cfg.configs` (`tooling.launch`; not needed with
-    `cfg.address`)."""
+    `cfg.address`). `on_started` is called once the targets run, before any warm-up;
+    `on_ready` once the SLOs are fixed, before the first run."""
     from tooling.goodput.report import write_report
     from tooling.machine import measure_machine
 
@@ -343,14 +379,17 @@ def run_bench(
     machine = measure_machine(size_mb=256, gemm_n=1024, repeats=3).to_json()
     meta: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "machine": machine}
     meta["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    corpus = _corpus(cfg, meta)
     clusters_cm, context = _targets(cfg, meta, launch)
     meta["context"] = context
     with clusters_cm as clusters:
+        if on_started is not None:
+            on_started(clusters)
         if cfg.openai_url is not None:
             clusters.openai["openai"] = _openai_target(cfg, meta)
             context = meta["context"]
         meta["clusters"] = clusters.describe()
-        bench = Bench(cfg, clusters, meta)
+        bench = Bench(cfg, clusters, meta, corpus)
         bench.prepare(context)
         if on_ready is not None:
             on_ready(bench)

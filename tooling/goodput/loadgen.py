@@ -6,7 +6,8 @@ work (starting clusters, plotting) never delays a send. It imports no torch.
 
 `run_load(job)` (async, one event loop):
 
-1. builds every prompt's token ids and `GenerateRequest` before the clock starts (token ids,
+1. builds every prompt's token ids (random ids, or windows of real text when the job carries a
+   `corpus`) and `GenerateRequest` before the clock starts (token ids,
    `max_tokens = output_len`, `ignore_eos`, greedy), and opens `job.channels` gRPC channels
    (separate connections; requests go round-robin) — or, for a job with `api="openai"`, one
    HTTP session to an OpenAI-compatible server (`openai_load`: streaming `/v1/completions`
@@ -61,7 +62,8 @@ NICE = -10
 class LoadJob:
     """Everything one run needs; JSON-serialisable so it can cross the process boundary.
     `vocab_size` None = ask the router (GetModelInfo; an OpenAI job must give it). `label`
-    names request ids and the progress bar."""
+    names request ids and the progress bar. `corpus` None = random-id prompts; else the
+    token stream real-text prompts are cut from (`traces.prompt_tokens`)."""
 
     address: str
     specs: list[RequestSpec]
@@ -77,6 +79,7 @@ class LoadJob:
     api: str = "grpc"  # "grpc": pdserve's Generate at `address`; "openai": `address` is a /v1 URL
     model: str = ""  # the OpenAI model name (api "openai")
     meta: dict[str, Any] = field(default_factory=dict)
+    corpus: list[int] | None = None
     # How to reach `address` (`security.channels.ClientSecurity.to_json`: paths, no token).
     security: dict[str, Any] = field(default_factory=dict)
 
@@ -104,8 +107,8 @@ async def model_info(
 def build_requests(job: LoadJob, vocab_size: int) -> list[inference_pb2.GenerateRequest]:
     """One `GenerateRequest` per spec: exact token ids, exact output length, greedy."""
     out = []
-    for spec, ids in zip(job.specs, prompt_tokens(job.specs, vocab_size, job.token_seed),
-                         strict=True):  # fmt: skip
+    prompts = prompt_tokens(job.specs, vocab_size, job.token_seed, job.corpus)
+    for spec, ids in zip(job.specs, prompts, strict=True):
         sampling = inference_pb2.SamplingParams(
             max_tokens=spec.output_len, temperature=0.0, ignore_eos=True
         )
@@ -187,7 +190,7 @@ async def _openai_sender(job: LoadJob) -> AsyncIterator[Send]:
     """Prompts built, one aiohttp session (unlimited connections) warmed; closed on exit."""
     if job.vocab_size is None:
         raise ValueError("an OpenAI job needs vocab_size (its prompts are token ids)")
-    prompts = prompt_tokens(job.specs, job.vocab_size, job.token_seed)
+    prompts = prompt_tokens(job.specs, job.vocab_size, job.token_seed, job.corpus)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         async with session.get(f"{job.address}/models") as r:  # connect before the clock runs

@@ -157,6 +157,15 @@ def _setup(src: Source) -> list[str]:
         f"- workload: `{cfg['trace'] or cfg['workload']}`, arrivals {cfg['arrival']}"
         + (f" (cv {cfg['cv']})" if cfg["arrival"] == "gamma" else "")
         + f", seed {cfg['seed']} (token seed of the k-th run of a configuration: seed*1000 + k)",
+        "- prompts: "
+        + (
+            f"real English text (a built-in corpus, {m['prompts']['corpus_tokens']} tokens, "
+            "cut into windows of the exact prompt length)"
+            if m.get("prompts", {}).get("kind") == "text"
+            else "random token ids"
+        )
+        + "; every output has its exact length: `max_tokens` with `ignore_eos` (a real model "
+        "would otherwise stop at its end-of-sequence token)",
         "- lengths (prompt / output tokens): mean {input_mean:.0f} / {output_mean:.0f}, median "
         "{input_p50:.0f} / {output_p50:.0f}, max {input_max:.0f} / {output_max:.0f}".format(
             **m["lengths"]

@@ -15,14 +15,16 @@ slower (all gaps scaled so the mean rate is the one asked for).
 tokens), drawn from a per-request stream seeded by (token_seed, index) and, for the first
 `shared_len` tokens, from the prefix group's stream seeded by (token_seed, group). Requests of
 a group therefore share exactly their common leading tokens, and a different `token_seed` (one
-per run) keeps a run from hitting prefix-cache entries left by an earlier one.
+per run) keeps a run from hitting prefix-cache entries left by an earlier one. Given a
+`corpus` (token ids of real text, `text_prompts`), each stream is instead a window of that
+corpus at a seeded offset: the same lengths and sharing, English instead of random ids.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -125,22 +127,41 @@ def scale_to_rate(specs: list[RequestSpec], rate: float) -> list[RequestSpec]:
     ]  # fmt: skip
 
 
-def prompt_tokens(specs: list[RequestSpec], vocab_size: int, token_seed: int) -> list[list[int]]:
-    """Token ids of every spec's prompt (see the module docstring); deterministic."""
-    if vocab_size <= FIRST_ID:
+def prompt_tokens(
+    specs: list[RequestSpec],
+    vocab_size: int,
+    token_seed: int,
+    corpus: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Token ids of every spec's prompt (see the module docstring); deterministic. With a
+    `corpus` (a token stream, `text_prompts.corpus_ids`), every stream is a window of it at an
+    offset drawn from the same seed, wrapping around its end, whose first token is replaced
+    by another corpus token drawn from that seed (so two streams that start at one offset
+    still differ from their first token: the corpus is short, and a run must not hit the
+    prefix cache of another); then `vocab_size` is not used."""
+    if corpus is None and vocab_size <= FIRST_ID:
         raise ValueError(f"vocab_size must be > {FIRST_ID}, got {vocab_size}")
+    if corpus is not None and len(corpus) == 0:
+        raise ValueError("corpus must hold at least one token")
+    text = None if corpus is None else np.asarray(corpus, dtype=np.int64)
+
+    def draw(rng: np.random.Generator, n: int) -> list[int]:
+        if text is None:
+            return rng.integers(FIRST_ID, vocab_size, n).tolist()  # type: ignore[no-any-return]
+        start, first = rng.integers(len(text), size=2)
+        window = text[(start + np.arange(n)) % len(text)]
+        if n:
+            window[0] = text[first]
+        return window.tolist()  # type: ignore[no-any-return]
+
     need: dict[int, int] = {}
     for s in specs:
         if s.prefix_group is not None:
             need[s.prefix_group] = max(need.get(s.prefix_group, 0), s.shared_len)
-    streams = {
-        g: np.random.default_rng((token_seed, 1, g)).integers(FIRST_ID, vocab_size, n).tolist()
-        for g, n in need.items()
-    }
+    streams = {g: draw(np.random.default_rng((token_seed, 1, g)), n) for g, n in need.items()}
     out = []
     for s in specs:
         shared = streams[s.prefix_group][: s.shared_len] if s.prefix_group is not None else []
-        own_n = s.input_len - len(shared)
-        own = np.random.default_rng((token_seed, 0, s.index)).integers(FIRST_ID, vocab_size, own_n)
-        out.append(shared + own.tolist())
+        own = draw(np.random.default_rng((token_seed, 0, s.index)), s.input_len - len(shared))
+        out.append(shared + own)
     return out

@@ -1,1 +1,2 @@
-"""Test-model tooling: the random tiny/small models and the corpus their tokenizers learn."""
+"""Model tooling outside the serving path: the random test models (tiny/small) and the corpus
+their tokenizers learn, fetching real checkpoints, and converting GGUF files."""
