@@ -69,7 +69,7 @@ def test_the_issues_examples_show_their_defaults() -> None:
         return " ".join(SUBCOMMANDS[cmd].format_help().split())
 
     assert "(default: tiny)" in help_of("make-model")
-    assert "(default: small)" in help_of("demo")
+    assert "(default: models/smollm2-135m-instruct)" in help_of("demo")
     assert "(default: auto)" in help_of("batch")  # --dtype
     bench = help_of("bench")
     for shown in ("(default: summarize)", "(default: poisson)", "(default: 5.0)", "(default: 2)"):
