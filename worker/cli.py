@@ -41,6 +41,7 @@ log = logging.getLogger("pdserve.worker")
 
 ORPHAN_GRACE_S = 1.0  # the stop grace of a worker whose launcher died
 THREAD_EXIT_WAIT_S = 2.0  # how long a stopped worker waits for its threads before leaving
+SIGNAL_CHECK_S = 0.2  # how often the main thread wakes to run signal handlers (see main)
 
 
 def parse_args(
@@ -148,7 +149,11 @@ def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = No
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     print(f"{READY_PREFIX} {server.address}", flush=True)
-    stop.wait()
+    # A signal may land on any thread (one sent while the process was stopped goes to whichever
+    # thread runs first after SIGCONT), and its Python handler runs only when the main thread
+    # next runs bytecode: an untimed wait here would never see that SIGTERM.
+    while not stop.wait(SIGNAL_CHECK_S):
+        pass
     if watch is not None:
         watch.stop()
     if orphaned.is_set():  # nobody is left to wait for this worker's answers

@@ -3,11 +3,13 @@
 SIGKILL: the request moves to the other decode worker (prompt + tokens so far prefilled
 again) and the client sees one unbroken stream equal to an undisturbed run — greedy, and
 seeded sampling too (the new leg's generators skip the draws already made).
-SIGSTOP (frozen, issue 26): after `stall_timeout_s` (1 s here) of silence and a status call it
+SIGSTOP (frozen, issue 26): after `stall_timeout_s` (8 s here) of silence and a status call it
 does not answer, the request moves as from a dead worker; SIGCONT gives its blocks back.
-SIGTERM (graceful drain, `drain_timeout_s` 0.5 s here): the worker says NOT_SERVING at once
+SIGTERM (graceful drain, `drain_timeout_s` 4 s here): the worker says NOT_SERVING at once
 and takes no new work; a request that ends within the drain finishes where it runs, one that
 does not is moved when the drain times out; nothing in flight is lost.
+Each test picks its victim by the worker's own status (it runs the request and stepped a few
+times), never by how many tokens the client has read, and stops it (SIGSTOP) at once.
 A killed worker is restarted by the launcher's supervisor; a drained one stays down (the
 operator asked for it) until the test resumes it; every live worker's blocks come back.
 
@@ -20,7 +22,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -29,24 +31,27 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.client import CHANNEL_OPTIONS, build_request
+from deploy.launcher import WorkerProcess
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
-from proto.pdserve.v1 import inference_pb2
+from proto.pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.helpers import ENGINE, TIE_TOL, E2ECluster, Reference, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = [(i * 29) % 1000 + 4 for i in range(40)]
 N = 120
 T = float(np.float32(0.8))  # the wire carries float32
+DRAIN_S = 4.0  # the drain test freezes its worker this long: below the stall timeout
+STALL_S = 8.0
 
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
     overrides: dict[str, object] = {
-        "drain_timeout_s": 0.5,
+        "drain_timeout_s": DRAIN_S,
         "supervision.backoff_s": 0.1,
-        "router.stall_timeout_s": 1.0,
+        "router.stall_timeout_s": STALL_S,
     }
     yield from start_cluster("migration", "disagg", overrides, prefill=1, decode=2)
 
@@ -69,34 +74,80 @@ def _until_the_router_uses_every_decoder(cluster: E2ECluster, n: int) -> None:
             seen |= {info.decode_worker for _, info in pool.map(cluster.generate, [req] * 4)}
 
 
+def _freeze_the_decoder_that_runs_it(
+    cluster: E2ECluster, decoders: list[WorkerProcess], stream: Future[object], after: int
+) -> WorkerProcess:
+    """Poll every (idle) decode worker's status, one open channel each, until one runs a
+    request and has run `after` engine steps since; SIGSTOP it at once and return it. The
+    request is seen running on the worker itself, not inferred from what the client has read
+    (the router and the client lag the worker: on a fast machine it may be done before the
+    client holds a few tokens)."""
+    internal = cluster.local.workers.internal
+    channels = [internal.channel(w.address, CHANNEL_OPTIONS) for w in decoders]
+    try:
+        stubs = [internal.stub(worker_pb2_grpc.WorkerStub(ch)) for ch in channels]
+        get = worker_pb2.GetStatusRequest()
+        steps = [stub.GetStatus(get, timeout=5.0).engine_steps for stub in stubs]
+        deadline = time.monotonic() + 60.0
+        while True:
+            assert not stream.done(), "the request ended before a decode worker ran it"
+            assert time.monotonic() < deadline, "no decode worker ran the request"
+            for w, stub, idle_steps in zip(decoders, stubs, steps, strict=True):
+                status = stub.GetStatus(get, timeout=5.0)
+                if status.num_running > 0 and status.engine_steps - idle_steps >= after:
+                    os.kill(w.process.pid, signal.SIGSTOP)
+                    return w
+    finally:
+        for ch in channels:
+            ch.close()
+
+
 def _signal_decoder_mid_stream(
     cluster: E2ECluster,
     req: inference_pb2.GenerateRequest,
     after: int,
     sig: signal.Signals = signal.SIGKILL,
-    while_draining: Callable[[str], None] | None = None,
+    while_draining: Callable[[WorkerProcess], None] | None = None,
 ) -> tuple[list[int], inference_pb2.FinalInfo]:
-    """Stream `req`; once `after` tokens arrived, send `sig` to the decode worker running it
-    (then call `while_draining(its address)`); wait until the supervisor restarted it — after
-    SIGTERM, a drain that keeps the worker down, once the test resumes it. (every token, the
-    final info)."""
+    """Stream `req`; once a decode worker runs it and ran `after` steps, freeze that worker
+    (SIGSTOP) and send it `sig` (SIGTERM: then SIGCONT, then `while_draining(the worker)`);
+    wait until the
+    supervisor restarted it — after SIGTERM, a drain that keeps the worker down, once the
+    test resumes it. (every token, the final info).
+
+    The request is long enough (`max_tokens`) that the worker, seen running it, cannot end it
+    in the instant between that status answer and the SIGSTOP. A SIGTERM sent while the
+    worker is stopped must still start its drain once it continues (any thread may take it).
+    """
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     _until_the_router_uses_every_decoder(cluster, len(decoders))
+    wait_until(  # the readiness requests are gone from every worker
+        lambda: all(cluster.status(w.address).num_running == 0 for w in decoders),
+        30.0,
+        "the decode workers to be idle",
+    )
     restarts = sum(e.kind == "restarted" for e in cluster.local.workers.events)
     seen = len(cluster.local.workers.events)
-    tokens: list[int] = []
-    final = None
-    victim = None
-    for resp in cluster.stub.Generate(req, timeout=60.0):
-        tokens += resp.token_ids
-        if victim is None and len(tokens) >= after:
-            (victim,) = [w for w in decoders if cluster.status(w.address).num_running > 0]
-            os.kill(victim.process.pid, sig)
-            if while_draining is not None:
-                while_draining(victim.address)
-        if resp.HasField("final"):
-            final = resp.final
-    assert victim is not None and final is not None
+
+    def stream() -> tuple[list[int], inference_pb2.FinalInfo | None]:
+        tokens: list[int] = []
+        final = None
+        for resp in cluster.stub.Generate(req, timeout=60.0):
+            tokens += resp.token_ids
+            if resp.HasField("final"):
+                final = resp.final
+        return tokens, final
+
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(stream)
+        victim = _freeze_the_decoder_that_runs_it(cluster, decoders, call, after)
+        os.kill(victim.process.pid, sig)
+        if sig != signal.SIGKILL:
+            os.kill(victim.process.pid, signal.SIGCONT)
+        if while_draining is not None:
+            while_draining(victim)
+        tokens, final = call.result()
+    assert final is not None
     if sig == signal.SIGTERM:
         wait_until(
             lambda: any(e.kind == "stopped" for e in cluster.local.workers.events[seen:]),
@@ -146,9 +197,10 @@ def _health(address: str) -> int:
 
 
 def test_sigterm_lets_a_request_finish_on_its_draining_worker(cluster: E2ECluster) -> None:
-    req = build_request(token_ids=PROMPT, max_tokens=14, temperature=0.0, ignore_eos=True)
+    n = 200  # long enough to be caught running; the rest well within the drain
+    req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
     tokens, final = _signal_decoder_mid_stream(cluster, req, after=4, sig=signal.SIGTERM)
-    assert len(tokens) == 14 and final.migrations == 0 and final.finish_reason == "length"
+    assert len(tokens) == n and final.migrations == 0 and final.finish_reason == "length"
     stops = [e for e in cluster.local.workers.events if e.kind == "stopped"]
     assert "exited with status 0" in stops[-1].detail, stops[-1]
 
@@ -158,18 +210,26 @@ def test_sigterm_drain_flips_health_takes_no_new_work_and_moves_the_rest(
 ) -> None:
     seen: dict[str, object] = {}
 
-    def while_draining(address: str) -> None:
-        # The signal is handled asynchronously: wait on the state (polled well within the
-        # 0.5 s drain), never read it once right after `kill` and hope it was handled.
+    def while_draining(victim: WorkerProcess) -> None:
+        # The signal is handled asynchronously: wait on the state, never read it once right
+        # after `kill` and hope it was handled.
         deadline = time.monotonic() + 10.0
-        while (health := _health(address)) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        while (health := _health(victim.address)) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, f"still {health} after SIGTERM"
             time.sleep(0.005)
         seen["health"] = health
-        seen["victim"] = cluster.status(address).worker_id
+        seen["victim"] = cluster.status(victim.address).worker_id
         short = build_request(token_ids=PROMPT[:9], max_tokens=4, temperature=0.0)
         _, info = cluster.generate(short)  # new work goes to the other decode worker
         seen["new_on"] = info.decode_worker
+        # The long request must outlast the drain on any machine: confirm it still runs,
+        # freeze the worker across the whole drain timeout (its deadline passes while it
+        # cannot step; shorter than the router's stall timeout), then let it see that.
+        status = cluster.status(victim.address)
+        assert status.draining and status.num_running > 0, status
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        time.sleep(DRAIN_S)
+        os.kill(victim.process.pid, signal.SIGCONT)
 
     req = build_request(token_ids=PROMPT, max_tokens=900, temperature=0.0, ignore_eos=True)
     tokens, final = _signal_decoder_mid_stream(
@@ -185,24 +245,26 @@ def test_greedy_stream_moves_off_a_frozen_decode_worker(
 ) -> None:
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     _until_the_router_uses_every_decoder(cluster, len(decoders))
-    n = 600  # long enough to still run on its worker when the client has read 8 tokens
+    n = 600
     req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
-    tokens: list[int] = []
-    final = None
-    victim = None
     deadline_s = 60.0
     started = time.monotonic()
-    try:
+
+    def stream() -> tuple[list[int], inference_pb2.FinalInfo | None, float]:
+        tokens: list[int] = []
+        final = None
         for resp in cluster.stub.Generate(req, timeout=deadline_s):
             tokens += resp.token_ids
-            if victim is None and len(tokens) >= 8:
-                (victim,) = [w for w in decoders if cluster.status(w.address).num_running > 0]
-                os.kill(victim.process.pid, signal.SIGSTOP)
             if resp.HasField("final"):
                 final = resp.final
-        took = time.monotonic() - started
-    finally:
-        if victim is not None:
+        return tokens, final, time.monotonic() - started
+
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(stream)
+        victim = _freeze_the_decoder_that_runs_it(cluster, decoders, call, after=8)
+        try:
+            tokens, final, took = call.result()
+        finally:
             os.kill(victim.process.pid, signal.SIGCONT)
     assert final is not None and final.migrations == 1 and len(tokens) == n, final
     assert took < deadline_s / 2, took  # moved, not held until the deadline

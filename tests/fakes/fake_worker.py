@@ -15,7 +15,8 @@ Behaviour (deterministic, no torch):
   until they are cancelled; `kv_push_fails_to` (decode worker ids) makes a `Prefill` whose
   ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
   worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
-  `token_delay_s` / `prefill_delay_s` slow the work down;
+  `token_delay_s` / `prefill_delay_s` slow the work down; `hold_prefills` holds every
+  `Prefill` (blocks taken) until `release_prefills`;
 - records: `calls[method]` counts, `last[method]` is the latest request, `aborts` lists
   aborted request ids, `held` maps request ids to their blocks; `free_blocks == total_blocks`
   again means nothing leaked;
@@ -89,6 +90,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     # Cleared by `freeze`: token streams (and, frozen whole, GetStatus) wait for `thaw`.
     _streams_run: asyncio.Event = field(default_factory=asyncio.Event)
     _status_runs: asyncio.Event = field(default_factory=asyncio.Event)
+    # Cleared by `hold_prefills`: a `Prefill` holds its blocks and does not answer until
+    # `release_prefills`, so tests can have many requests in flight at once by construction.
+    _prefills_run: asyncio.Event = field(default_factory=asyncio.Event)
     _next_transfer: int = 0
     _epoch: int = field(default_factory=lambda: time.monotonic_ns())
 
@@ -123,6 +127,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __post_init__(self) -> None:
         self._streams_run.set()
         self._status_runs.set()
+        self._prefills_run.set()
+
+    def hold_prefills(self) -> None:
+        """Every `Prefill` from now on takes its blocks, then waits for `release_prefills`
+        (or its cancel) before it answers."""
+        self._prefills_run.clear()
+
+    def release_prefills(self) -> None:
+        self._prefills_run.set()
 
     def freeze(self, status_too: bool = True) -> None:
         """Stop every token stream where it is (as SIGSTOP would); `status_too`: GetStatus
@@ -278,6 +291,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             )
             if delay:
                 await asyncio.sleep(delay)
+            await self._prefills_run.wait()
             if rid not in self.held:
                 await context.abort(grpc.StatusCode.ABORTED, "aborted during prefill")
         except asyncio.CancelledError:

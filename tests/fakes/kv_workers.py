@@ -84,6 +84,7 @@ def _worker_main(
     held: Counter[int] = Counter()
     blocks: dict[str, list[int]] = {}  # transfer id -> blocks held for it
     pacing: dict[str, list[float]] = {}  # transfer id -> [next layer, interval, next time]
+    handed: Counter[str] = Counter()  # transfer id -> layers handed to the transport so far
     scribbled: dict[str, tuple[list[int], str]] = {}  # failed receive -> (blocks, digest)
     conn.send(("ready", {"port": tr.endpoint.port}))
     while True:
@@ -95,6 +96,8 @@ def _worker_main(
                 return
             if cmd == "status":
                 conn.send(("status", {"free": BLOCKS - len(+held), "in_flight": len(blocks)}))
+            elif cmd == "handed":  # prefill: how many layers of `tid` went to the transport
+                conn.send(("handed", {"layers": handed[arg["tid"]]}))
             elif cmd == "shm_peers":
                 conn.send(("shm_peers", {"peers": tr.shared_memory_peers()}))
             elif cmd == "expect":  # decode: reserve blocks, issue a ticket
@@ -133,6 +136,7 @@ def _worker_main(
         for tid, pace in list(pacing.items()):
             if now >= pace[2]:
                 tr.send_layer(tid, int(pace[0]))
+                handed[tid] += 1
                 pace[0], pace[2] = pace[0] + 1, now + pace[1]
                 if pace[0] == LAYERS:
                     del pacing[tid]
@@ -258,6 +262,14 @@ def start_transfer(
     )
     opened = p.call("open", "opened", ticket=ticket, src=src, interval_s=interval_s)
     return str(ticket["transfer_id"]), str(opened["digest"])
+
+
+def wait_handed(p: Peer, tid: str, layers: int, timeout_s: float = LONG) -> None:
+    """Poll the prefill peer until it handed `layers` layers of `tid` to its transport."""
+    deadline = time.monotonic() + timeout_s
+    while p.call("handed", "handed", tid=tid)["layers"] < layers:
+        assert time.monotonic() < deadline, f"{tid}: fewer than {layers} layers handed over"
+        time.sleep(0.005)
 
 
 def check_exact(d: Peer, p: Peer, tid: str, digest: str) -> None:

@@ -20,6 +20,7 @@ from tests.fakes.kv_workers import (
     assert_all_free,
     check_exact,
     start_transfer,
+    wait_handed,
 )
 
 pytestmark = pytest.mark.slow
@@ -80,11 +81,12 @@ def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int
     d, p = cluster["d0"], cluster["p0"]
     tid, digest = start_transfer(d, p, 9 * BLOCK, list(range(10, 19)))
     check_exact(d, p, tid, digest)  # the pair is established and healthy
-    # Layers every 0.4 s: the fault lands between layer 1 and layer 2.
+    # Layers every 0.4 s: the fault lands between layer 1 and layer 2 (sent once the
+    # prefill peer reports two layers handed over, 0.4 s before the third is due).
     tid, _ = start_transfer(
         d, p, 9 * BLOCK, list(range(20, 29)), 0.4, DEADLINE_S, ascending=victim == "p0"
     )
-    time.sleep(0.6)
+    wait_handed(p, tid, 2)
     cluster[victim].signal(sig)
     faulted = time.monotonic()
     survivor = p if victim == "d0" else d

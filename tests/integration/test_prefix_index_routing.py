@@ -64,14 +64,30 @@ async def synced(c: FakeCluster) -> None:
     )
 
 
+async def indexed(c: FakeCluster) -> None:
+    """Every event each prefill worker has published so far is in the router's index (its
+    indexer applied up to the worker's latest seq, or resynced past it)."""
+
+    def caught_up() -> bool:
+        by_address = c.router.indexers.by_address
+        return all(
+            w.kv is None
+            or (not by_address[w.address].dirty and by_address[w.address].next_seq > w.kv.seq)
+            for w in c.prefill
+        )
+
+    await wait_until(caught_up, 10.0, "the stored events to reach the index")
+
+
 async def run_groups(
-    stub: inference_pb2_grpc.InferenceStub, groups: range, per_group: int
+    c: FakeCluster, groups: range, per_group: int
 ) -> dict[int, list[ipb.FinalInfo]]:
     """Each group's first request alone (its prefix gets published), then the rest at once."""
+    stub = c.stub
     out: dict[int, list[ipb.FinalInfo]] = defaultdict(list)
     for g in groups:
         out[g].append(await final(stub, request(g, 0)))
-    await asyncio.sleep(0.1)  # stored events reach the index
+    await indexed(c)
     reqs = [(g, i) for g in groups for i in range(1, per_group)]
     random.Random(0).shuffle(reqs)
     finals = await asyncio.gather(*(final(stub, request(g, i)) for g, i in reqs))
@@ -86,7 +102,7 @@ def test_same_prefix_lands_on_the_worker_that_holds_it(tiny_model_dir: Path) -> 
             tiny_model_dir, n_prefill=2, n_decode=1, kv_blocks=256, worker=ROOMY
         ) as c:
             await synced(c)
-            by_group = await run_groups(c.stub, range(6), 4)
+            by_group = await run_groups(c, range(6), 4)
             for g, finals in by_group.items():
                 assert len({f.prefill_worker for f in finals}) == 1, (g, finals)
                 assert finals[0].usage.cached_tokens == 0
@@ -110,7 +126,7 @@ def test_policies_that_ignore_prefixes_skip_the_lookup(tiny_model_dir: Path) -> 
             policy="round_robin",
         ) as c:  # fmt: skip
             await synced(c)
-            by_group = await run_groups(c.stub, range(2), 4)
+            by_group = await run_groups(c, range(2), 4)
             assert c.router.prefix_index.stats.lookups == 0
             finals = [f for fs in by_group.values() for f in fs]
             assert len({f.prefill_worker for f in finals}) == 2, "round-robin uses both"
@@ -134,7 +150,7 @@ def test_router_replicas_share_what_they_learn(
                 stub_b = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call]
                 await synced(c)
                 first = {g: await final(c.stub, request(g, 0)) for g in range(4)}
-                await asyncio.sleep(0.2)
+                await indexed(c)  # router A wrote them to the shared Redis index
                 for g in range(4):  # replica B never saw these prefixes but finds them in Redis
                     f = await final(stub_b, request(g, 1))
                     assert f.prefill_worker == first[g].prefill_worker, g
@@ -188,7 +204,7 @@ def test_redis_killed_mid_run_fails_nothing_and_heals(
                 "indexers resynced into the new Redis",
             )
             hits_before = stats.lookup_hits
-            by_group = await run_groups(c.stub, range(4), 3)
+            by_group = await run_groups(c, range(4), 3)
             assert stats.lookup_hits >= hits_before + 8  # routing uses the index again
             for g, finals in by_group.items():
                 assert all(f.usage.cached_tokens == PREFIX for f in finals), g

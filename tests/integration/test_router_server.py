@@ -255,6 +255,14 @@ def test_text_prompts_are_tokenized_off_the_event_loop(tiny_model_dir: Path) -> 
     asyncio.run(scenario())
 
 
+async def _one(c: FakeCluster, i: int, max_tokens: int) -> None:
+    """One request with prompt [i]; its tokens are checked."""
+    req = ipb.GenerateRequest(
+        token_ids=ipb.TokenIds(ids=[i]), sampling=ipb.SamplingParams(max_tokens=max_tokens)
+    )
+    assert tokens_of(await c.generate(req, timeout=30.0)) == expected_tokens(i, max_tokens)
+
+
 async def _concurrent(c: FakeCluster, n: int, max_tokens: int) -> None:
     reqs = [
         ipb.GenerateRequest(
@@ -269,11 +277,20 @@ async def _concurrent(c: FakeCluster, n: int, max_tokens: int) -> None:
 
 def test_least_load_spreads_concurrent_requests(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
-        # Prefills long enough (0.5 s) that all 8 are routed while the first ones still run,
-        # even on a loaded machine: the spread comes from in-flight counts, not from timing.
-        worker = FakeWorkerConfig(token_delay_s=0.01, prefill_delay_s=0.5)
-        async with fake_cluster(tiny_model_dir, n_prefill=2, n_decode=2, worker=worker) as c:
-            await _concurrent(c, 8, 10)
+        # Every prefill is held until all 8 requests are routed, so all 8 are in flight
+        # together by construction: the spread comes from in-flight counts, not from timing.
+        async with fake_cluster(tiny_model_dir, n_prefill=2, n_decode=2) as c:
+            for w in c.prefill:
+                w.hold_prefills()
+            calls = asyncio.gather(*(_one(c, i, 10) for i in range(8)))
+            await wait_until(
+                lambda: sum(w.calls["Prefill"] for w in c.prefill) == 8,
+                30.0,
+                "8 prefills in flight",
+            )
+            for w in c.prefill:
+                w.release_prefills()
+            await calls
             reserves = [w.calls["Reserve"] for w in c.decode]
             prefills = [w.calls["Prefill"] for w in c.prefill]
             assert sum(reserves) == sum(prefills) == 8
