@@ -16,6 +16,7 @@ import torch
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
+from model_runtime.kernels.decode_step import FusedDecode
 from model_runtime.kv_cache import KVCache
 from model_runtime.linear import LinearKernel, pack_linears
 from model_runtime.model import LlamaModel
@@ -66,6 +67,20 @@ class ModelRunner:
         self.backend = backend
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
+        # Steps whose every row is one new token run as one C call where the model allows
+        # (`kernels.decode_step`); `decode_path` says which path they take, and why not fused.
+        self.fused_unsupported = FusedDecode.unsupported(model, kv_cache)
+        self.fused = None if self.fused_unsupported else FusedDecode(model, kv_cache)
+
+    @property
+    def decode_path(self) -> str:
+        """'fused' (all-decode steps in one C call) or 'torch' (the model's modules)."""
+        return "fused" if self.fused is not None else "torch"
+
+    def use_torch_decode(self) -> None:
+        """Run every step through the torch model (benchmarks compare the two paths)."""
+        self.fused = None
+        self.fused_unsupported = "switched off by use_torch_decode"
 
     @classmethod
     def from_model_dir(
@@ -161,6 +176,28 @@ class ModelRunner:
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
+        if (
+            self.fused is not None
+            and on_layer_done is None
+            and all(len(item.token_ids) == 1 for item in items)
+        ):
+            return self._execute_fused(self.fused, items)
         input_ids, positions, meta, last = self.build_metadata(items)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, on_layer_done)
         return self.model.compute_logits(hidden.index_select(0, last))
+
+    def _execute_fused(self, fused: FusedDecode, items: Sequence[StepInput]) -> torch.Tensor:
+        """`execute` for steps of one new token per item, in one C call."""
+        bs = self.block_size
+        seq_lens = [item.start_pos + 1 for item in items]
+        width = -(-max(seq_lens) // bs)
+        tables = []
+        for item, end in zip(items, seq_lens, strict=True):
+            needed = -(-end // bs)
+            assert len(item.block_table) >= needed, (
+                f"block_table has {len(item.block_table)} blocks, {needed} needed for {end} tokens"
+            )
+            tables.append(list(item.block_table[:needed]) + [0] * (width - needed))
+        return fused.run(
+            [item.token_ids[0] for item in items], torch.tensor(tables, dtype=torch.int64), seq_lens
+        )

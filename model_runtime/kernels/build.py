@@ -44,8 +44,9 @@ def cache_dir() -> Path:
 
 def compile_cached(source: Path, compiler: str) -> Path:
     """Compile `source` into the cache unless an identical build is there; return the .so.
-    The key covers the source, the headers beside it, the flags and the compiler."""
-    headers = sorted(source.parent.glob("*.h"))
+    The key covers the source, the C sources and headers beside it (a source may include
+    another), the flags and the compiler."""
+    headers = sorted(p for p in source.parent.glob("*.[ch]") if p != source)
     key_material = b"".join(p.read_bytes() for p in (source, *headers))
     key_material += " ".join((compiler, *FLAGS)).encode()
     key = hashlib.sha256(key_material).hexdigest()[:16]
