@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
@@ -22,6 +23,7 @@ from model_runtime.linear import LinearKernel, pack_linears
 from model_runtime.model import LlamaModel
 from model_runtime.weights import load_model
 
+DecodePath = Literal["fused", "torch"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,19 +70,25 @@ class ModelRunner:
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         # Steps whose every row is one new token run as one C call where the model allows
-        # (`kernels.decode_step`); `decode_path` says which path they take, and why not fused.
+        # (`kernels.decode_step`); `decode_path` says which path they take.
         self.fused_unsupported = FusedDecode.unsupported(model, kv_cache)
-        self.fused = None if self.fused_unsupported else FusedDecode(model, kv_cache)
+        self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache)
+        self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
 
     @property
-    def decode_path(self) -> str:
-        """'fused' (all-decode steps in one C call) or 'torch' (the model's modules)."""
-        return "fused" if self.fused is not None else "torch"
+    def fused(self) -> FusedDecode | None:
+        """The fused decode step while `decode_path` is 'fused', else None."""
+        return self._fused if self.decode_path == "fused" else None
 
-    def use_torch_decode(self) -> None:
-        """Run every step through the torch model (benchmarks compare the two paths)."""
-        self.fused = None
-        self.fused_unsupported = "switched off by use_torch_decode"
+    def set_decode_path(self, path: DecodePath) -> None:
+        """Run all-decode steps fused (one C call) or through the torch model's modules
+        (benchmarks compare the two). 'fused' where `fused_unsupported` is not empty is a
+        ValueError that says why."""
+        if path not in get_args(DecodePath):
+            raise ValueError(f"decode path must be one of {get_args(DecodePath)}, got {path!r}")
+        if path == "fused" and self._fused is None:
+            raise ValueError(f"the fused decode step cannot run here: {self.fused_unsupported}")
+        self.decode_path = path
 
     @classmethod
     def from_model_dir(

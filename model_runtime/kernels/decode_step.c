@@ -23,8 +23,30 @@
  */
 #include "panel_gemm.c"
 #include "decode_attention.c"
+#include "pool.h"
 
 #include <math.h>
+#include <time.h>
+
+/* Where a step's time goes (pdserve_decode_step's `op_seconds`, summed over layers). */
+enum {
+    OP_EMBED, OP_NORM, OP_QKV, OP_ROPE_KV, OP_ATTENTION, OP_O, OP_RESIDUAL, OP_GATE_UP,
+    OP_ACT, OP_DOWN, OP_LM_HEAD, OP_COUNT
+};
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* With op_seconds non-NULL, add the time since *t to op_seconds[op] and restart *t. */
+static inline void lap(double *op_seconds, int op, double *t) {
+    if (op_seconds == NULL) return;
+    const double n = now_s();
+    op_seconds[op] += n - *t;
+    *t = n;
+}
 
 /* Per-layer pointers, in this order, in pd_model.layers (int64 each). */
 enum { L_LN1, L_QKV, L_QKV_BIAS, L_O, L_LN2, L_GATE_UP, L_DOWN, L_KV, L_FIELDS };
@@ -59,11 +81,21 @@ static inline void st(void *p, int64_t i, float f, int bf16) {
 /* The value a torch op in the weight dtype leaves: rounded to bf16 for bf16 models. */
 static inline float rnd(float f, int bf16) { return bf16 ? bf16_to_f32(bf16_scalar(f)) : f; }
 
+/* y = x @ W^T (+ bias) on the panel kernel, its column groups spread over the pool. */
 static int gemm(const pd_model *m, const void *x, int64_t rows, int64_t k, const void *w,
                 int64_t n, const void *bias, void *y, float *xf, int nthreads) {
-    if (m->bf16)
-        return pdserve_linear_bf16(x, rows, k, w, n, bias, y, xf, nthreads);
-    return pdserve_linear_f32(x, rows, k, w, n, bias, y, xf, nthreads);
+    if (rows <= 0 || k <= 0 || n <= 0) return -1;
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+    if (m->bf16) {
+        pack_x_bf16(x, rows, k, xf);
+        gemm_args_bf16 a = {xf, rows, k, n, groups, w, bias, y};
+        pd_parallel_for(gemm_items_bf16(&a), nthreads, gemm_item_bf16, &a);
+    } else {
+        pack_x_f32(x, rows, k, xf);
+        gemm_args_f32 a = {xf, rows, k, n, groups, w, bias, y};
+        pd_parallel_for(gemm_items_f32(&a), nthreads, gemm_item_f32, &a);
+    }
+    return 0;
 }
 
 /* out = weight * dtype(x * rsqrt(mean(x^2) + eps)), as RMSNorm in model.py / HF. */
@@ -99,14 +131,40 @@ __attribute__((optimize("fp-contract=off"))) static void rope(void *x, int64_t h
     }
 }
 
+/* One layer's attention for the decode rows, one row per pool item (scratch per row). */
+typedef struct {
+    const pd_model *m;
+    const char *qkv;
+    const char *kv;
+    const int64_t *tables;
+    int64_t table_stride;
+    const int64_t *seq_lens;
+    char *att;
+    float *scratch;
+    int64_t scratch_per_row;
+} attn_args;
+
+static void attn_item(void *ctx, int64_t r) {
+    const attn_args *a = ctx;
+    const pd_model *m = a->m;
+    const int64_t NH = m->heads, D = m->head_dim, Q = NH * D, KV = m->kv_heads * D;
+    const int64_t elem = m->bf16 ? 2 : 4;
+    float *buf = a->scratch + a->scratch_per_row * r;
+    one_sequence(a->qkv + r * (Q + 2 * KV) * elem, a->kv, a->kv + m->v_offset * elem,
+                 m->block_stride, a->tables + r * a->table_stride, a->seq_lens[r], NH,
+                 m->kv_heads, D, m->block_size, m->scale, m->bf16, a->att + r * Q * elem, buf,
+                 buf + NH * D, buf + 2 * NH * D);
+}
+
 /* Every layer, the final norm and the LM head for B decode rows. tokens[B]: the new token;
  * tables [B, table_stride] int64 block ids; seq_lens[B]: tokens in each sequence counting
  * the new one (its position is seq_lens[r] - 1, its K/V slot there). logits: [B, vocab] in the
- * weight dtype. Returns 0; -1 for arguments out of range; -2 out of memory (nothing written
- * to logits; the KV cache may hold this step's rows for some layers). */
+ * weight dtype. op_seconds: NULL, or OP_COUNT doubles to which each op's wall time is added.
+ * Returns 0; -1 for arguments out of range; -2 out of memory (nothing written to logits; the
+ * KV cache may hold this step's rows for some layers). */
 int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t *tables,
                         int64_t table_stride, const int64_t *seq_lens, int64_t B, void *logits,
-                        int nthreads) {
+                        int nthreads, double *op_seconds) {
     const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t Q = NH * D, KV = KVH * D, NQKV = Q + 2 * KV, I = m->inter, bs = m->block_size;
     const int bf16 = m->bf16;
@@ -123,7 +181,7 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     const int64_t attn_scratch = 2 * NH * D + NH * bs;
     /* x, h, qkv, attention out, wide (gate/up), act: weight dtype; then fp32 scratch */
     const int64_t nwt = B * (H + H + NQKV + Q + widest + I);
-    const int64_t nf32 = B * kmax + attn_scratch * nthreads;
+    const int64_t nf32 = B * kmax + attn_scratch * B;
     char *arena = malloc((size_t)(nwt * elem + nf32 * 4 + 64));
     if (arena == NULL) return -2;
     char *x = arena, *h = x + B * H * elem, *qkv = h + B * H * elem, *att = qkv + B * NQKV * elem;
@@ -131,8 +189,10 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     float *xf = (float *)(((uintptr_t)(act + B * I * elem) + 63) & ~(uintptr_t)63);
     float *ascratch = xf + B * kmax;
 
+    double t = op_seconds != NULL ? now_s() : 0.0;
     for (int64_t r = 0; r < B; r++)
         memcpy(x + r * H * elem, (const char *)m->embed + tokens[r] * H * elem, H * elem);
+    lap(op_seconds, OP_EMBED, &t);
 
     int rc = 0;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
@@ -141,8 +201,10 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
         for (int64_t r = 0; r < B; r++)
             rmsnorm(x + r * H * elem, (const void *)(uintptr_t)lp[L_LN1], H, m->eps, bf16,
                     h + r * H * elem);
+        lap(op_seconds, OP_NORM, &t);
         rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_QKV], NQKV,
                    (const void *)(uintptr_t)lp[L_QKV_BIAS], qkv, xf, nthreads);
+        lap(op_seconds, OP_QKV, &t);
         for (int64_t r = 0; r < B; r++) {
             const int64_t pos = seq_lens[r] - 1;
             char *row = qkv + r * NQKV * elem;
@@ -152,33 +214,39 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
             memcpy(slot, row + Q * elem, KV * elem);
             memcpy(slot + m->v_offset * elem, row + (Q + KV) * elem, KV * elem);
         }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1 && B > 1)
-        for (int64_t r = 0; r < B; r++) {
-            float *buf = ascratch + attn_scratch * omp_get_thread_num();
-            one_sequence(qkv + r * NQKV * elem, kv, kv + m->v_offset * elem, m->block_stride,
-                         tables + r * table_stride, seq_lens[r], NH, KVH, D, bs, m->scale, bf16,
-                         att + r * Q * elem, buf, buf + NH * D, buf + 2 * NH * D);
-        }
+        lap(op_seconds, OP_ROPE_KV, &t);
+        attn_args aa = {m, qkv, kv, tables, table_stride, seq_lens, att, ascratch, attn_scratch};
+        pd_parallel_for(B, nthreads, attn_item, &aa);
+        lap(op_seconds, OP_ATTENTION, &t);
         rc |= gemm(m, att, B, Q, (const void *)(uintptr_t)lp[L_O], H, NULL, wide, xf, nthreads);
+        lap(op_seconds, OP_O, &t);
         for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
+        lap(op_seconds, OP_RESIDUAL, &t);
         for (int64_t r = 0; r < B; r++)
             rmsnorm(x + r * H * elem, (const void *)(uintptr_t)lp[L_LN2], H, m->eps, bf16,
                     h + r * H * elem);
+        lap(op_seconds, OP_NORM, &t);
         rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_GATE_UP], 2 * I, NULL, wide, xf,
                    nthreads);
+        lap(op_seconds, OP_GATE_UP, &t);
         for (int64_t r = 0; r < B; r++)
             for (int64_t i = 0; i < I; i++) {
                 const float g = ld(wide, r * 2 * I + i, bf16), u = ld(wide, r * 2 * I + I + i, bf16);
                 st(act, r * I + i, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
             }
+        lap(op_seconds, OP_ACT, &t);
         rc |= gemm(m, act, B, I, (const void *)(uintptr_t)lp[L_DOWN], H, NULL, wide, xf,
                    nthreads);
+        lap(op_seconds, OP_DOWN, &t);
         for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
+        lap(op_seconds, OP_RESIDUAL, &t);
     }
     if (rc == 0) {
         for (int64_t r = 0; r < B; r++)
             rmsnorm(x + r * H * elem, m->final_norm, H, m->eps, bf16, h + r * H * elem);
+        lap(op_seconds, OP_NORM, &t);
         rc = gemm(m, h, B, H, m->lm_head, m->vocab, NULL, logits, xf, nthreads);
+        lap(op_seconds, OP_LM_HEAD, &t);
     }
     free(arena);
     return rc == 0 ? 0 : -1;

@@ -35,6 +35,20 @@ from model_runtime.model import LlamaModel
 _SOURCE = Path(__file__).with_name("decode_step.c")
 _FIELDS = 8  # per-layer addresses (the L_* enum in decode_step.c)
 _MAX_HEADS, _MAX_GROUP, _MAX_BLOCK = 256, 16, 256  # decode_attention.c's limits
+# The OP_* enum of decode_step.c: where `FusedDecode.op_seconds` adds each op's wall time.
+OPS = (
+    "embedding gather",
+    "rmsnorm",
+    "qkv gemm",
+    "rope + kv write",
+    "attention",
+    "o_proj gemm",
+    "residual adds",
+    "gate/up gemm",
+    "silu * up",
+    "down gemm",
+    "lm head gemm",
+)
 
 
 class _Model(ctypes.Structure):
@@ -69,7 +83,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, reason
     fn = lib.pdserve_decode_step
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
     return lib, ""
 
@@ -116,6 +130,8 @@ class FusedDecode:
         self._layers = torch.tensor(rows, dtype=torch.int64)
         assert model.lm_head.packed is not None
         self._keep.append(model.lm_head.packed)
+        # None, or len(OPS) seconds that every `run` adds each op's wall time to (profiling).
+        self.op_seconds: torch.Tensor | None = None
         self._model = _Model(
             num_layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
@@ -178,6 +194,17 @@ class FusedDecode:
             )
         return ""
 
+    def start_op_timing(self) -> None:
+        """From now on, add each op's wall time to `op_seconds` (zeroed here), by `OPS` name."""
+        self.op_seconds = torch.zeros(len(OPS), dtype=torch.float64)
+
+    def stop_op_timing(self) -> dict[str, float]:
+        """Stop timing ops; the seconds per op since `start_op_timing`."""
+        assert self.op_seconds is not None, "op timing was not started"
+        out = dict(zip(OPS, self.op_seconds.tolist(), strict=True))
+        self.op_seconds = None
+        return out
+
     def run(
         self, token_ids: Sequence[int], block_tables: torch.Tensor, seq_lens: Sequence[int]
     ) -> torch.Tensor:
@@ -200,6 +227,7 @@ class FusedDecode:
             batch,
             logits.data_ptr(),
             torch.get_num_threads(),
+            None if self.op_seconds is None else self.op_seconds.data_ptr(),
         )
         if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
             with torch.profiler.record_function("pdserve::decode_step"):
@@ -208,4 +236,3 @@ class FusedDecode:
             rc = lib.pdserve_decode_step(*args)
         assert rc == 0, f"decode step rejected batch {batch}, seq_lens {list(seq_lens)} (rc {rc})"
         return logits.float()
-

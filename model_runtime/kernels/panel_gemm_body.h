@@ -140,36 +140,50 @@ static void FN(group)(const float *xf, int64_t K, const WT *wp, int64_t N, int64
         FN(group_rows)(xf, K, wp, N, n0, bias, y, m0, m1);
 }
 
-/* y[M, N] = x[M, K] @ W^T + bias, all of the weight's dtype, row-major; W packed as above
- * with N_pad = ceil(N / 64) * 64 columns. xf is caller scratch for M * K floats. Returns 0,
- * or -1 if an argument is out of range (nothing written). */
-int FN(pdserve_linear)(const WT *x, int64_t M, int64_t K, const WT *wp, int64_t N,
-                       const WT *bias, WT *y, float *xf, int nthreads) {
-    if (M < 0 || K <= 0 || N <= 0 || nthreads < 1) return -1;
-    /* Widen x to fp32 and pack each block of MR_MAX rows as [k][mr] (mr = the block's rows),
-     * so a micro-kernel's broadcasts read one contiguous stream. Block b starts at b*MR_MAX*K. */
+/* Widen x [M, K] to fp32 and pack each block of MR_MAX rows as [k][mr] (mr = the block's rows),
+ * so a micro-kernel's broadcasts read one contiguous stream. Block b starts at b*MR_MAX*K. */
+static void FN(pack_x)(const WT *x, int64_t M, int64_t K, float *xf) {
     for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
         int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;
         float *dst = xf + m0 * K;
         for (int64_t r = 0; r < mr; r++)
             for (int64_t k = 0; k < K; k++) dst[k * mr + r] = TO_F32(x[(m0 + r) * K + k]);
     }
-    const int64_t groups = (N + GROUP - 1) / GROUP;
-    const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
-    const int64_t work = groups * chunks;
+}
+
+/* One GEMM call's work items: item i is row chunk i / groups, column group i % groups. */
+typedef struct {
+    const float *xf;
+    int64_t M, K, N, groups;
+    const WT *wp, *bias;
+    WT *y;
+} FN(gemm_args);
+
+static int64_t FN(gemm_items)(const FN(gemm_args) *a) {
+    return a->groups * ((a->M + M_CHUNK - 1) / M_CHUNK);
+}
+
+static void FN(gemm_item)(void *ctx, int64_t i) {
+    const FN(gemm_args) *a = ctx;
+    const int64_t c = i / a->groups, g = i % a->groups;
+    const int64_t m1 = (c + 1) * M_CHUNK < a->M ? (c + 1) * M_CHUNK : a->M;
+    FN(group)(a->xf, a->K, a->wp, a->N, g * GROUP, a->bias, a->y, c * M_CHUNK, m1);
+}
+
+/* y[M, N] = x[M, K] @ W^T + bias, all of the weight's dtype, row-major; W packed as above
+ * with N_pad = ceil(N / 64) * 64 columns. xf is caller scratch for M * K floats. Returns 0,
+ * or -1 if an argument is out of range (nothing written). */
+int FN(pdserve_linear)(const WT *x, int64_t M, int64_t K, const WT *wp, int64_t N,
+                       const WT *bias, WT *y, float *xf, int nthreads) {
+    if (M < 0 || K <= 0 || N <= 0 || nthreads < 1) return -1;
+    FN(pack_x)(x, M, K, xf);
+    const FN(gemm_args) a = {xf, M, K, N, (N + GROUP - 1) / GROUP, wp, bias, y};
+    const int64_t work = FN(gemm_items)(&a);
     if (nthreads == 1 || work == 1) {
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t m1 = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
-            for (int64_t g = 0; g < groups; g++)
-                FN(group)(xf, K, wp, N, g * GROUP, bias, y, c * M_CHUNK, m1);
-        }
+        for (int64_t i = 0; i < work; i++) FN(gemm_item)((void *)&a, i);
         return 0;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t i = 0; i < work; i++) {
-        int64_t c = i / groups, g = i % groups;
-        int64_t m1 = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
-        FN(group)(xf, K, wp, N, g * GROUP, bias, y, c * M_CHUNK, m1);
-    }
+    for (int64_t i = 0; i < work; i++) FN(gemm_item)((void *)&a, i);
     return 0;
 }

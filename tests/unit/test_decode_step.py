@@ -34,8 +34,8 @@ def _runner(model_dir: Path, dtype: str, fused: bool) -> ModelRunner:
     runner = ModelRunner.from_model_dir(model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2")
     assert runner.decode_path == "fused", runner.fused_unsupported
     if not fused:
-        runner.use_torch_decode()
-        assert runner.decode_path == "torch"
+        runner.set_decode_path("torch")
+        assert runner.decode_path == "torch" and runner.fused is None
     return runner
 
 
@@ -119,3 +119,5 @@ def test_unsupported_models_say_why(tiny_model_dir: Path) -> None:
     runner = ModelRunner.from_model_dir(tiny_model_dir, 8, BLOCK, linear_kernel="torch")
     assert runner.decode_path == "torch"
     assert "avx2" in runner.fused_unsupported
+    with pytest.raises(ValueError, match="avx2"):
+        runner.set_decode_path("fused")
