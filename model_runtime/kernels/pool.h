@@ -10,8 +10,9 @@
  * thread has claimed (which is running them). A worker that wakes late finds nothing left.
  *
  * Workers are created on first use (at most PD_MAX_WORKERS), spin on the generation word for
- * about PD_SPIN pause instructions after each loop (the next GEMM of a step follows within
- * microseconds), then sleep on a futex until the next loop wakes them.
+ * PD_SPIN pause instructions after each loop (10-300 us, by the CPU's pause latency: the next
+ * GEMM of a step follows within microseconds, while the Python between two steps, ~1 ms, must
+ * not have a spinning worker beside it), then sleep on a futex until a loop wakes them.
  *
  * Claims go through one 64-bit word: generation << 32 | next item (see pd_drain for why a
  * worker can only run items of the loop whose fields it read).
@@ -28,7 +29,7 @@
 #include <unistd.h>
 
 #define PD_MAX_WORKERS 63
-#define PD_SPIN 20000
+#define PD_SPIN 2000
 
 typedef void (*pd_task)(void *ctx, int64_t item);
 
