@@ -61,7 +61,10 @@ class ModelRunner:
         kv_cache: KVCache,
         backend: AttentionBackend,
         linear_kernel: str = "torch",
+        decode_isa: str | None = None,
     ) -> None:
+        """`decode_isa`: the build of the fused decode step (`kernels.build.ISA_FLAGS`; None:
+        the widest this CPU runs)."""
         self.config = config
         self.linear_kernel = linear_kernel  # as resolved by `pack_linears`
         self.model = model
@@ -71,8 +74,10 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         # Steps whose every row is one new token run as one C call where the model allows
         # (`kernels.decode_step`); `decode_path` says which path they take.
-        self.fused_unsupported = FusedDecode.unsupported(model, kv_cache)
-        self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache)
+        self.fused_unsupported = FusedDecode.unsupported(model, kv_cache, decode_isa)
+        self._fused = (
+            None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
+        )
         self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
 
     @property

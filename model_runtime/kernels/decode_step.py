@@ -77,8 +77,8 @@ class _Model(ctypes.Structure):
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, reason = build.load_library(_SOURCE)
+def _load(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
+    lib, reason = build.load_library(_SOURCE, isa)
     if lib is None:
         return None, reason
     fn = lib.pdserve_decode_step
@@ -88,13 +88,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled step, or None where it cannot run here (`unavailable_reason` says why)."""
-    return _load()[0]
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled step for `isa` (`build.ISA_FLAGS`; None: `build.default_isa()`), or None
+    where it cannot run here (`unavailable_reason` says why)."""
+    return _load(isa)[0]
 
 
-def unavailable_reason() -> str:
-    return _load()[1]
+def unavailable_reason(isa: str | None = None) -> str:
+    return _load(isa)[1]
 
 
 class FusedDecode:
@@ -102,9 +103,11 @@ class FusedDecode:
     tensor whose address it passes to C, so they live as long as it does; the model's weights
     and the cache must not be replaced or repacked while it is in use."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
-        reason = FusedDecode.unsupported(model, kv_cache)
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, isa: str | None = None) -> None:
+        reason = FusedDecode.unsupported(model, kv_cache, isa)
         assert not reason, reason
+        self.isa = isa or build.default_isa()
+        self._lib = load(isa)
         cfg = model.config
         kv = kv_cache.kv  # [L, blocks, 2, bs, KVH, D]
         self.dtype = kv.dtype
@@ -156,10 +159,11 @@ class FusedDecode:
         )
 
     @staticmethod
-    def unsupported(model: LlamaModel, kv_cache: KVCache) -> str:
-        """Why this model and cache cannot take the fused step ('' when they can)."""
-        if load() is None:
-            return unavailable_reason()
+    def unsupported(model: LlamaModel, kv_cache: KVCache, isa: str | None = None) -> str:
+        """Why this model and cache cannot take the fused step built for `isa` ('' when they
+        can)."""
+        if load(isa) is None:
+            return unavailable_reason(isa)
         cfg = model.config
         kv = kv_cache.kv
         if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16):
@@ -216,7 +220,7 @@ class FusedDecode:
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         assert block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
         logits = torch.empty((batch, self.vocab), dtype=self.dtype)
-        lib = load()
+        lib = self._lib
         assert lib is not None
         args = (
             ctypes.byref(self._model),

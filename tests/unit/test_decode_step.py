@@ -7,7 +7,8 @@ layer's KV cache rows must agree, in float32 to 1e-4 relative (RMSNorm's sum and
 may round differently) and in bfloat16 to a few bf16 steps (the two round at the same points,
 but a one-step difference early in a layer propagates). Batches of 1 and 3 with contexts that
 cross block boundaries, one and two threads, and the dispatch rules (prefill and layer
-callbacks keep the torch path).
+callbacks keep the torch path). Every build (`kernels.build.ISA_FLAGS`) this CPU runs is
+tested; the others are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_runtime.kernels import decode_step
+from model_runtime.kernels import build, decode_step
 from model_runtime.model_runner import ModelRunner, StepInput
 
 pytestmark = pytest.mark.skipif(
@@ -26,12 +27,26 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK = 16
+ISAS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            isa not in build.cpu_isas(), reason=f"this CPU runs {build.cpu_isas()}, not {isa}"
+        ),
+    )
+    for isa in build.ISA_FLAGS
+]
 # Per dtype: max |fused - torch| over logits, relative to the logits' largest magnitude.
 LOGIT_REL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
-def _runner(model_dir: Path, dtype: str, fused: bool) -> ModelRunner:
-    runner = ModelRunner.from_model_dir(model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2")
+def _runner(model_dir: Path, dtype: str, fused: bool, isa: str | None = None) -> ModelRunner:
+    """A runner on avx2-packed weights; `fused`: all-decode steps on the fused step built for
+    `isa` (None: the default build), else on the torch modules."""
+    loaded = ModelRunner.from_model_dir(model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2")
+    runner = ModelRunner(
+        loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "avx2", decode_isa=isa
+    )
     assert runner.decode_path == "fused", runner.fused_unsupported
     if not fused:
         runner.set_decode_path("torch")
@@ -49,16 +64,19 @@ def _tables(lens: list[int]) -> list[list[int]]:
     return tables
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[5], [15, 16, 40]], ids=["batch1", "batch3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_matches_torch_model(
-    tiny_model_dir: Path, dtype: str, lens: list[int], threads: int
+    tiny_model_dir: Path, dtype: str, lens: list[int], threads: int, isa: str
 ) -> None:
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused, ref = _runner(tiny_model_dir, dtype, True), _runner(tiny_model_dir, dtype, False)
+        fused = _runner(tiny_model_dir, dtype, True, isa)
+        ref = _runner(tiny_model_dir, dtype, False)
+        assert fused.fused is not None and fused.fused.isa == isa
         g = torch.Generator().manual_seed(len(lens))
         prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
         tables = _tables(lens)
@@ -86,9 +104,11 @@ def test_fused_decode_matches_torch_model(
         torch.set_num_threads(old_threads)
 
 
-def test_fused_decode_float32_greedy_tokens_equal_torch(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_decode_float32_greedy_tokens_equal_torch(tiny_model_dir: Path, isa: str) -> None:
     """Greedy float32 tokens over 24 steps are the torch path's, token for token."""
-    fused, ref = _runner(tiny_model_dir, "float32", True), _runner(tiny_model_dir, "float32", False)
+    fused = _runner(tiny_model_dir, "float32", True, isa)
+    ref = _runner(tiny_model_dir, "float32", False)
     prompt = list(range(3, 40))
     table = _tables([len(prompt) + 24])[0]
     outs = []
