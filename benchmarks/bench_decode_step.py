@@ -45,6 +45,7 @@ import torch
 from benchmarks.bench_engine import prompts_for, weight_bytes
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
+from model_runtime.kernels.decode_step import decoder_layers
 from model_runtime.sampling_params import SamplingParams
 from tooling.machine import MachineInfo, measure_machine
 
@@ -244,7 +245,7 @@ def gemm_bytes(engine: LLMEngine) -> dict[str, int]:
     """Weight bytes each fused-step GEMM reads per step (all layers), by `fused_op_profile` op."""
     model = engine.runner.model
     out = {"qkv gemm": 0, "o_proj gemm": 0, "gate/up gemm": 0, "down gemm": 0}
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         out["qkv gemm"] += layer.self_attn.qkv_proj.nbytes()
         out["o_proj gemm"] += layer.self_attn.o_proj.nbytes()
         out["gate/up gemm"] += layer.mlp.gate_up_proj.nbytes()
@@ -311,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                     if kernel == "avx2":
                         e.runner.set_decode_path(path)  # type: ignore[arg-type]
                     times, _ = decode_steps(e, prompt_sets[name], args.steps, reuse_prefix=True)
-                    key = (name, dtype, kernel, path, t, b)
-                    best[key] = min(best.get(key, math.inf), statistics.median(times))
+                    vkey = (name, dtype, kernel, path, t, b)
+                    best[vkey] = min(best.get(vkey, math.inf), statistics.median(times))
             _say(
                 f"batch {b} round {rnd + 1}: "
                 + ", ".join(
@@ -367,7 +368,7 @@ def summarize(
             "fused_ms": sec * 1e3,
             "torch_ms": best[(name, dtype, kernel, "torch", t, b)] * 1e3,
         }
-        for (n2, d2, k2, p2, t2, b2), s2 in best.items():
+        for (n2, d2, k2, _p2, t2, b2), s2 in best.items():
             if (n2, d2, t2, b2) == (name, dtype, t, b) and k2 != "avx2":
                 row[f"{k2}_ms"] = s2 * 1e3
         row["fused_over_floor"] = row["fused_ms"] / floor_ms

@@ -75,9 +75,7 @@ class ModelRunner:
         # Steps whose every row is one new token run as one C call where the model allows
         # (`kernels.decode_step`); `decode_path` says which path they take.
         self.fused_unsupported = FusedDecode.unsupported(model, kv_cache, decode_isa)
-        self._fused = (
-            None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
-        )
+        self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
         self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
 
     @property

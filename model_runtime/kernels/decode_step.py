@@ -24,13 +24,14 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from typing import cast
 from pathlib import Path
 
 import torch
 
 from model_runtime.kernels import build
 from model_runtime.kv_cache import KVCache
-from model_runtime.model import LlamaModel
+from model_runtime.model import DecoderLayer, LlamaModel
 
 _SOURCE = Path(__file__).with_name("decode_step.c")
 _FIELDS = 8  # per-layer addresses (the L_* enum in decode_step.c)
@@ -98,6 +99,11 @@ def unavailable_reason(isa: str | None = None) -> str:
     return _load(isa)[1]
 
 
+def decoder_layers(model: LlamaModel) -> list[DecoderLayer]:
+    """The model's layers, typed."""
+    return [cast(DecoderLayer, layer) for layer in model.layers]
+
+
 class FusedDecode:
     """The decode step of one packed model over one KV cache. Holds references to every
     tensor whose address it passes to C, so they live as long as it does; the model's weights
@@ -115,7 +121,7 @@ class FusedDecode:
         self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
         self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
         rows = []
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(decoder_layers(model)):
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
             tensors = [
@@ -147,7 +153,7 @@ class FusedDecode:
             block_stride=kv.stride(1),
             v_offset=kv.stride(2),
             max_position=model.cos_cache.shape[0],
-            eps=model.layers[0].input_layernorm.eps,
+            eps=decoder_layers(model)[0].input_layernorm.eps,
             scale=cfg.head_dim**-0.5,
             bf16=int(kv.dtype == torch.bfloat16),
             embed=self._keep[0].data_ptr(),
@@ -169,16 +175,16 @@ class FusedDecode:
         if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16):
             return f"it takes CPU float32 or bfloat16 caches, got {kv.device} {kv.dtype}"
         linears = [model.lm_head]
-        for layer in model.layers:
+        for layer in decoder_layers(model):
             linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
         if any(lin.kernel != "avx2" or lin.packed is None for lin in linears):
             return "every Linear must be packed for the 'avx2' kernel"
-        qkv = {id(layer.self_attn.qkv_proj) for layer in model.layers}
+        qkv = {id(layer.self_attn.qkv_proj) for layer in decoder_layers(model)}
         if any(lin.bias is not None and id(lin) not in qkv for lin in linears):
             return "only the QKV projection may carry a bias"
         params = [model.embed_tokens, model.norm.weight]
-        for layer in model.layers:
+        for layer in decoder_layers(model):
             params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if any(p.dtype != kv.dtype or not p.is_contiguous() for p in params):
             return f"embedding and norm weights must be contiguous {kv.dtype}"
