@@ -24,8 +24,8 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 import torch
 

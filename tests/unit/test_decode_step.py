@@ -50,7 +50,7 @@ def _runner(model_dir: Path, dtype: str, fused: bool, isa: str | None = None) ->
     assert runner.decode_path == "fused", runner.fused_unsupported
     if not fused:
         runner.set_decode_path("torch")
-        assert runner.decode_path == "torch" and runner.fused is None
+        assert runner.fused is None, runner.decode_path
     return runner
 
 
@@ -113,10 +113,10 @@ def test_fused_decode_float32_greedy_tokens_equal_torch(tiny_model_dir: Path, is
     table = _tables([len(prompt) + 24])[0]
     outs = []
     for runner in (fused, ref):
-        tok = runner.execute([StepInput(prompt, 0, table)]).argmax(-1).item()
+        tok = int(runner.execute([StepInput(prompt, 0, table)]).argmax(-1).item())
         toks = [tok]
         for i in range(24):
-            tok = runner.execute([StepInput([tok], len(prompt) + i, table)]).argmax(-1).item()
+            tok = int(runner.execute([StepInput([tok], len(prompt) + i, table)]).argmax(-1).item())
             toks.append(tok)
         outs.append(toks)
     assert outs[0] == outs[1]
