@@ -206,10 +206,10 @@ static void attn_item(void *ctx, int64_t r) {
 
 /* Every layer, the final norm and the LM head for B decode rows. tokens[B]: the new token;
  * tables [B, table_stride] int64 block ids; seq_lens[B]: tokens in each sequence counting
- * the new one (its position is seq_lens[r] - 1, its K/V slot there). logits: [B, vocab] in the
- * weight dtype. op_seconds: NULL, or OP_COUNT doubles to which each op's wall time is added.
- * Returns 0; -1 for arguments out of range; -2 out of memory (nothing written to logits; the
- * KV cache may hold this step's rows for some layers). */
+ * the new one (its position is seq_lens[r] - 1, its K/V slot there). logits: [B, vocab] fp32
+ * (for bf16 models the bf16 LM head outputs, widened). op_seconds: NULL, or OP_COUNT doubles
+ * to which each op's wall time is added. Returns 0; -1 for arguments out of range; -2 out of
+ * memory (nothing written to logits; the KV cache may hold this step's rows for some layers). */
 int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t *tables,
                         int64_t table_stride, const int64_t *seq_lens, int64_t B, void *logits,
                         int nthreads, double *op_seconds) {
@@ -230,11 +230,12 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     /* x, h, qkv, attention out, wide (gate/up), act: weight dtype; then fp32 scratch */
     const int64_t nwt = B * (H + H + NQKV + Q + widest + I);
     const int64_t nf32 = B * kmax + attn_scratch * B;
-    char *arena = malloc((size_t)(nwt * elem + nf32 * 4 + 64));
+    const int64_t nlogits = bf16 ? B * m->vocab : 0; /* bf16 LM head outputs */
+    char *arena = malloc((size_t)((nwt + nlogits) * elem + nf32 * 4 + 64));
     if (arena == NULL) return -2;
     char *x = arena, *h = x + B * H * elem, *qkv = h + B * H * elem, *att = qkv + B * NQKV * elem;
     char *wide = att + B * Q * elem, *act = wide + B * widest * elem;
-    float *xf = (float *)(((uintptr_t)(act + B * I * elem) + 63) & ~(uintptr_t)63);
+    float *xf = (float *)(((uintptr_t)(act + (B * I + nlogits) * elem) + 63) & ~(uintptr_t)63);
     float *ascratch = xf + B * kmax;
 
     double t = op_seconds != NULL ? now_s() : 0.0;
@@ -290,7 +291,12 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
         for (int64_t r = 0; r < B; r++)
             rmsnorm(x + r * H * elem, m->final_norm, H, m->eps, bf16, h + r * H * elem);
         lap(op_seconds, OP_NORM, &t);
-        rc = gemm(m, h, B, H, m->lm_head, m->vocab, NULL, logits, xf, nthreads);
+        /* bf16: the LM head's bf16 outputs (the torch model's rounding), widened into the
+         * fp32 logits; fp32: written in place */
+        void *lm_out = bf16 ? (void *)(arena + nwt * elem) : logits;
+        rc = gemm(m, h, B, H, m->lm_head, m->vocab, NULL, lm_out, xf, nthreads);
+        if (bf16)
+            for (int64_t i = 0; i < B * m->vocab; i++) ((float *)logits)[i] = ld(lm_out, i, 1);
         lap(op_seconds, OP_LM_HEAD, &t);
     }
     free(arena);

@@ -116,7 +116,6 @@ class FusedDecode:
         self._lib = load(isa)
         cfg = model.config
         kv = kv_cache.kv  # [L, blocks, 2, bs, KVH, D]
-        self.dtype = kv.dtype
         self.vocab = cfg.vocab_size
         self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
         self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
@@ -225,7 +224,7 @@ class FusedDecode:
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         assert block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
-        logits = torch.empty((batch, self.vocab), dtype=self.dtype)
+        logits = torch.empty((batch, self.vocab), dtype=torch.float32)
         lib = self._lib
         assert lib is not None
         args = (
@@ -245,4 +244,4 @@ class FusedDecode:
         else:
             rc = lib.pdserve_decode_step(*args)
         assert rc == 0, f"decode step rejected batch {batch}, seq_lens {list(seq_lens)} (rc {rc})"
-        return logits.float()
+        return logits
