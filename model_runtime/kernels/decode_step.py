@@ -13,9 +13,9 @@ Contract: the same function as `LlamaModel` + `compute_logits` on the same packe
 steps whose every row is one new token, and the same K/V written to the cache. In float32 the
 GEMMs, RoPE and attention give the torch path's bits; RMSNorm's sum of squares and SiLU's exp
 may differ in the last bit, which the layers amplify: on the tiny test model logits agreed to
-1.1e-5 relative (the test allows 1e-4), and float32 greedy tokens equal HF's. In bfloat16 every value is
-rounded to bf16 at the points where the torch model's ops round it, and the same near-ties
-apply. `FusedDecode.unsupported` says when a model cannot take this path (a layer not on the
+1.1e-5 relative (the test allows 1e-4), and float32 greedy tokens equal HF's. In bfloat16
+every value is rounded to bf16 at the points where the torch model's ops round it, and the same
+near-ties apply. `FusedDecode.unsupported` says when a model cannot take this path (a layer not on the
 `avx2` kernel, a bias other than the QKV one, shapes the attention kernel does not take); the
 runner then keeps the torch model.
 """
