@@ -15,9 +15,9 @@ GEMMs, RoPE and attention give the torch path's bits; RMSNorm's sum of squares a
 may differ in the last bit, which the layers amplify: on the tiny test model logits agreed to
 1.1e-5 relative (the test allows 1e-4), and float32 greedy tokens equal HF's. In bfloat16
 every value is rounded to bf16 at the points where the torch model's ops round it, and the same
-near-ties apply. `FusedDecode.unsupported` says when a model cannot take this path (a layer not on the
-`avx2` kernel, a bias other than the QKV one, shapes the attention kernel does not take); the
-runner then keeps the torch model.
+near-ties apply. `FusedDecode.unsupported` says when a model cannot take this path (a layer
+not on the `avx2` kernel, a bias other than the QKV one, shapes the attention kernel does not
+take); the runner then keeps the torch model.
 """
 
 from __future__ import annotations
