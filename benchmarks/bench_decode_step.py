@@ -1,31 +1,39 @@
-"""Engine decode step per dtype and batch, next to the weight-streaming floor. Standalone.
+"""Engine decode step next to its weight-streaming floor, per model, dtype, thread count, batch.
 
-    python -m benchmarks.bench_decode_step --threads 1 --batches 1,2,4,8,16,32 \\
-        [--profile-batches 1,4,16,32] --out runs/bench/decode_step.json
+    python -m benchmarks.bench_decode_step --models small,smollm2 --threads 1,2 \\
+        --batches 1,16 --rounds 3 [--baselines] [--profile-batches 1] \\
+        --out runs/bench/decode_step.json
 
-Two engines in one process, float32 (`--fp32`, default models/small) and bfloat16 (`--bf16`,
-default models/small-bf16: the same random draws stored in bf16; both made if missing), each on
-its default ('auto') linear kernel. For each batch B, in `--rounds` rounds that alternate the
-dtypes (so a slow moment of the shared machine hits both alike): B requests with
-`--context`-token prompts are prefilled, then `--steps` decode steps are timed one by one; a
-round's step is the median of its steps, and the best round counts.
+One engine per (model, dtype), all in one process, on the `avx2` linear kernel (the panel
+GEMM, whose weights the fused decode step reads): `small` (the 12-layer preset, 129 M
+parameters) and `smollm2` (a random model of SmolLM2-135M's shape: hidden 576, intermediate
+1536, 30 layers, 9 heads, 3 KV heads, vocab 49152, tied embeddings; written here, in
+models/smollm2-shape[-bf16], unless present), each in float32 and bfloat16. Per engine two
+variants on the same weights: `fused` (all-decode steps in one C call,
+`model_runtime.kernels.decode_step`, the default wherever the weights are panel-packed) and
+`torch` (the model's torch modules, the path before issue 30). `--baselines` adds an engine on
+the 'auto' kernel where that is not `avx2` (oneDNN on AVX-512 hosts), torch path.
 
-The floor is the bytes of weights a decode step reads (every Linear and norm; the embedding is
-only gathered) divided by the machine's memory bandwidth (`tooling.machine`, with the same
-torch thread count, measured before the first batch, after each batch and at the end; the best
-counts). Issue 21's targets are reported as ratios: bf16 step at batch 16 / at batch 1,
-bf16 / fp32 per batch, and the batch-1 step / the floor per dtype.
+For each batch B, in `--rounds` rounds, for each thread count: the memory bandwidth is measured
+(`tooling.machine`, with that torch thread count), then every variant runs: B requests with
+`--context`-token prompts (after the first round their full blocks are prefix-cache hits, so a
+round prefills one token each) decode `--steps` tokens, each `engine.step()` timed (scheduler,
+runner, sampler); a round's step is the median, and the best round counts, as does the best
+bandwidth. The floor is the bytes of weights a decode step reads (every Linear and norm; the
+embedding is only gathered) over that bandwidth; issue 30's target is fused step / floor
+<= 1.25 at batch 1.
 
-`--profile-batches`: after the timed rounds, one run per dtype and batch under torch's profiler:
-self time per op per step (the ops that take the most anywhere get a row each, the rest are
-summed), and what no op accounts for (Python, scheduling, sampling bookkeeping). The profiler
-adds a few microseconds per op, so its step totals sit above the timed ones.
+`--profile-batches`: after the timed rounds, per model, dtype, thread count and batch: the fused
+step's time per op (wall time inside the C step, `FusedDecode.start_op_timing`) with what the
+step spends outside it (Python: scheduler, metadata, sampler), and each GEMM next to its own
+weight floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -37,11 +45,26 @@ import torch
 from benchmarks.bench_engine import prompts_for, weight_bytes
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
+from model_runtime.kernels.decode_step import decoder_layers
 from model_runtime.sampling_params import SamplingParams
 from tooling.machine import MachineInfo, measure_machine
 
 DTYPES = ("float32", "bfloat16")
-TOP_OPS = 12  # profile rows with their own line; the rest are summed
+TOP_OPS = 12  # torch-profiler rows with their own line; the rest are summed
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json), random weights.
+SMOLLM2_SHAPE: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+MODELS = {"small": "models/small", "smollm2": "models/smollm2-shape"}
 
 
 def _say(msg: str) -> None:
@@ -59,6 +82,68 @@ def ensure_model(path: str, dtype: str) -> None:
         )
 
 
+def write_shaped_model(path: str, shape: dict[str, Any], dtype: str, seed: int = 0) -> None:
+    """A random Llama model folder of `shape` (HF config keys) in `dtype`, unless present:
+    config.json and model.safetensors only (the engine needs no tokenizer). Weights are
+    uniform with the fan-in scale of `model_runtime.random_model`; decode speed does not
+    depend on their values."""
+    out = Path(path)
+    if (out / "config.json").is_file():
+        return
+    from safetensors.torch import save_file
+
+    _say(f"making a {shape['num_hidden_layers']}-layer model ({dtype}) in {path} ...")
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    d = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+    def draw(rows: int, cols: int, fan_in: int) -> torch.Tensor:
+        a = math.sqrt(3.0 / fan_in)
+        return ((torch.rand((rows, cols), generator=gen) * 2 - 1) * a).to(tdtype)
+
+    w = {"model.embed_tokens.weight": draw(shape["vocab_size"], h, 1)}
+    for i in range(shape["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        for name, rows, cols in (
+            ("self_attn.q_proj", q, h),
+            ("self_attn.k_proj", kv, h),
+            ("self_attn.v_proj", kv, h),
+            ("self_attn.o_proj", h, q),
+            ("mlp.gate_proj", inter, h),
+            ("mlp.up_proj", inter, h),
+            ("mlp.down_proj", h, inter),
+        ):
+            w[pre + name + ".weight"] = draw(rows, cols, cols)
+        w[pre + "input_layernorm.weight"] = torch.ones(h, dtype=tdtype)
+        w[pre + "post_attention_layernorm.weight"] = torch.ones(h, dtype=tdtype)
+    w["model.norm.weight"] = torch.ones(h, dtype=tdtype)
+    save_file(w, str(out / "model.safetensors"), {"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **shape,
+        "head_dim": d,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def model_path(name: str, dtype: str) -> str:
+    """The folder of model `name` in `dtype`, made if missing."""
+    path = MODELS[name] + ("-bf16" if dtype == "bfloat16" else "")
+    if name == "small":
+        ensure_model(path, dtype)
+    else:
+        write_shaped_model(path, SMOLLM2_SHAPE, dtype)
+    return path
+
+
 def make_engine(
     model: str,
     max_batch: int,
@@ -70,7 +155,7 @@ def make_engine(
     per_seq = -(-tokens_per_seq // 16) + 1
     config = EngineConfig.model_validate(
         {
-            "num_kv_blocks": max_batch * per_seq + 8,
+            "num_kv_blocks": 2 * max_batch * per_seq + 8,
             "max_num_batched_tokens": max(4096, max_batch),
             "max_num_seqs": max_batch,
             "linear_kernel": linear_kernel,
@@ -80,27 +165,21 @@ def make_engine(
     return LLMEngine.from_model_dir(model, config)
 
 
-# name -> (dtype, linear kernel, attention backend). The first two are the defaults ('auto');
-# `--baselines` adds the code paths before issue 21 on this host, side by side.
-VARIANTS = {
-    "float32": ("float32", "auto", "auto"),
-    "bfloat16": ("bfloat16", "auto", "auto"),
-}
-BASELINES = {
-    "float32-before": ("float32", "onednn", "torch"),  # oneDNN GEMM + reference attention
-    "bfloat16-before": ("bfloat16", "torch", "torch"),  # bf16 F.linear + reference attention
-}
-
-
 def decode_steps(
-    engine: LLMEngine, prompts: list[list[int]], steps: int, profile: bool = False
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    steps: int,
+    profile: bool = False,
+    reuse_prefix: bool = False,
 ) -> tuple[list[float], Any]:
     """Prefill `prompts`, then run `steps` decode steps; (each step's seconds, profiler or None).
 
     Every request decodes exactly `steps` tokens after its first, so all steps run the full
-    batch; the blocks are all free again when it returns (checked)."""
+    batch; the blocks are all free again when it returns (checked). `reuse_prefix`: keep the
+    prefix cache, so prompts seen before prefill only their last block's tokens."""
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    engine.block_pool.reset_prefix_cache()
+    if not reuse_prefix:
+        engine.block_pool.reset_prefix_cache()
     for i, p in enumerate(prompts):
         engine.add_request(f"s{i}", p, params)
     while _prefilling(engine):
@@ -139,72 +218,123 @@ def op_table(prof: Any, steps: int) -> dict[str, float]:
     return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
 
 
+def fused_op_profile(engine: LLMEngine, prompts: list[list[int]], steps: int) -> dict[str, float]:
+    """ms per step: each op inside the fused C step, and the step's wall time outside it."""
+    fused = engine.runner.fused
+    assert fused is not None, engine.runner.fused_unsupported
+    decode_steps(engine, prompts, 1, reuse_prefix=True)  # prefill outside the timing
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, params)
+    while _prefilling(engine):
+        engine.step()
+    fused.start_op_timing()
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    ops = {k: v * 1e3 / len(times) for k, v in fused.stop_op_timing().items()}
+    wall = statistics.mean(times) * 1e3
+    ops["outside the C step (Python)"] = wall - sum(ops.values())
+    ops["step"] = wall
+    return ops
+
+
+def gemm_bytes(engine: LLMEngine) -> dict[str, int]:
+    """Weight bytes each fused-step GEMM reads per step (all layers), by `fused_op_profile` op."""
+    model = engine.runner.model
+    out = {"qkv gemm": 0, "o_proj gemm": 0, "gate/up gemm": 0, "down gemm": 0}
+    for layer in decoder_layers(model):
+        out["qkv gemm"] += layer.self_attn.qkv_proj.nbytes()
+        out["o_proj gemm"] += layer.self_attn.o_proj.nbytes()
+        out["gate/up gemm"] += layer.mlp.gate_up_proj.nbytes()
+        out["down gemm"] += layer.mlp.down_proj.nbytes()
+    out["lm head gemm"] = model.lm_head.nbytes()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--fp32", default="models/small", help="float32 model folder")
-    ap.add_argument("--bf16", default="models/small-bf16", help="bfloat16 model folder")
-    ap.add_argument("--batches", default="1,2,4,8,16,32")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (a 1P1D worker has 1)")
+    ap.add_argument("--models", default="small,smollm2", help=f"of {sorted(MODELS)}")
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts, interleaved")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile-batches", default="", help="e.g. 1,4,16,32 (empty: no profile)")
+    ap.add_argument("--profile-batches", default="", help="e.g. 1,16 (empty: no op profile)")
     ap.add_argument(
-        "--baselines", action="store_true", help=f"also time {sorted(BASELINES)} side by side"
+        "--baselines", action="store_true", help="also time the 'auto' kernel where not avx2"
     )
     ap.add_argument("--out", default="runs/bench/decode_step.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    models = [m for m in args.models.split(",") if m]
+    dtypes = [d for d in args.dtypes.split(",") if d]
     batches = [int(b) for b in args.batches.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
     profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
-    models = {"float32": args.fp32, "bfloat16": args.bf16}
-    for dtype, path in models.items():
-        ensure_model(path, dtype)
     max_b = max(batches + profile_batches)
     tokens = args.context + args.steps + 2
-    variants = VARIANTS | (BASELINES if args.baselines else {})
-    engines = {
-        name: make_engine(models[dtype], max_b, tokens, kernel, attn)
-        for name, (dtype, kernel, attn) in variants.items()
-    }
-    for name, e in engines.items():
-        dtype = variants[name][0]
-        assert str(e.runner.kv_cache.dtype).endswith(dtype), (name, e.runner.kv_cache.dtype)
-    _say(
-        "kernels: "
-        + str({n: (e.runner.linear_kernel, e.runner.backend.name) for n, e in engines.items()})
-    )
-    _say("measuring the machine ...")
-    machine = measure_machine()
-    vocab = engines["float32"].model_config.vocab_size
-    rows: list[dict[str, Any]] = []
+    engines: dict[tuple[str, str, str], LLMEngine] = {}
+    for name in models:
+        for dtype in dtypes:
+            path = model_path(name, dtype)
+            engines[(name, dtype, "avx2")] = make_engine(path, max_b, tokens, "avx2")
+            if args.baselines:
+                base = make_engine(path, max_b, tokens, "auto")
+                if base.runner.linear_kernel != "avx2":
+                    base.runner.set_decode_path("torch")
+                    engines[(name, dtype, base.runner.linear_kernel)] = base
+    for key, e in engines.items():
+        _say(f"{key}: kernel {e.runner.linear_kernel}, decode path {e.runner.decode_path}")
+    # variant key: (model, dtype, kernel, decode path)
+    variants = [(*k, "fused") for k in engines if k[2] == "avx2"]
+    variants += [(*k, "torch") for k in engines]
+    best: dict[tuple[str, str, str, str, int, int], float] = {}
+    bandwidth: dict[int, MachineInfo] = {}
     for b in batches:
-        prompts = prompts_for(b, args.context, vocab, seed=b)
-        for e in engines.values():
-            decode_steps(e, prompts, 2)  # warm-up at this shape
-        best: dict[str, float] = {}
+        prompt_sets = {
+            name: prompts_for(
+                b, args.context, engines[(name, dtypes[0], "avx2")].model_config.vocab_size, seed=b
+            )
+            for name in models
+        }
+        for (name, _, _), e in engines.items():  # full prefill once, then prefix-cache hits
+            decode_steps(e, prompt_sets[name], 2, reuse_prefix=True)
         for rnd in range(args.rounds):
-            for d, e in engines.items():
-                med = statistics.median(decode_steps(e, prompts, args.steps)[0])
-                best[d] = min(best.get(d, float("inf")), med)
+            for t in threads:
+                torch.set_num_threads(t)
+                m = measure_machine(size_mb=256, gemm_n=256, repeats=3)
+                bandwidth[t] = m if t not in bandwidth else bandwidth[t].best_of(m)
+                for name, dtype, kernel, path in variants:
+                    e = engines[(name, dtype, kernel)]
+                    if kernel == "avx2":
+                        e.runner.set_decode_path(path)  # type: ignore[arg-type]
+                    times, _ = decode_steps(e, prompt_sets[name], args.steps, reuse_prefix=True)
+                    vkey = (name, dtype, kernel, path, t, b)
+                    best[vkey] = min(best.get(vkey, math.inf), statistics.median(times))
             _say(
                 f"batch {b} round {rnd + 1}: "
-                + ", ".join(f"{d} {t * 1e3:.2f} ms" for d, t in best.items())
+                + ", ".join(
+                    f"{k[0]}/{k[1]}/{k[3]}/{k[4]}t {v * 1e3:.1f}"
+                    for k, v in best.items()
+                    if k[5] == b and k[2] == "avx2"
+                )
             )
-        machine = machine.best_of(measure_machine(size_mb=256, gemm_n=512, repeats=3))
-        rows.append({"batch": b} | {f"step_ms_{d}": t * 1e3 for d, t in best.items()})
-    profiles: dict[str, dict[str, dict[str, float]]] = {}
+    profiles: dict[str, dict[str, float]] = {}
     for b in profile_batches:
-        prompts = prompts_for(b, args.context, vocab, seed=b)
-        for d, e in engines.items():
-            times, prof = decode_steps(e, prompts, max(4, args.steps // 2), profile=True)
-            ops = op_table(prof, len(times))
-            ops["(step wall time, profiled)"] = statistics.mean(times) * 1e3
-            profiles.setdefault(d, {})[str(b)] = ops
-            _say(f"profiled {d} batch {b}: {statistics.mean(times) * 1e3:.1f} ms/step")
-    machine = measure_machine().best_of(machine)
-    result = summarize(args, engines, machine, rows, profiles)
-    result["variants"] = {n: list(v) for n, v in variants.items()}
+        for t in threads:
+            torch.set_num_threads(t)
+            for (name, dtype, kernel), e in engines.items():
+                if kernel != "avx2":
+                    continue
+                e.runner.set_decode_path("fused")
+                prompts = prompts_for(b, args.context, e.model_config.vocab_size, seed=b)
+                ops = fused_op_profile(e, prompts, max(8, args.steps))
+                profiles[f"{name} {dtype} {t}t b{b}"] = ops
+                _say(f"profiled {name} {dtype} {t} thread(s) batch {b}: {ops['step']:.2f} ms")
+    result = summarize(args, engines, bandwidth, best, profiles)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -216,120 +346,120 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(
     args: argparse.Namespace,
-    engines: dict[str, LLMEngine],
-    machine: MachineInfo,
-    rows: list[dict[str, Any]],
-    profiles: dict[str, dict[str, dict[str, float]]],
+    engines: dict[tuple[str, str, str], LLMEngine],
+    bandwidth: dict[int, MachineInfo],
+    best: dict[tuple[str, str, str, str, int, int], float],
+    profiles: dict[str, dict[str, float]],
 ) -> dict[str, Any]:
-    bw = machine.memory_bandwidth_gbs * 1e9
-    floors = {d: weight_bytes(engines[d]) / bw * 1e3 for d in DTYPES}
-    macs = weight_bytes(engines["float32"]) / 4  # multiply-adds per token (weights, fp32 bytes)
-    for row in rows:
-        row["bf16_over_fp32"] = row["step_ms_bfloat16"] / row["step_ms_float32"]
-        # The step can be no faster than its weight GEMMs at the machine's fp32 GEMM peak
-        # (same thread count; bf16 computes in fp32 here, so the same peak bounds it).
-        row["compute_floor_ms"] = 2 * macs * row["batch"] / (machine.matmul_gflops * 1e9) * 1e3
-    by_batch = {r["batch"]: r for r in rows}
-    targets: dict[str, Any] = {
-        "bf16_over_fp32_max": max(r["bf16_over_fp32"] for r in rows),
-    }
-    if 1 in by_batch:
-        for d in DTYPES:
-            targets[f"batch1_over_floor_{d}"] = by_batch[1][f"step_ms_{d}"] / floors[d]
-        if 16 in by_batch:
-            targets["bf16_batch16_over_batch1"] = (
-                by_batch[16]["step_ms_bfloat16"] / by_batch[1]["step_ms_bfloat16"]
-            )
+    wbytes = {f"{k[0]} {k[1]}": weight_bytes(e) for k, e in engines.items() if k[2] == "avx2"}
+    rows = []
+    for (name, dtype, kernel, path, t, b), sec in best.items():
+        if kernel != "avx2" or path != "fused":
+            continue
+        bw = bandwidth[t].memory_bandwidth_gbs * 1e9
+        floor_ms = wbytes[f"{name} {dtype}"] / bw * 1e3
+        row: dict[str, Any] = {
+            "model": name,
+            "dtype": dtype,
+            "threads": t,
+            "batch": b,
+            "bandwidth_gbs": bw / 1e9,
+            "floor_ms": floor_ms,
+            "fused_ms": sec * 1e3,
+            "torch_ms": best[(name, dtype, kernel, "torch", t, b)] * 1e3,
+        }
+        for (n2, d2, k2, _p2, t2, b2), s2 in best.items():
+            if (n2, d2, t2, b2) == (name, dtype, t, b) and k2 != "avx2":
+                row[f"{k2}_ms"] = s2 * 1e3
+        row["fused_over_floor"] = row["fused_ms"] / floor_ms
+        rows.append(row)
+    by_key = {(r["model"], r["dtype"], r["threads"], r["batch"]): r for r in rows}
+    for r in rows:
+        one = by_key.get((r["model"], r["dtype"], r["threads"], 1))
+        r["over_batch1"] = r["fused_ms"] / one["fused_ms"] if one else None
+        single = by_key.get((r["model"], r["dtype"], 1, r["batch"]))
+        r["over_1_thread"] = r["fused_ms"] / single["fused_ms"] if single else None
+    gemms = {f"{k[0]} {k[1]}": gemm_bytes(e) for k, e in engines.items() if k[2] == "avx2"}
     return {
         "benchmark": "decode_step",
-        "models": {"float32": args.fp32, "bfloat16": args.bf16},
-        "kernels": {n: [e.runner.linear_kernel, e.runner.backend.name] for n, e in engines.items()},
-        "threads": args.threads,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "context": args.context,
         "steps": args.steps,
         "rounds": args.rounds,
-        "machine": machine.to_json(),
-        "weight_bytes": {d: weight_bytes(engines[d]) for d in DTYPES},
-        "floor_ms": floors,
+        "machine": {str(t): m.to_json() for t, m in bandwidth.items()},
+        "weight_bytes": wbytes,
+        "gemm_bytes": gemms,
         "rows": rows,
-        "targets": targets,
         "profiles": profiles,
     }
 
 
 def render(result: dict[str, Any]) -> str:
-    m, fl = result["machine"], result["floor_ms"]
-    names = list(result["kernels"])
+    rows = result["rows"]
+    extra = sorted(
+        {k for r in rows for k in r if k.endswith("_ms")} - {"floor_ms", "fused_ms", "torch_ms"}
+    )
     lines = [
-        f"# Decode step by batch — {result['threads']} torch thread(s), context "
-        f"{result['context']}",
+        f"# Decode step vs weight-streaming floor ({result['date']}, CPU capability "
+        f"{result['cpu_capability']}, context {result['context']}, best of "
+        f"{result['rounds']} rounds x {result['steps']} steps)",
         "",
-        "Variants (linear kernel, attention backend): "
-        + ", ".join(f"{n} ({k[0]}, {k[1]})" for n, k in result["kernels"].items())
+        "Bandwidth measured in this run per thread count: "
+        + ", ".join(
+            f"{t} thread(s) {m['memory_bandwidth_gbs']:.1f} GB/s"
+            for t, m in result["machine"].items()
+        )
+        + ". Floor = weight bytes / that bandwidth. `fused`: the step in one C call; `torch`: "
+        "the same packed weights through the torch modules"
+        + (f"; {', '.join(extra)}: the 'auto' kernel, torch path" if extra else "")
         + ".",
         "",
-        f"Memory bandwidth {m['memory_bandwidth_gbs']:.1f} GB/s, fp32 GEMM peak "
-        f"{m['matmul_gflops']:.0f} GFLOP/s ({m['torch_threads']} thread(s), measured in this "
-        f"run); weight-streaming floor {fl['float32']:.2f} ms (float32), {fl['bfloat16']:.2f} ms "
-        "(bfloat16); compute floor = the step's weight FLOPs at that peak.",
-        "",
-        "| batch | "
-        + " | ".join(f"{n} step ms" for n in names)
-        + " | bf16 / fp32 | compute floor ms |",
-        "|---:|" + "---:|" * (len(names) + 2),
+        "| model | dtype | threads | batch | floor ms | fused ms | fused / floor | torch ms | "
+        + "".join(f"{k} | " for k in extra)
+        + "x batch 1 | x 1 thread |",
+        "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|---:|",
     ]
-    for r in result["rows"]:
+
+    def ratio(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}"
+
+    for r in sorted(rows, key=lambda r: (r["model"], r["dtype"], r["batch"], r["threads"])):
         lines.append(
-            f"| {r['batch']} | "
-            + " | ".join(f"{r[f'step_ms_{n}']:.2f}" for n in names)
-            + f" | {r['bf16_over_fp32']:.2f} | {r['compute_floor_ms']:.2f} |"
+            f"| {r['model']} | {r['dtype']} | {r['threads']} | {r['batch']} | "
+            f"{r['floor_ms']:.2f} | {r['fused_ms']:.2f} | **{r['fused_over_floor']:.2f}** | "
+            f"{r['torch_ms']:.2f} | "
+            + "".join(f"{r[k]:.2f} | " if k in r else " | " for k in extra)
+            + f"{ratio(r['over_batch1'])} | {ratio(r['over_1_thread'])} |"
         )
-    lines += [
-        "",
-        "Targets (issue 21): " + json.dumps({k: round(v, 3) for k, v in result["targets"].items()}),
-    ]
     if result["profiles"]:
-        lines += ["", *render_profile(result["profiles"])]
+        lines += ["", *render_fused_profile(result)]
     return "\n".join(lines) + "\n"
 
 
-def render_profile(profiles: dict[str, dict[str, dict[str, float]]]) -> list[str]:
-    """One table per variant: ops as rows (the same ops, in the same order, in every table),
-    batches as columns, self ms per step."""
-    cols = [(d, b) for d in profiles for b in profiles[d]]
-    wall = "(step wall time, profiled)"
-    names: set[str] = set()
-    for d, b in cols:
-        ops = {k: v for k, v in profiles[d][b].items() if k != wall}
-        names |= set(sorted(ops, key=ops.__getitem__, reverse=True)[:TOP_OPS])
-    order = sorted(names, key=lambda n: -max(profiles[d][b].get(n, 0.0) for d, b in cols))
-    lines: list[str] = []
-    for d, by_batch in profiles.items():
-        batches = list(by_batch)
-        lines += [
-            f"### {d}: self ms per decode step",
-            "",
-            "| op | " + " | ".join(f"batch {b}" for b in batches) + " |",
-            "|---|" + "---:|" * len(batches),
-        ]
-        for n in order:
-            cells = " | ".join(f"{by_batch[b].get(n, 0.0):.2f}" for b in batches)
-            lines.append(f"| `{n}` | {cells} |")
-        ops_sum = {b: sum(v for k, v in by_batch[b].items() if k != wall) for b in batches}
-        other = {b: ops_sum[b] - sum(by_batch[b].get(n, 0.0) for n in order) for b in batches}
-        outside = {b: by_batch[b][wall] - ops_sum[b] for b in batches}
-        lines.append("| other ops | " + " | ".join(f"{other[b]:.2f}" for b in batches) + " |")
-        lines.append(
-            "| outside ops (Python, bookkeeping) | "
-            + " | ".join(f"{outside[b]:.2f}" for b in batches)
-            + " |"
-        )
-        lines.append(
-            "| **step (profiled)** | "
-            + " | ".join(f"**{by_batch[b][wall]:.2f}**" for b in batches)
-            + " |"
-        )
-        lines.append("")
+def render_fused_profile(result: dict[str, Any]) -> list[str]:
+    """Ops as rows, profiled configurations as columns, ms per step; each GEMM's own floor."""
+    profiles: dict[str, dict[str, float]] = result["profiles"]
+    cols = list(profiles)
+    names = list(next(iter(profiles.values())))
+    lines = [
+        "### Fused step: ms per step by op (wall time inside the C step; GEMM floors = its "
+        "weight bytes / the bandwidth above)",
+        "",
+        "| op | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for n in names:
+        cells = []
+        for c in cols:
+            cell = f"{profiles[c][n]:.2f}"
+            model, dtype, threads = c.split()[:3]
+            nbytes = result["gemm_bytes"][f"{model} {dtype}"].get(n)
+            if nbytes:
+                bw = result["machine"][threads.rstrip("t")]["memory_bandwidth_gbs"] * 1e9
+                cell += f" (floor {nbytes / bw * 1e3:.2f})"
+            cells.append(cell)
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -313,7 +313,7 @@ class LLMEngine:
         if rows:
             requests = [self.scheduler.requests[items[i].request_id] for i in rows]
             out = self.sampler.sample(
-                logits[rows],
+                logits if len(rows) == len(items) else logits[rows],
                 [r.params for r in requests],
                 [r.generator for r in requests],
                 [_banned(r) for r in requests],

@@ -10,17 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
+from model_runtime.kernels.decode_step import FusedDecode
 from model_runtime.kv_cache import KVCache
 from model_runtime.linear import LinearKernel, pack_linears
 from model_runtime.model import LlamaModel
 from model_runtime.weights import load_model
 
+DecodePath = Literal["fused", "torch"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,7 +61,10 @@ class ModelRunner:
         kv_cache: KVCache,
         backend: AttentionBackend,
         linear_kernel: str = "torch",
+        decode_isa: str | None = None,
     ) -> None:
+        """`decode_isa`: the build of the fused decode step (`kernels.build.ISA_FLAGS`; None:
+        the widest this CPU runs)."""
         self.config = config
         self.linear_kernel = linear_kernel  # as resolved by `pack_linears`
         self.model = model
@@ -66,6 +72,26 @@ class ModelRunner:
         self.backend = backend
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
+        # Steps whose every row is one new token run as one C call where the model allows
+        # (`kernels.decode_step`); `decode_path` says which path they take.
+        self.fused_unsupported = FusedDecode.unsupported(model, kv_cache, decode_isa)
+        self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
+        self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
+
+    @property
+    def fused(self) -> FusedDecode | None:
+        """The fused decode step while `decode_path` is 'fused', else None."""
+        return self._fused if self.decode_path == "fused" else None
+
+    def set_decode_path(self, path: DecodePath) -> None:
+        """Run all-decode steps fused (one C call) or through the torch model's modules
+        (benchmarks compare the two). 'fused' where `fused_unsupported` is not empty is a
+        ValueError that says why."""
+        if path not in get_args(DecodePath):
+            raise ValueError(f"decode path must be one of {get_args(DecodePath)}, got {path!r}")
+        if path == "fused" and self._fused is None:
+            raise ValueError(f"the fused decode step cannot run here: {self.fused_unsupported}")
+        self.decode_path = path
 
     @classmethod
     def from_model_dir(
@@ -161,6 +187,28 @@ class ModelRunner:
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
+        if (
+            self.fused is not None
+            and on_layer_done is None
+            and all(len(item.token_ids) == 1 for item in items)
+        ):
+            return self._execute_fused(self.fused, items)
         input_ids, positions, meta, last = self.build_metadata(items)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, on_layer_done)
         return self.model.compute_logits(hidden.index_select(0, last))
+
+    def _execute_fused(self, fused: FusedDecode, items: Sequence[StepInput]) -> torch.Tensor:
+        """`execute` for steps of one new token per item, in one C call."""
+        bs = self.block_size
+        seq_lens = [item.start_pos + 1 for item in items]
+        width = -(-max(seq_lens) // bs)
+        tables = []
+        for item, end in zip(items, seq_lens, strict=True):
+            needed = -(-end // bs)
+            assert len(item.block_table) >= needed, (
+                f"block_table has {len(item.block_table)} blocks, {needed} needed for {end} tokens"
+            )
+            tables.append(list(item.block_table[:needed]) + [0] * (width - needed))
+        return fused.run(
+            [item.token_ids[0] for item in items], torch.tensor(tables, dtype=torch.int64), seq_lens
+        )

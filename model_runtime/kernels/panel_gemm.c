@@ -112,6 +112,22 @@ static inline void load_f32_panel(const float *src, __m256 *cols0_7, __m256 *col
 
 static inline float same_f32(float f) { return f; }
 
+#ifdef __AVX512F__
+/* One k step of a bf16 panel as 16 fp32 lanes in stored order (lane 2i = column i, lane
+ * 2i + 1 = column 8 + i); unpermute_bf16 puts lanes back in column order. */
+static inline __m512 widen_panel512(const uint16_t *src) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline __m512 unpermute_bf16(__m512 v) {
+    const __m512i idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    return _mm512_permutexvar_ps(idx, v);
+}
+
+static inline __m512 same_order(__m512 v) { return v; }
+#endif
+
 /* bf16 weights, activations and outputs */
 #define WT uint16_t
 #define FN(name) name##_bf16
@@ -120,6 +136,8 @@ static inline float same_f32(float f) { return f; }
 #define TO_F32 bf16_to_f32
 #define FROM_F32 bf16_scalar
 #define STORE8 store_bf16x8
+#define LOAD_PANEL512 widen_panel512
+#define UNPERMUTE512 unpermute_bf16
 #include "panel_gemm_body.h"
 #undef WT
 #undef FN
@@ -128,6 +146,8 @@ static inline float same_f32(float f) { return f; }
 #undef TO_F32
 #undef FROM_F32
 #undef STORE8
+#undef LOAD_PANEL512
+#undef UNPERMUTE512
 
 /* fp32 weights, activations and outputs */
 #define WT float
@@ -137,4 +157,6 @@ static inline float same_f32(float f) { return f; }
 #define TO_F32 same_f32
 #define FROM_F32 same_f32
 #define STORE8 _mm256_storeu_ps
+#define LOAD_PANEL512 _mm512_loadu_ps
+#define UNPERMUTE512 same_order
 #include "panel_gemm_body.h"

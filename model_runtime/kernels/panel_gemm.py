@@ -46,8 +46,8 @@ _INTERLEAVE = [c for i in range(PANEL // 2) for c in (i, PANEL // 2 + i)]
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, reason = build.load_library(_SOURCE)
+def _load(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
+    lib, reason = build.load_library(_SOURCE, isa)
     if lib is None:
         return None, reason
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -58,14 +58,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot run here (see the module doc)."""
-    return _load()[0]
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel library for `isa` (`build.ISA_FLAGS`; None: `build.default_isa()`),
+    or None where it cannot run here (see the module doc)."""
+    return _load(isa)[0]
 
 
-def unavailable_reason() -> str:
-    """Why `load()` returned None ('' when it did not)."""
-    return _load()[1]
+def unavailable_reason(isa: str | None = None) -> str:
+    """Why `load(isa)` returned None ('' when it did not)."""
+    return _load(isa)[1]
 
 
 def _columns(dtype: torch.dtype) -> list[int]:
@@ -99,13 +100,18 @@ def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T + bias ([..., K] -> [..., out_features]) in the weight's dtype, computed in
     fp32 by the kernel with `torch.get_num_threads()` threads. x must be a CPU tensor of the
-    weight's dtype; `packed` comes from `pack_weight`. Needs `load()` to be non-None."""
-    lib = load()
-    assert lib is not None, unavailable_reason()
+    weight's dtype; `packed` comes from `pack_weight` (one layout for every ISA). Needs
+    `load(isa)` to be non-None."""
+    lib = load(isa)
+    assert lib is not None, unavailable_reason(isa)
     k = packed.shape[1]
     assert x.dtype == packed.dtype and x.shape[-1] == k, (
         f"x must be {packed.dtype} [..., {k}], got {x.dtype} {tuple(x.shape)}"

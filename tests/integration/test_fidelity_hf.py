@@ -73,17 +73,36 @@ def _assert_same(ours: list[int], hf: list[int], scores: torch.Tensor, label: st
             return
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize(
+    ("prefix_caching", "linear_kernel"),
+    [(False, "auto"), (True, "auto"), (False, "avx2")],
+    ids=["no-prefix-cache", "prefix-cache", "avx2-fused-decode"],
+)
 def test_engine_greedy_equals_hf_batch_size_1(
     tiny_model_dir: Path,
     prompts: list[list[int]],
     hf_outputs: list[tuple[list[int], torch.Tensor]],
     prefix_caching: bool,
+    linear_kernel: str,
 ) -> None:
+    """On the default kernels, and on the avx2 kernel whose decode steps run fused in C
+    (`kernels.decode_step`; the default on AVX2-only CPUs, opt-in elsewhere)."""
+    if linear_kernel == "avx2":
+        from model_runtime.kernels import decode_step
+
+        if decode_step.load() is None:
+            pytest.skip(f"fused decode step unavailable: {decode_step.unavailable_reason()}")
     engine = LLMEngine.from_model_dir(
         tiny_model_dir,
-        EngineConfig(enable_prefix_caching=prefix_caching, num_kv_blocks=256, max_num_seqs=8),
+        EngineConfig(
+            enable_prefix_caching=prefix_caching,
+            num_kv_blocks=256,
+            max_num_seqs=8,
+            linear_kernel=linear_kernel,  # type: ignore[arg-type]
+        ),
     )
+    if linear_kernel == "avx2":
+        assert engine.runner.decode_path == "fused", engine.runner.fused_unsupported
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     free_at_start = engine.block_pool.num_free
     # With prefix caching, run every prompt twice: the second pass hits the cache for every

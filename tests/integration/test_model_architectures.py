@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_runtime.config import ModelConfig
+from model_runtime.kernels import panel_gemm
 from model_runtime.model_runner import ModelRunner, StepInput
 
 transformers = pytest.importorskip("transformers")
@@ -84,14 +85,27 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel", ["auto", "avx2"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_match_hf(case: str, tmp_path: Path) -> None:
+def test_logits_match_hf(case: str, kernel: str, tmp_path: Path) -> None:
+    """Prefill chunk then decode steps; with the `avx2` kernel the decode steps run the fused
+    C step (`kernels.decode_step`) wherever the model supports it."""
+    if kernel == "avx2" and panel_gemm.load() is None:
+        pytest.skip(f"avx2 panel kernel unavailable: {panel_gemm.unavailable_reason()}")
     kind, extra = CASES[case]
     hf = _hf_model(kind, tmp_path, **extra)
     ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, 12:]
-    runner = ModelRunner.from_model_dir(tmp_path, num_blocks=32, block_size=4, dtype="float32")
+    runner = ModelRunner.from_model_dir(
+        tmp_path,
+        num_blocks=32,
+        block_size=4,
+        dtype="float32",
+        linear_kernel=kernel,  # type: ignore[arg-type]
+    )
+    if kernel == "avx2":
+        assert runner.decode_path == "fused" or runner.fused_unsupported, case
     ours = _run_chunked(runner, ids)
     diff = (ours - ref).abs().max().item()
     assert diff < 1e-4, f"{case}: max abs logit diff {diff}"

@@ -13,12 +13,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime.kernels import panel_gemm
+from model_runtime.kernels import build, panel_gemm
 
 pytestmark = pytest.mark.skipif(
     panel_gemm.load() is None,
     reason=f"panel kernel unavailable here: {panel_gemm.unavailable_reason()}",
 )
+# Every build (instruction set) of the kernel; the ones this CPU cannot run are skipped.
+ISAS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            isa not in build.cpu_isas(), reason=f"this CPU runs {build.cpu_isas()}, not {isa}"
+        ),
+    )
+    for isa in build.ISA_FLAGS
+]
 
 
 def _operands(
@@ -57,6 +67,7 @@ def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor, what: str
     )
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
@@ -77,17 +88,17 @@ def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor, what: str
     ],
 )
 def test_kernel_matches_reference(
-    rows: int, k: int, n: int, bias: bool, threads: int, dtype: torch.dtype
+    rows: int, k: int, n: int, bias: bool, threads: int, dtype: torch.dtype, isa: str
 ) -> None:
     x, w, b = _operands(rows, k, n, bias, dtype=dtype)
     packed = panel_gemm.pack_weight(w)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = panel_gemm.linear(x, packed, n, b)
+        got = panel_gemm.linear(x, packed, n, b, isa=isa)
     finally:
         torch.set_num_threads(before)
-    assert_matches(got, panel_gemm.reference_linear(x, w, b), f"{dtype} {rows}x{k}x{n}")
+    assert_matches(got, panel_gemm.reference_linear(x, w, b), f"{isa} {dtype} {rows}x{k}x{n}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,0 +1,304 @@
+/* A whole decode step of a Llama-family model in C: every layer, the final norm and the LM
+ * head, for B sequences of one new token each, in one call (no Python between ops).
+ *
+ * Built and loaded by model_runtime/kernels/decode_step.py, which states the contract; the
+ * plain reference is the torch model (model_runtime/model.py) on the same packed weights.
+ * Runs in the engine thread of a worker process; the GEMMs (panel_gemm.c's column groups) and
+ * the attention (decode_attention.c, one item per sequence) run on nthreads threads of the
+ * claim-counter pool in pool.h, not OpenMP (pool.h says why).
+ *
+ * Per layer, for rows r < B (hidden x[r] kept in the weight dtype, as the torch model keeps
+ * it, so bf16 rounds at the same points: after each residual add and each GEMM):
+ *
+ *     h = rmsnorm(x) * ln1                 (fp32 sum of squares; HF's two roundings in bf16)
+ *     qkv = h @ Wqkv^T (+ bias)            panel GEMM, one call for q, k and v
+ *     q, k = rope(q, k) at position len-1  rotate-half, HF's products, no FMA contraction
+ *     K/V cache <- k, v at the slot        table[r][pos / bs] * block_stride + pos % bs rows
+ *     a = attention(q, cache)              decode_attention.c's one_sequence, in place
+ *     x = x + a @ Wo^T
+ *     h = rmsnorm(x) * ln2
+ *     g, u = split(h @ Wgu^T)              one GEMM for gate and up
+ *     x = x + (silu(g) * u) @ Wdown^T
+ *
+ * then logits = rmsnorm(x) * norm @ Wlm^T in the weight dtype.
+ */
+#include "panel_gemm.c"
+#include "decode_attention.c"
+#include "pool.h"
+
+#include <math.h>
+#include <time.h>
+
+/* Where a step's time goes (pdserve_decode_step's `op_seconds`, summed over layers). */
+enum {
+    OP_EMBED, OP_NORM, OP_QKV, OP_ROPE_KV, OP_ATTENTION, OP_O, OP_RESIDUAL, OP_GATE_UP,
+    OP_ACT, OP_DOWN, OP_LM_HEAD, OP_COUNT
+};
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* With op_seconds non-NULL, add the time since *t to op_seconds[op] and restart *t. */
+static inline void lap(double *op_seconds, int op, double *t) {
+    if (op_seconds == NULL) return;
+    const double n = now_s();
+    op_seconds[op] += n - *t;
+    *t = n;
+}
+
+/* Per-layer pointers, in this order, in pd_model.layers (int64 each). */
+enum { L_LN1, L_QKV, L_QKV_BIAS, L_O, L_LN2, L_GATE_UP, L_DOWN, L_KV, L_FIELDS };
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    int64_t block_size;   /* tokens per KV block */
+    int64_t block_stride; /* elements from one block of a layer to the next */
+    int64_t v_offset;     /* elements from a block's K half to its V half */
+    int64_t max_position; /* rows of the rope tables */
+    float eps, scale;
+    int bf16;
+    const void *embed;      /* [vocab, hidden] plain */
+    const void *final_norm; /* [hidden] */
+    const void *lm_head;    /* packed panels */
+    const float *cos_table; /* [max_position, head_dim] fp32 */
+    const float *sin_table;
+    const int64_t *layers; /* [num_layers][L_FIELDS] addresses */
+} pd_model;
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float f, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_scalar(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+/* The value a torch op in the weight dtype leaves: rounded to bf16 for bf16 models. */
+static inline float rnd(float f, int bf16) { return bf16 ? bf16_to_f32(bf16_scalar(f)) : f; }
+
+/* y = x @ W^T (+ bias) on the panel kernel, its column groups spread over the pool. */
+static int gemm(const pd_model *m, const void *x, int64_t rows, int64_t k, const void *w,
+                int64_t n, const void *bias, void *y, float *xf, int nthreads) {
+    if (rows <= 0 || k <= 0 || n <= 0) return -1;
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+    if (m->bf16) {
+        pack_x_bf16(x, rows, k, xf);
+        gemm_args_bf16 a = {xf, rows, k, n, groups, w, bias, y};
+        pd_parallel_for(gemm_items_bf16(&a), nthreads, gemm_item_bf16, &a);
+    } else {
+        pack_x_f32(x, rows, k, xf);
+        gemm_args_f32 a = {xf, rows, k, n, groups, w, bias, y};
+        pd_parallel_for(gemm_items_f32(&a), nthreads, gemm_item_f32, &a);
+    }
+    return 0;
+}
+
+/* out = weight * dtype(x * rsqrt(mean(x^2) + eps)), as RMSNorm in model.py / HF. */
+static void rmsnorm(const void *x, const void *w, int64_t n, float eps, int bf16, void *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = ld(x, i, bf16);
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++)
+        st(out, i, ld(w, i, bf16) * rnd(ld(x, i, bf16) * inv, bf16), bf16);
+}
+
+/* Rotate-half RoPE of `heads` heads of x (in place) with one position's cos/sin rows:
+ * x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s, as HF computes them (each product rounded,
+ * then the sum; bf16 products round to bf16 as torch's bf16 ops do, with the tables in bf16). */
+__attribute__((optimize("fp-contract=off"))) static void rope(void *x, int64_t heads,
+                                                             int64_t D, const float *c,
+                                                             const float *s, int bf16) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t o = h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = ld(x, o + i, bf16), x2 = ld(x, o + half + i, bf16);
+            const float c1 = rnd(c[i], bf16), c2 = rnd(c[half + i], bf16);
+            const float s1 = rnd(s[i], bf16), s2 = rnd(s[half + i], bf16);
+            const float a1 = rnd(x1 * c1, bf16), b1 = rnd(x2 * -s1, bf16);
+            const float a2 = rnd(x2 * c2, bf16), b2 = rnd(x1 * s2, bf16);
+            st(x, o + i, a1 + b1, bf16);
+            st(x, o + half + i, a2 + b2, bf16);
+        }
+    }
+}
+
+/* 8 values of the weight dtype as fp32, and back (bf16: round to nearest even). */
+static inline __m256 load8_wt(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+static inline void store8_wt(void *p, int64_t i, __m256 v, int bf16) {
+    if (bf16)
+        store_bf16x8((uint16_t *)p + i, v);
+    else
+        _mm256_storeu_ps((float *)p + i, v);
+}
+
+/* act[r] = silu(g) * u for one row of wide = [g | u] (2I values): silu rounded to the weight
+ * dtype, then the product, as torch's two bf16 ops round. */
+typedef struct {
+    const char *wide;
+    char *act;
+    int64_t I;
+    int bf16;
+} act_args;
+
+static void act_item(void *ctx, int64_t r) {
+    const act_args *a = ctx;
+    const int bf16 = a->bf16;
+    const int64_t I = a->I, elem = bf16 ? 2 : 4;
+    const char *g = a->wide + r * 2 * I * elem, *u = g + I * elem;
+    char *out = a->act + r * I * elem;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 gv = load8_wt(g, i, bf16);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        if (bf16) { /* silu's own rounding to bf16 */
+            uint16_t tmp[8];
+            store_bf16x8(tmp, s);
+            s = load8_wt(tmp, 0, 1);
+        }
+        store8_wt(out, i, _mm256_mul_ps(s, load8_wt(u, i, bf16)), bf16);
+    }
+    for (; i < I; i++) {
+        const float gs = ld(g, i, bf16);
+        st(out, i, rnd(gs / (1.0f + expf(-gs)), bf16) * ld(u, i, bf16), bf16);
+    }
+}
+
+/* One layer's attention for the decode rows, one row per pool item (scratch per row). */
+typedef struct {
+    const pd_model *m;
+    const char *qkv;
+    const char *kv;
+    const int64_t *tables;
+    int64_t table_stride;
+    const int64_t *seq_lens;
+    char *att;
+    float *scratch;
+    int64_t scratch_per_row;
+} attn_args;
+
+static void attn_item(void *ctx, int64_t r) {
+    const attn_args *a = ctx;
+    const pd_model *m = a->m;
+    const int64_t NH = m->heads, D = m->head_dim, Q = NH * D, KV = m->kv_heads * D;
+    const int64_t elem = m->bf16 ? 2 : 4;
+    float *buf = a->scratch + a->scratch_per_row * r;
+    one_sequence(a->qkv + r * (Q + 2 * KV) * elem, a->kv, a->kv + m->v_offset * elem,
+                 m->block_stride, a->tables + r * a->table_stride, a->seq_lens[r], NH,
+                 m->kv_heads, D, m->block_size, m->scale, m->bf16, a->att + r * Q * elem, buf,
+                 buf + NH * D, buf + 2 * NH * D);
+}
+
+/* Every layer, the final norm and the LM head for B decode rows. tokens[B]: the new token;
+ * tables [B, table_stride] int64 block ids; seq_lens[B]: tokens in each sequence counting
+ * the new one (its position is seq_lens[r] - 1, its K/V slot there). logits: [B, vocab] fp32
+ * (for bf16 models the bf16 LM head outputs, widened). op_seconds: NULL, or OP_COUNT doubles
+ * to which each op's wall time is added. Returns 0; -1 for arguments out of range; -2 out of
+ * memory (nothing written to logits; the KV cache may hold this step's rows for some layers). */
+int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t *tables,
+                        int64_t table_stride, const int64_t *seq_lens, int64_t B, void *logits,
+                        int nthreads, double *op_seconds) {
+    const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t Q = NH * D, KV = KVH * D, NQKV = Q + 2 * KV, I = m->inter, bs = m->block_size;
+    const int bf16 = m->bf16;
+    const int64_t elem = bf16 ? 2 : 4;
+    if (B <= 0 || nthreads < 1 || KVH <= 0 || NH % KVH != 0 || NH > MAX_HEADS ||
+        NH / KVH > MAX_GROUP || D % 8 != 0 || bs <= 0 || bs > MAX_BLOCK)
+        return -1;
+    for (int64_t r = 0; r < B; r++)
+        if (seq_lens[r] <= 0 || seq_lens[r] > m->max_position || tokens[r] < 0 ||
+            tokens[r] >= m->vocab)
+            return -1;
+    const int64_t widest = (2 * I > H ? 2 * I : H) > Q ? (2 * I > H ? 2 * I : H) : Q;
+    const int64_t kmax = (I > H ? I : H) > Q ? (I > H ? I : H) : Q;
+    const int64_t attn_scratch = 2 * NH * D + NH * bs;
+    /* x, h, qkv, attention out, wide (gate/up), act: weight dtype; then fp32 scratch */
+    const int64_t nwt = B * (H + H + NQKV + Q + widest + I);
+    const int64_t nf32 = B * kmax + attn_scratch * B;
+    const int64_t nlogits = bf16 ? B * m->vocab : 0; /* bf16 LM head outputs */
+    char *arena = malloc((size_t)((nwt + nlogits) * elem + nf32 * 4 + 64));
+    if (arena == NULL) return -2;
+    char *x = arena, *h = x + B * H * elem, *qkv = h + B * H * elem, *att = qkv + B * NQKV * elem;
+    char *wide = att + B * Q * elem, *act = wide + B * widest * elem;
+    float *xf = (float *)(((uintptr_t)(act + (B * I + nlogits) * elem) + 63) & ~(uintptr_t)63);
+    float *ascratch = xf + B * kmax;
+
+    double t = op_seconds != NULL ? now_s() : 0.0;
+    for (int64_t r = 0; r < B; r++)
+        memcpy(x + r * H * elem, (const char *)m->embed + tokens[r] * H * elem, H * elem);
+    lap(op_seconds, OP_EMBED, &t);
+
+    int rc = 0;
+    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+        const int64_t *lp = m->layers + l * L_FIELDS;
+        char *kv = (char *)(uintptr_t)lp[L_KV];
+        for (int64_t r = 0; r < B; r++)
+            rmsnorm(x + r * H * elem, (const void *)(uintptr_t)lp[L_LN1], H, m->eps, bf16,
+                    h + r * H * elem);
+        lap(op_seconds, OP_NORM, &t);
+        rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_QKV], NQKV,
+                   (const void *)(uintptr_t)lp[L_QKV_BIAS], qkv, xf, nthreads);
+        lap(op_seconds, OP_QKV, &t);
+        for (int64_t r = 0; r < B; r++) {
+            const int64_t pos = seq_lens[r] - 1;
+            char *row = qkv + r * NQKV * elem;
+            rope(row, NH + KVH, D, m->cos_table + pos * D, m->sin_table + pos * D, bf16);
+            const int64_t block = tables[r * table_stride + pos / bs];
+            char *slot = kv + (block * m->block_stride + (pos % bs) * KV) * elem;
+            memcpy(slot, row + Q * elem, KV * elem);
+            memcpy(slot + m->v_offset * elem, row + (Q + KV) * elem, KV * elem);
+        }
+        lap(op_seconds, OP_ROPE_KV, &t);
+        attn_args aa = {m, qkv, kv, tables, table_stride, seq_lens, att, ascratch, attn_scratch};
+        pd_parallel_for(B, nthreads, attn_item, &aa);
+        lap(op_seconds, OP_ATTENTION, &t);
+        rc |= gemm(m, att, B, Q, (const void *)(uintptr_t)lp[L_O], H, NULL, wide, xf, nthreads);
+        lap(op_seconds, OP_O, &t);
+        for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
+        lap(op_seconds, OP_RESIDUAL, &t);
+        for (int64_t r = 0; r < B; r++)
+            rmsnorm(x + r * H * elem, (const void *)(uintptr_t)lp[L_LN2], H, m->eps, bf16,
+                    h + r * H * elem);
+        lap(op_seconds, OP_NORM, &t);
+        rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_GATE_UP], 2 * I, NULL, wide, xf,
+                   nthreads);
+        lap(op_seconds, OP_GATE_UP, &t);
+        act_args ac = {wide, act, I, bf16};
+        pd_parallel_for(B, nthreads, act_item, &ac);
+        lap(op_seconds, OP_ACT, &t);
+        rc |= gemm(m, act, B, I, (const void *)(uintptr_t)lp[L_DOWN], H, NULL, wide, xf,
+                   nthreads);
+        lap(op_seconds, OP_DOWN, &t);
+        for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
+        lap(op_seconds, OP_RESIDUAL, &t);
+    }
+    if (rc == 0) {
+        for (int64_t r = 0; r < B; r++)
+            rmsnorm(x + r * H * elem, m->final_norm, H, m->eps, bf16, h + r * H * elem);
+        lap(op_seconds, OP_NORM, &t);
+        /* bf16: the LM head's bf16 outputs (the torch model's rounding), widened into the
+         * fp32 logits; fp32: written in place */
+        void *lm_out = bf16 ? (void *)(arena + nwt * elem) : logits;
+        rc = gemm(m, h, B, H, m->lm_head, m->vocab, NULL, lm_out, xf, nthreads);
+        if (bf16)
+            for (int64_t i = 0; i < B * m->vocab; i++) ((float *)logits)[i] = ld(lm_out, i, 1);
+        lap(op_seconds, OP_LM_HEAD, &t);
+    }
+    free(arena);
+    return rc == 0 ? 0 : -1;
+}

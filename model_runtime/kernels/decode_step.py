@@ -1,0 +1,249 @@
+"""A whole decode step in one C call (`decode_step.c`). Runs in the engine thread of a worker.
+
+Why: a batch-1 decode step streams the weights once, and the rest should be nearly free. In
+torch it is ~15 ops and 4 module calls per layer, each a few microseconds of Python and
+dispatch, which on a 2-core CPU added 30-50 % to the weight-streaming time of a 12-layer model
+(issue 21's profile) and grows with the layer count (issue 30). `FusedDecode.run` does the
+embedding gather, every layer (RMSNorm, one QKV GEMM, RoPE, the K/V cache write, paged
+attention, o_proj + residual, RMSNorm, one gate/up GEMM, SiLU * up, down + residual), the final
+norm and the LM head in C, on the `avx2` kernel's packed weights (`panel_gemm`), with
+`torch.get_num_threads()` threads.
+
+Contract: the same function as `LlamaModel` + `compute_logits` on the same packed weights for
+steps whose every row is one new token, and the same K/V written to the cache. In float32 the
+GEMMs, RoPE and attention give the torch path's bits; RMSNorm's sum of squares and SiLU's exp
+may differ in the last bit, which the layers amplify: on the tiny test model logits agreed to
+1.1e-5 relative (the test allows 1e-4), and float32 greedy tokens equal HF's. In bfloat16
+every value is rounded to bf16 at the points where the torch model's ops round it, and the same
+near-ties apply. `FusedDecode.unsupported` says when a model cannot take this path (a layer
+not on the `avx2` kernel, a bias other than the QKV one, shapes the attention kernel does not
+take); the runner then keeps the torch model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from model_runtime.kernels import build
+from model_runtime.kv_cache import KVCache
+from model_runtime.model import DecoderLayer, LlamaModel
+
+_SOURCE = Path(__file__).with_name("decode_step.c")
+_FIELDS = 8  # per-layer addresses (the L_* enum in decode_step.c)
+_MAX_HEADS, _MAX_GROUP, _MAX_BLOCK = 256, 16, 256  # decode_attention.c's limits
+# The OP_* enum of decode_step.c: where `FusedDecode.op_seconds` adds each op's wall time.
+OPS = (
+    "embedding gather",
+    "rmsnorm",
+    "qkv gemm",
+    "rope + kv write",
+    "attention",
+    "o_proj gemm",
+    "residual adds",
+    "gate/up gemm",
+    "silu * up",
+    "down gemm",
+    "lm head gemm",
+)
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("v_offset", ctypes.c_int64),
+        ("max_position", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("bf16", ctypes.c_int),
+        ("embed", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p),
+        ("cos_table", ctypes.c_void_p),
+        ("sin_table", ctypes.c_void_p),
+        ("layers", ctypes.c_void_p),
+    ]
+
+
+@functools.cache
+def _load(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
+    lib, reason = build.load_library(_SOURCE, isa)
+    if lib is None:
+        return None, reason
+    fn = lib.pdserve_decode_step
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr]
+    fn.restype = ctypes.c_int
+    return lib, ""
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled step for `isa` (`build.ISA_FLAGS`; None: `build.default_isa()`), or None
+    where it cannot run here (`unavailable_reason` says why)."""
+    return _load(isa)[0]
+
+
+def unavailable_reason(isa: str | None = None) -> str:
+    return _load(isa)[1]
+
+
+def decoder_layers(model: LlamaModel) -> list[DecoderLayer]:
+    """The model's layers, typed."""
+    return [cast(DecoderLayer, layer) for layer in model.layers]
+
+
+class FusedDecode:
+    """The decode step of one packed model over one KV cache. Holds references to every
+    tensor whose address it passes to C, so they live as long as it does; the model's weights
+    and the cache must not be replaced or repacked while it is in use."""
+
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, isa: str | None = None) -> None:
+        reason = FusedDecode.unsupported(model, kv_cache, isa)
+        assert not reason, reason
+        self.isa = isa or build.default_isa()
+        self._lib = load(isa)
+        cfg = model.config
+        kv = kv_cache.kv  # [L, blocks, 2, bs, KVH, D]
+        self.vocab = cfg.vocab_size
+        self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
+        self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
+        rows = []
+        for i, layer in enumerate(decoder_layers(model)):
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            tensors = [
+                layer.input_layernorm.weight.detach(),
+                attn.qkv_proj.packed,
+                None if bias is None else bias.detach().contiguous(),
+                attn.o_proj.packed,
+                layer.post_attention_layernorm.weight.detach(),
+                mlp.gate_up_proj.packed,
+                mlp.down_proj.packed,
+                kv[i],
+            ]
+            self._keep += [t for t in tensors if t is not None]
+            rows.append([0 if t is None else t.data_ptr() for t in tensors])
+        self._layers = torch.tensor(rows, dtype=torch.int64)
+        assert self._layers.shape == (cfg.num_hidden_layers, _FIELDS), self._layers.shape
+        assert model.lm_head.packed is not None
+        self._keep.append(model.lm_head.packed)
+        # None, or len(OPS) seconds that every `run` adds each op's wall time to (profiling).
+        self.op_seconds: torch.Tensor | None = None
+        self._model = _Model(
+            num_layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            inter=cfg.intermediate_size,
+            vocab=cfg.vocab_size,
+            block_size=kv.shape[3],
+            block_stride=kv.stride(1),
+            v_offset=kv.stride(2),
+            max_position=model.cos_cache.shape[0],
+            eps=decoder_layers(model)[0].input_layernorm.eps,
+            scale=cfg.head_dim**-0.5,
+            bf16=int(kv.dtype == torch.bfloat16),
+            embed=self._keep[0].data_ptr(),
+            final_norm=self._keep[1].data_ptr(),
+            lm_head=model.lm_head.packed.data_ptr(),
+            cos_table=self._keep[2].data_ptr(),
+            sin_table=self._keep[3].data_ptr(),
+            layers=self._layers.data_ptr(),
+        )
+
+    @staticmethod
+    def unsupported(model: LlamaModel, kv_cache: KVCache, isa: str | None = None) -> str:
+        """Why this model and cache cannot take the fused step built for `isa` ('' when they
+        can)."""
+        if load(isa) is None:
+            return unavailable_reason(isa)
+        cfg = model.config
+        kv = kv_cache.kv
+        if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16):
+            return f"it takes CPU float32 or bfloat16 caches, got {kv.device} {kv.dtype}"
+        linears = [model.lm_head]
+        for layer in decoder_layers(model):
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        if any(lin.kernel != "avx2" or lin.packed is None for lin in linears):
+            return "every Linear must be packed for the 'avx2' kernel"
+        qkv = {id(layer.self_attn.qkv_proj) for layer in decoder_layers(model)}
+        if any(lin.bias is not None and id(lin) not in qkv for lin in linears):
+            return "only the QKV projection may carry a bias"
+        params = [model.embed_tokens, model.norm.weight]
+        for layer in decoder_layers(model):
+            params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if any(p.dtype != kv.dtype or not p.is_contiguous() for p in params):
+            return f"embedding and norm weights must be contiguous {kv.dtype}"
+        if not kv.is_contiguous():
+            return "the KV cache must be contiguous"
+        heads, kv_heads, block = cfg.num_attention_heads, cfg.num_key_value_heads, kv.shape[3]
+        if (
+            cfg.head_dim % 8
+            or heads > _MAX_HEADS
+            or heads % kv_heads
+            or heads // kv_heads > _MAX_GROUP
+            or block > _MAX_BLOCK
+        ):
+            return (
+                f"shapes outside the attention kernel's range (head_dim {cfg.head_dim}, heads "
+                f"{heads}, kv heads {kv_heads}, block {block})"
+            )
+        return ""
+
+    def start_op_timing(self) -> None:
+        """From now on, add each op's wall time to `op_seconds` (zeroed here), by `OPS` name."""
+        self.op_seconds = torch.zeros(len(OPS), dtype=torch.float64)
+
+    def stop_op_timing(self) -> dict[str, float]:
+        """Stop timing ops; the seconds per op since `start_op_timing`."""
+        assert self.op_seconds is not None, "op timing was not started"
+        out = dict(zip(OPS, self.op_seconds.tolist(), strict=True))
+        self.op_seconds = None
+        return out
+
+    def run(
+        self, token_ids: Sequence[int], block_tables: torch.Tensor, seq_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """float32 logits [B, vocab] for B sequences of one new token each: `token_ids[r]` at
+        position `seq_lens[r] - 1`, whose blocks are row r of `block_tables` (int64
+        [B, >= blocks], row-contiguous). Writes each layer's K/V for those positions."""
+        batch = len(token_ids)
+        tokens = torch.tensor(token_ids, dtype=torch.int64)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        assert block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
+        logits = torch.empty((batch, self.vocab), dtype=torch.float32)
+        lib = self._lib
+        assert lib is not None
+        args = (
+            ctypes.byref(self._model),
+            tokens.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            lens.data_ptr(),
+            batch,
+            logits.data_ptr(),
+            torch.get_num_threads(),
+            None if self.op_seconds is None else self.op_seconds.data_ptr(),
+        )
+        if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+            with torch.profiler.record_function("pdserve::decode_step"):
+                rc = lib.pdserve_decode_step(*args)
+        else:
+            rc = lib.pdserve_decode_step(*args)
+        assert rc == 0, f"decode step rejected batch {batch}, seq_lens {list(seq_lens)} (rc {rc})"
+        return logits

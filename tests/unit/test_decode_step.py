@@ -1,0 +1,143 @@
+"""`model_runtime.kernels.decode_step`: the whole decode step in C against the torch model.
+
+Two runners on the same tiny model and the same packed ('avx2') weights, one on the fused step
+and one on the torch modules, are prefilled with the same prompts (the torch path in both:
+prefill rows never take the fused step) and then decode in lock step: logits and every
+layer's KV cache rows must agree, in float32 to 1e-4 relative (RMSNorm's sum and SiLU's exp
+may round differently) and in bfloat16 to a few bf16 steps (the two round at the same points,
+but a one-step difference early in a layer propagates). Batches of 1 and 3 with contexts that
+cross block boundaries, one and two threads, and the dispatch rules (prefill and layer
+callbacks keep the torch path). Every build (`kernels.build.ISA_FLAGS`) this CPU runs is
+tested; the others are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_runtime.kernels import build, decode_step
+from model_runtime.model_runner import ModelRunner, StepInput
+
+pytestmark = pytest.mark.skipif(
+    decode_step.load() is None,
+    reason=f"decode step kernel unavailable here: {decode_step.unavailable_reason()}",
+)
+
+BLOCK = 16
+ISAS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            isa not in build.cpu_isas(), reason=f"this CPU runs {build.cpu_isas()}, not {isa}"
+        ),
+    )
+    for isa in build.ISA_FLAGS
+]
+# Per dtype: max |fused - torch| over logits, relative to the logits' largest magnitude.
+LOGIT_REL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
+
+
+def _runner(model_dir: Path, dtype: str, fused: bool, isa: str | None = None) -> ModelRunner:
+    """A runner on avx2-packed weights; `fused`: all-decode steps on the fused step built for
+    `isa` (None: the default build), else on the torch modules."""
+    loaded = ModelRunner.from_model_dir(model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2")
+    runner = ModelRunner(
+        loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "avx2", decode_isa=isa
+    )
+    assert runner.decode_path == "fused", runner.fused_unsupported
+    if not fused:
+        runner.set_decode_path("torch")
+        assert runner.fused is None, runner.decode_path
+    return runner
+
+
+def _tables(lens: list[int]) -> list[list[int]]:
+    """Disjoint, non-consecutive block ids per sequence (enough for 8 more tokens)."""
+    tables, nxt = [], 1
+    for n in lens:
+        need = -(-(n + 8) // BLOCK)
+        tables.append([nxt + 2 * i for i in range(need)])  # every other block: gaps
+        nxt += 2 * need
+    return tables
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[5], [15, 16, 40]], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_matches_torch_model(
+    tiny_model_dir: Path, dtype: str, lens: list[int], threads: int, isa: str
+) -> None:
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = _runner(tiny_model_dir, dtype, True, isa)
+        ref = _runner(tiny_model_dir, dtype, False)
+        assert fused.fused is not None and fused.fused.isa == isa
+        g = torch.Generator().manual_seed(len(lens))
+        prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+        tables = _tables(lens)
+        items = [StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+        for runner in (fused, ref):
+            runner.execute(items)
+        tol = LOGIT_REL[fused.kv_cache.dtype]
+        tokens = [p[-1] for p in prompts]
+        for step in range(6):
+            items = [
+                StepInput([tok], n + step, t)
+                for tok, n, t in zip(tokens, lens, tables, strict=True)
+            ]
+            got, want = fused.execute(items), ref.execute(items)
+            assert got.dtype == want.dtype == torch.float32
+            assert got.shape == want.shape == (len(lens), fused.config.vocab_size)
+            diff = (got - want).abs().max().item()
+            scale = want.abs().max().item()
+            assert diff <= tol * scale, f"step {step}: logits differ by {diff} (scale {scale})"
+            kv_diff = (fused.kv_cache.kv.float() - ref.kv_cache.kv.float()).abs().max().item()
+            kv_scale = ref.kv_cache.kv.float().abs().max().item()
+            assert kv_diff <= tol * kv_scale, f"step {step}: KV differs by {kv_diff}"
+            tokens = want.argmax(-1).tolist()
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_decode_float32_greedy_tokens_equal_torch(tiny_model_dir: Path, isa: str) -> None:
+    """Greedy float32 tokens over 24 steps are the torch path's, token for token."""
+    fused = _runner(tiny_model_dir, "float32", True, isa)
+    ref = _runner(tiny_model_dir, "float32", False)
+    prompt = list(range(3, 40))
+    table = _tables([len(prompt) + 24])[0]
+    outs = []
+    for runner in (fused, ref):
+        tok = int(runner.execute([StepInput(prompt, 0, table)]).argmax(-1).item())
+        toks = [tok]
+        for i in range(24):
+            tok = int(runner.execute([StepInput([tok], len(prompt) + i, table)]).argmax(-1).item())
+            toks.append(tok)
+        outs.append(toks)
+    assert outs[0] == outs[1]
+
+
+def test_prefill_and_layer_callbacks_keep_the_torch_path(tiny_model_dir: Path) -> None:
+    """A step with a prefill row, or with an `on_layer_done` callback, runs the torch model
+    (the callback sees every layer); the fused runner's results equal the torch runner's."""
+    fused, ref = _runner(tiny_model_dir, "float32", True), _runner(tiny_model_dir, "float32", False)
+    tables = _tables([20, 20])
+    mixed = [StepInput(list(range(3, 23)), 0, tables[0]), StepInput([5], 0, tables[1])]
+    seen: list[int] = []
+    got = fused.execute(mixed, on_layer_done=seen.append)
+    assert seen == list(range(fused.config.num_hidden_layers))
+    want = ref.execute(mixed)
+    assert torch.equal(got, want)
+
+
+def test_unsupported_models_say_why(tiny_model_dir: Path) -> None:
+    runner = ModelRunner.from_model_dir(tiny_model_dir, 8, BLOCK, linear_kernel="torch")
+    assert runner.decode_path == "torch"
+    assert "avx2" in runner.fused_unsupported
+    with pytest.raises(ValueError, match="avx2"):
+        runner.set_decode_path("fused")
