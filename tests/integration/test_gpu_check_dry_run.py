@@ -69,8 +69,10 @@ def test_a_step_that_times_out_is_recorded_and_the_run_goes_on(tmp_path: Path):
             "--dry-run",
             "--only",
             "engine,env",
+            "--hang",
+            "engine",
             "--budget-s",
-            "11",
+            "11",  # the engine step gets it all; under 10 s left, env is skipped
             "--out",
             str(out),
             "--work",
