@@ -15,7 +15,8 @@ RESULTS_BUDGET_BYTES = 200_000
 
 
 def _out_defaults(path: Path) -> list[str]:
-    """The `default=` of every `add_argument("--out", ...)` call in a script (None if absent)."""
+    """The `default=` of every `add_argument("--out", ...)` call in a script (None if absent;
+    an f-string's leading literal)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
@@ -25,6 +26,10 @@ def _out_defaults(path: Path) -> list[str]:
         if node.args[0].value != "--out":
             continue
         default = next((k.value for k in node.keywords if k.arg == "default"), None)
+        if isinstance(default, ast.JoinedStr):  # f"runs/x-{stamp}": its literal head counts
+            head = default.values[0] if default.values else None
+            found.append(head.value if isinstance(head, ast.Constant) else None)
+            continue
         found.append(ast.literal_eval(default) if default is not None else None)
     return found
 
