@@ -1,7 +1,7 @@
 """Goodput maths on request records: SLO attainment, SLO goodput, percentiles, max goodput.
 
-Pure (numpy only); runs in the orchestrator and in `pdserve report`. Definitions (DESIGN.md
-section 6, DistServe):
+Pure (numpy only); runs in the orchestrator and in `pdserve report`. Definitions (as in
+DistServe):
 
 - a request *meets the TTFT SLO* when it succeeded (`RequestRecord.ok`: status OK and every
   requested token arrived) and its client TTFT <= `slo.ttft_ms`; it *meets the TPOT SLO* when it
