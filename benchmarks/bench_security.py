@@ -111,16 +111,16 @@ class _PlainCluster:
 
 
 def _start_plain(config: Any, logs: Path) -> _PlainCluster:
-    from deploy.launcher import launch_router_process, worker_argv
+    from deploy.launcher import launch_router_process, write_document
     from worker.process import WorkerProcess
 
     workers: list[Any] = []
     try:
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         for wid, role in config.worker_roles():
-            argv = worker_argv(config, wid, role)
-            args = [*argv[argv.index("worker") + 1 :], "--log-level", "WARNING"]
-            workers.append(WorkerProcess.spawn(args))
+            doc = config.worker_config(wid, role, "127.0.0.1").model_dump_json()
+            path = write_document(logs, f"worker-{wid}", doc)
+            workers.append(WorkerProcess.spawn(["--config", str(path), "--log-level", "WARNING"]))
             addresses[role].append(workers[-1].address)
         router = launch_router_process(config.router_config(addresses, port=0), logs)
     except BaseException:

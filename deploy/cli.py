@@ -45,10 +45,9 @@ from security.cli import add_server_security_args, server_security_overrides
 
 if TYPE_CHECKING:
     from deploy.config import ClusterConfig
-    from deploy.launcher import ProcessWorkers
-    from deploy.ray_launcher import RayWorkers
     from deploy.supervision import SupervisionEvent
     from security.secret import ClusterSecret
+    from tooling.launch import Workers
 
 log = logging.getLogger("pdserve")
 
@@ -282,7 +281,7 @@ def up_main(args: argparse.Namespace) -> int:
         return 2
     # SIGTERM while starting unwinds like Ctrl-C, so the `finally` below stops what started.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    workers: ProcessWorkers | RayWorkers | None = None
+    workers: Workers | None = None
     try:
         try:
             workers = _launch_workers(config, args.log_dir, secret)
@@ -319,23 +318,19 @@ def up_secret(config: ClusterConfig) -> ClusterSecret:
     return from_env or ClusterSecret.generate()
 
 
-def _launch_workers(
-    config: ClusterConfig, log_dir: str | None, secret: ClusterSecret
-) -> ProcessWorkers | RayWorkers:
-    if config.launcher == "process":
-        from deploy.launcher import launch_workers
+def _launch_workers(config: ClusterConfig, log_dir: str | None, secret: ClusterSecret) -> Workers:
+    """The workers of `config`, started by the launcher it names (`deploy.launchers`)."""
+    from deploy.launchers import launcher_for
 
-        return launch_workers(config, log_dir, on_event=_say, cluster_secret=secret)
-    from deploy.ray_launcher import launch_ray_workers
-
-    return launch_ray_workers(config, on_event=_say, cluster_secret=secret)
+    logs = None if log_dir is None else Path(log_dir)
+    return launcher_for(config).launch(config, log_dir=logs, on_event=_say, cluster_secret=secret)
 
 
-async def _serve_router(config: ClusterConfig, workers: ProcessWorkers | RayWorkers) -> int:
+async def _serve_router(config: ClusterConfig, workers: Workers) -> int:
     """Run the router in this process until SIGINT/SIGTERM; 1 if it never became healthy."""
     from router.app import has_usable_route, start_router
 
-    rc = config.router_config(workers.addresses())
+    rc = workers.router_config
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

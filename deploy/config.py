@@ -48,11 +48,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
 from proto.pdserve.v1.roles import ROLES, Role
-from router.config import RouterConfig
-from router.policies import POLICIES
-from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
+from router.config import RouterConfig, RouterSettings
 from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
+from worker.config import WorkerConfig
 
 Mode = Literal["disagg", "colocated"]
 
@@ -108,66 +107,13 @@ class RaySection(_Frozen):
     )
 
 
-class RouterSection(_Frozen):
-    """The public gRPC front door; it runs inside the `pdserve up` process."""
+class RouterSection(RouterSettings):
+    """The ``[router]`` table: the router's own settings (`router.config.RouterSettings`,
+    every field and nested section of it, not re-declared here). Only the public port's
+    default differs: a cluster's router listens on 50051 unless told otherwise. `pdserve up`
+    runs this router inside its own process."""
 
-    host: str = Field(default="127.0.0.1", description="Interface the public API binds.")
     port: int = Field(default=50051, ge=0, le=65535, description="Public port; 0 picks one.")
-    http_port: int | None = Field(
-        default=None,
-        ge=0,
-        le=65535,
-        description="OpenAI-compatible HTTP API (and /metrics) on this port; 0 picks one; "
-        "unset: gRPC only.",
-    )
-    policy: str = Field(
-        default=RouterConfig.model_fields["policy"].default,
-        description=f"Routing policy, one of {sorted(POLICIES)}.",
-    )
-    prefix_index: PrefixIndexConfig = Field(
-        default_factory=MemoryIndexConfig,
-        description="Prefix index: kind 'memory' (in the router) or 'redis' (url = ...).",
-    )
-    max_inflight: int = Field(default=64, ge=1, description="Requests running at once.")
-    max_queued: int = Field(
-        default=256,
-        ge=0,
-        description="Requests waiting beyond max_inflight; more are refused "
-        "with RESOURCE_EXHAUSTED.",
-    )
-    default_timeout_s: float = Field(
-        default=120.0, gt=0, description="Request deadline when the client sets none."
-    )
-    status_poll_interval_s: float = Field(
-        default=0.5, gt=0, description="Period of the router's Worker.GetStatus poll."
-    )
-    status_poll_timeout_s: float = Field(
-        default=RouterConfig.model_fields["status_poll_timeout_s"].default,
-        gt=0,
-        description="Timeout of one GetStatus poll; a timeout is a miss, not a failure.",
-    )
-    status_poll_misses: int = Field(
-        default=RouterConfig.model_fields["status_poll_misses"].default,
-        ge=1,
-        description="Consecutive poll timeouts that mark a worker unhealthy (a refused "
-        "connection marks it at once).",
-    )
-    max_migrations: int = Field(
-        default=RouterConfig.model_fields["max_migrations"].default,
-        ge=0,
-        description="Times a request moves off a decode worker that failed mid-stream.",
-    )
-    shutdown_grace_s: float = Field(
-        default=RouterConfig.model_fields["shutdown_grace_s"].default,
-        ge=0,
-        description="On SIGTERM: how long running streams may finish before they are aborted.",
-    )
-    stall_timeout_s: float = Field(
-        default=RouterConfig.model_fields["stall_timeout_s"].default,
-        gt=0,
-        description="A decode stream silent this long has its worker asked for its status; a "
-        "worker that does not answer is frozen and the request moves (`max_migrations`).",
-    )
 
 
 class TransferSection(_Frozen):
@@ -286,10 +232,6 @@ class ClusterConfig(_Frozen):
                     f"workers.prefill and workers.decode must be 0 in mode 'colocated', got "
                     f"workers.prefill={w.prefill}, workers.decode={w.decode}"
                 )
-        if self.router.policy not in POLICIES:
-            raise ValueError(
-                f"router.policy must be one of {sorted(POLICIES)}, got {self.router.policy!r}"
-            )
         self._check_ratio()
         self.security.check_bind(self.router.host, "router.host")
         r = self.ray
@@ -358,32 +300,49 @@ class ClusterConfig(_Frozen):
         **overrides: Any,
     ) -> RouterConfig:
         """The `RouterConfig` for this cluster once its workers run at `addresses`
-        (role -> host:port list); `overrides` replace RouterConfig fields (tests)."""
-        r = self.router
+        (role -> host:port list): every ``[router]`` setting as it is (whatever fields
+        `RouterSettings` has), plus what the cluster decides; `overrides` replace RouterConfig
+        fields (tests, extra routers)."""
+        settings = {name: getattr(self.router, name) for name in RouterSettings.model_fields}
         fields: dict[str, Any] = {
+            **settings,
             "model_dir": self.model,
             "mode": self.mode,
-            "policy": r.policy,
-            "prefix_index": r.prefix_index,
             "prefill_addrs": tuple(addresses.get("prefill", ())),
             "decode_addrs": tuple(addresses.get("decode", ())),
             "colocated_addrs": tuple(addresses.get("colocated", ())),
-            "host": r.host,
-            "port": r.port,
-            "http_port": r.http_port,
-            "max_inflight": r.max_inflight,
-            "max_queued": r.max_queued,
-            "default_timeout_s": r.default_timeout_s,
-            "status_poll_interval_s": r.status_poll_interval_s,
-            "status_poll_timeout_s": r.status_poll_timeout_s,
-            "status_poll_misses": r.status_poll_misses,
-            "max_migrations": r.max_migrations,
-            "shutdown_grace_s": r.shutdown_grace_s,
-            "stall_timeout_s": r.stall_timeout_s,
             "ratio": self.ratio,
             "security": self.security,
         }
         return RouterConfig(**{**fields, **overrides})
+
+    def worker_config(
+        self, worker_id: str, role: Role, host: str, port: int = 0, node: str = ""
+    ) -> WorkerConfig:
+        """The `WorkerConfig` of one worker of this cluster: the one place cluster keys become
+        worker settings (both launchers hand the result to the worker whole, as JSON).
+        `host`: the interface it binds and advertises ("auto" = its Ray node's IP, resolved by
+        the actor); `port` 0 picks one (a restart passes the old one); `node`: its node label
+        ("auto" = Ray's node id)."""
+        kv_host = host if self.transfer.kv_host == "auto" else self.transfer.kv_host
+        return WorkerConfig(
+            worker_id=worker_id,
+            model_dir=self.model.resolve(),
+            role=role,
+            engine=self.engine,
+            host=host,
+            port=port,
+            torch_threads=self.torch_threads,
+            nice=self.worker_nice,
+            sched_idle=self.worker_sched_idle,
+            transfer_timeout_s=self.transfer.timeout_s,
+            kv_host=kv_host,
+            kv_shared_memory=self.transfer.shared_memory,
+            node=node,
+            internal_tls=self.security.internal,
+            insecure=self.security.insecure,
+            stop_grace_s=self.drain_timeout_s,
+        )
 
 
 def check_model_dir(config: ClusterConfig) -> None:

@@ -10,6 +10,11 @@ clean-up); a cluster stops in order: router first, then workers.
     cluster = launch_local_cluster(config)       # both of the above: LocalCluster
     cluster.address; cluster.pids(); cluster.stop()
 
+Config: each child gets its whole config as one JSON document, a file next to its log
+(``<name>.config.json``) named by ``--config``: a worker its `WorkerConfig`
+(`ClusterConfig.worker_config`, the same document the Ray launcher hands its actors), a router
+its `RouterConfig` (`ClusterConfig.router_config`). No config field travels as a flag.
+
 Readiness is each process's own announcement (`PDSERVE_WORKER_READY host:port`, printed once
 the worker's gRPC health service says SERVING; `pdserve-router ready host=H port=P`) followed by
 a `grpc.health.v1` check; never a sleep.
@@ -66,44 +71,32 @@ ROUTER_READY = re.compile(
 )
 
 
-def worker_argv(config: ClusterConfig, worker_id: str, role: Role, port: int = 0) -> list[str]:
-    """The command line of one worker process (`python -m worker_main ...`); `port` 0 picks one (a
-    restart passes the worker's old port, so the router's address list stays valid)."""
-    host = "127.0.0.1" if config.worker_host == "auto" else config.worker_host
-    kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
-    argv = [
-        sys.executable,
-        "-m",
-        "worker_main",
-        "--model",
-        str(config.model.resolve()),
-        "--role",
-        role,
-        "--worker-id",
-        worker_id,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--kv-host",
-        kv_host,
-        "--transfer-timeout-s",
-        str(config.transfer.timeout_s),
-        "--stop-grace-s",
-        str(config.drain_timeout_s),
-        "--torch-threads",
-        str(config.torch_threads),
-        "--nice",
-        str(config.worker_nice),
-        "--engine-json",
-        config.engine.model_dump_json(),
-        "--kv-shared-memory" if config.transfer.shared_memory else "--no-kv-shared-memory",
-    ]
-    if config.security.internal is not None:
-        argv += ["--internal-tls-json", config.security.internal.model_dump_json()]
-    if config.security.insecure:
-        argv.append("--insecure")
-    return [*argv, "--sched-idle"] if config.worker_sched_idle else argv
+def write_document(log_dir: Path, name: str, document: str) -> Path:
+    """Write a child's config `document` (JSON) to ``log_dir/<name>.config.json`` (mode 0600:
+    it names security files; secrets themselves go through the environment) and return its
+    path."""
+    path = log_dir / f"{name}.config.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(document)
+    return path
+
+
+def worker_host(config: ClusterConfig) -> str:
+    """The interface process-launched workers bind ("auto" = 127.0.0.1: one host)."""
+    return "127.0.0.1" if config.worker_host == "auto" else config.worker_host
+
+
+def spawn_worker(
+    config: ClusterConfig, worker_id: str, role: Role, name: str, logs: Path,
+    env: dict[str, str], port: int = 0,
+) -> ManagedProcess:  # fmt: skip
+    """Start `python -m worker_main --config <its WorkerConfig document>` as `name`; `port` 0
+    picks one (a restart passes the worker's old port, so the router's address list stays
+    valid)."""
+    wc = config.worker_config(worker_id, role, worker_host(config), port)
+    doc = write_document(logs, name, wc.model_dump_json())
+    return spawn(name, [sys.executable, "-m", "worker_main", "--config", str(doc)], logs, env)
 
 
 @dataclass
@@ -118,16 +111,27 @@ class WorkerProcess:
 
 @dataclass
 class ProcessWorkers:
-    """The worker processes of one cluster, watched by a `ProcessSupervisor` (a dead worker is
+    """`tooling.launch.Workers` as local processes: the worker processes of one cluster
+    (`config`), watched by a `ProcessSupervisor` (a dead worker is
     reaped, logged and restarted on its address; `events` says what happened); `stop()` ends
     them all (idempotent). `internal`: how to call them (the cluster secret's token, the
     cluster certificate)."""
 
     workers: list[WorkerProcess]
     log_dir: Path
+    config: ClusterConfig
     supervisor: ProcessSupervisor | None = None
-    drain_timeout_s: float = 30.0
     internal: InternalAuth = field(default_factory=InternalAuth)
+
+    @property
+    def drain_timeout_s(self) -> float:
+        """How long each worker drains on SIGTERM (`drain_timeout_s`)."""
+        return self.config.drain_timeout_s
+
+    @property
+    def router_config(self) -> RouterConfig:
+        """The config of a router in front of these workers (`tooling.launch.Workers`)."""
+        return self.config.router_config(self.addresses())
 
     @property
     def events(self) -> list[SupervisionEvent]:
@@ -196,7 +200,7 @@ def launch_workers(
     started: list[tuple[str, Role, ManagedProcess]] = []
     try:
         for worker_id, role in config.worker_roles():
-            proc = spawn(f"worker-{worker_id}", worker_argv(config, worker_id, role), logs, env)
+            proc = spawn_worker(config, worker_id, role, f"worker-{worker_id}", logs, env)
             started.append((worker_id, role, proc))
         matches = wait_for_lines([p for _, _, p in started], WORKER_READY, timeout_s)
         workers = [
@@ -216,53 +220,50 @@ def launch_workers(
 
     def respawn(dead: Supervised, n: int) -> ManagedProcess:
         w = by_id[dead.worker_id]
-        argv = worker_argv(config, w.worker_id, w.role, int(w.address.rpartition(":")[2]))
-        return spawn(f"worker-{w.worker_id}-restart{n}", argv, logs, env)
+        port = int(w.address.rpartition(":")[2])
+        name = f"worker-{w.worker_id}-restart{n}"
+        return spawn_worker(config, w.worker_id, w.role, name, logs, env, port)
 
     events = EventLog((w.role for w in workers), on_event)
     supervisor = ProcessSupervisor(workers, config.supervision, respawn, WORKER_READY, events)
     supervisor.start()
-    return ProcessWorkers(workers, logs, supervisor, config.drain_timeout_s, internal)
+    return ProcessWorkers(workers, logs, config, supervisor, internal)
+
+
+class ProcessLauncher:
+    """`deploy.launchers.WorkerLauncher` with local subprocesses (`launch_workers`)."""
+
+    def __init__(self, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+
+    def launch(
+        self,
+        config: ClusterConfig,
+        *,
+        log_dir: Path | None = None,
+        on_event: Callable[[SupervisionEvent], None] | None = None,
+        cluster_secret: ClusterSecret | None = None,
+    ) -> ProcessWorkers:
+        """Start the workers of `config` as local processes; serving on return."""
+        return launch_workers(config, log_dir, self.timeout_s, on_event, cluster_secret)
 
 
 # ---------------------------------------------------------------------- router
 
 
-def router_argv(rc: RouterConfig) -> list[str]:
-    """The command line of `python -m router` for `rc` (the fields its flags cover)."""
-    argv = [sys.executable, "-m", "router", "--model", str(Path(rc.model_dir).resolve())]
-    argv += ["--mode", rc.mode, "--policy", rc.policy, "--host", rc.host, "--port", str(rc.port)]
-    if rc.http_port is not None:
-        argv += ["--http-port", str(rc.http_port)]
-    for flag, addrs in (
-        ("--prefill-addr", rc.prefill_addrs),
-        ("--decode-addr", rc.decode_addrs),
-        ("--colocated-addr", rc.colocated_addrs),
-    ):
-        for a in addrs:
-            argv += [flag, a]
-    argv += ["--max-inflight", str(rc.max_inflight), "--max-queued", str(rc.max_queued)]
-    argv += ["--default-timeout-s", str(rc.default_timeout_s)]
-    argv += ["--status-poll-interval-s", str(rc.status_poll_interval_s)]
-    argv += ["--status-poll-timeout-s", str(rc.status_poll_timeout_s)]
-    argv += ["--status-poll-misses", str(rc.status_poll_misses)]
-    argv += ["--max-migrations", str(rc.max_migrations)]
-    argv += ["--stall-timeout-s", str(rc.stall_timeout_s)]
-    argv += ["--shutdown-grace-s", str(rc.shutdown_grace_s)]
-    if rc.model_name:
-        argv += ["--model-name", rc.model_name]
-    if isinstance(rc.prefix_index, RedisIndexConfig):  # its password goes by `router_env`
-        index = rc.prefix_index.model_copy(
+def router_document(rc: RouterConfig) -> str:
+    """`rc` as the JSON document a router child reads (`python -m router --config`): the
+    Redis password left out (it goes by `router_env`), a relative ratio decisions_path and
+    the model folder made absolute."""
+    update: dict[str, Any] = {"model_dir": Path(rc.model_dir).resolve()}
+    if isinstance(rc.prefix_index, RedisIndexConfig):
+        update["prefix_index"] = rc.prefix_index.model_copy(
             update={"url": strip_password(rc.prefix_index.url), "password": None}
         )
-        argv += ["--prefix-index-json", index.model_dump_json()]
-    if rc.security != type(rc.security)():  # file paths only
-        argv += ["--security-json", rc.security.model_dump_json(exclude_defaults=True)]
-    if rc.ratio.enabled:  # a relative decisions_path means this process's directory
-        path = rc.ratio.decisions_path
-        ratio = rc.ratio.model_copy(update={"decisions_path": path and path.resolve()})
-        argv += ["--ratio-json", ratio.model_dump_json()]
-    return argv
+    path = rc.ratio.decisions_path
+    if path is not None:
+        update["ratio"] = rc.ratio.model_copy(update={"decisions_path": path.resolve()})
+    return rc.model_copy(update=update).model_dump_json()
 
 
 def router_env(rc: RouterConfig, cluster_secret: ClusterSecret | None) -> dict[str, str]:
@@ -311,9 +312,9 @@ def launch_router_process(
         raise ValueError("a TLS router's readiness check needs client= (a ClientSecurity)")
     logs = _log_dir(log_dir)
     env = {**child_env(1), **router_env(rc, cluster_secret)}
-    proc = spawn(
-        name or f"router-{len(list(logs.glob('router*.log')))}", router_argv(rc), logs, env
-    )
+    name = name or f"router-{len(list(logs.glob('router*.log')))}"
+    doc = write_document(logs, name, router_document(rc))
+    proc = spawn(name, [sys.executable, "-m", "router", "--config", str(doc)], logs, env)
     try:
         (m,) = wait_for_lines([proc], ROUTER_READY, timeout_s)
         address = f"{m.group(1)}:{m.group(2)}"

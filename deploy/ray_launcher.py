@@ -58,6 +58,7 @@ from deploy.preflight import local_cluster_cpus, placement_problem, redis_ray_co
 from deploy.processes import wait_serving
 from deploy.supervision import EventLog, SupervisionEvent
 from proto.pdserve.v1.roles import Role
+from router.config import RouterConfig
 from security.channels import InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
 from tooling.launch import WorkerRef
@@ -72,7 +73,9 @@ class WorkerActor:
     """Thin Ray wrapper over `worker.server.WorkerServer` (the plain class, tested without
     Ray). The constructor starts the server, so a Ray restart restarts the worker.
 
-    `worker_config_json` is a `WorkerConfig` as JSON; its host "auto" becomes this node's IP.
+    `worker_config_json` is the worker's whole `WorkerConfig` as JSON (the document
+    `ClusterConfig.worker_config` gives, as the process launcher's ``--config`` file holds);
+    its host "auto" becomes this node's IP.
     `port_file` (on this node) remembers the bound port across restarts of this actor.
     `cluster_secret` is the cluster secret's hex form (None: an unauthenticated worker)."""
 
@@ -138,7 +141,8 @@ class RayWorker:
 
 
 class RayWorkers:
-    """Handle to launched worker actors; `stop()` is idempotent. `events` (the shared
+    """`tooling.launch.Workers` as Ray actors: handle to launched worker actors; `stop()` is
+    idempotent. `events` (the shared
     `deploy.supervision` vocabulary) says which workers died, restarted or were given up once
     Ray's `max_restarts` were spent, and which roles have no live worker left."""
 
@@ -148,17 +152,17 @@ class RayWorkers:
         pg: PlacementGroup,
         owns_ray: bool,
         interval_s: float,
-        max_restarts: int = 0,
+        config: ClusterConfig,
         on_event: Callable[[SupervisionEvent], None] | None = None,
-        drain_timeout_s: float = 5.0,
         internal: InternalAuth | None = None,
     ) -> None:
         self.workers = workers
+        self.config = config
         self.internal = internal or InternalAuth()
         self.placement_group = pg
         self.owns_ray = owns_ray
-        self.max_restarts = max_restarts
-        self.drain_timeout_s = drain_timeout_s
+        self.max_restarts = config.ray.max_restarts
+        self.drain_timeout_s = config.drain_timeout_s
         self._log = EventLog((w.role for w in workers), on_event)
         self._stopped = threading.Event()
         self._thread = threading.Thread(
@@ -174,7 +178,13 @@ class RayWorkers:
         return out
 
     def pids(self) -> list[int]:
+        """The actors' last known pids."""
         return [w.pid for w in self.workers]
+
+    @property
+    def router_config(self) -> RouterConfig:
+        """The config of a router in front of these workers (`tooling.launch.Workers`)."""
+        return self.config.router_config(self.addresses())
 
     def members(self) -> list[WorkerRef]:
         """The workers, in launch order (`tooling.launch.Workers`)."""
@@ -278,31 +288,6 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-
-
-def worker_config_json(config: ClusterConfig, worker_id: str, role: Role, host: str) -> str:
-    """The `WorkerConfig` (as JSON) of one worker actor; `host` "auto" = its node's IP."""
-    from worker.config import WorkerConfig
-
-    kv_host = host if config.transfer.kv_host == "auto" else config.transfer.kv_host
-    wc = WorkerConfig(
-        worker_id=worker_id,
-        model_dir=config.model.resolve(),
-        role=role,
-        engine=config.engine,
-        host=host,
-        port=0,
-        torch_threads=config.torch_threads,
-        nice=config.worker_nice,
-        sched_idle=config.worker_sched_idle,
-        transfer_timeout_s=config.transfer.timeout_s,
-        kv_host=kv_host,
-        kv_shared_memory=config.transfer.shared_memory,
-        node="auto",
-        internal_tls=config.security.internal,
-        insecure=config.security.insecure,
-    )
-    return wc.model_dump_json()
 
 
 def interleave_roles(roles: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
@@ -449,7 +434,7 @@ def launch_ray_workers(
                 ),
                 runtime_env={"env_vars": env},
             ).remote(
-                worker_config_json(config, worker_id, role, host),
+                config.worker_config(worker_id, role, host, node="auto").model_dump_json(),
                 str(port_dir / worker_id),
                 secret.to_text(),
             )
@@ -475,13 +460,23 @@ def launch_ray_workers(
         for (wid, role), addr, actor, pid in zip(roles, addrs, actors, pids, strict=True)
     ]
     log.info("ray workers ready: %s", {w.worker_id: f"{w.address} pid {w.pid}" for w in workers})
-    return RayWorkers(
-        workers,
-        pg,
-        owns_ray,
-        interval_s,
-        r.max_restarts,
-        on_event,
-        config.drain_timeout_s,
-        internal,
-    )
+    return RayWorkers(workers, pg, owns_ray, interval_s, config, on_event, internal)
+
+
+class RayLauncher:
+    """`deploy.launchers.WorkerLauncher` with Ray actors (`launch_ray_workers`); `log_dir` is
+    unused (Ray keeps the actors' logs)."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+
+    def launch(
+        self,
+        config: ClusterConfig,
+        *,
+        log_dir: Path | None = None,
+        on_event: Callable[[SupervisionEvent], None] | None = None,
+        cluster_secret: ClusterSecret | None = None,
+    ) -> RayWorkers:
+        """Start the workers of `config` as Ray actors; serving on return."""
+        return launch_ray_workers(config, self.interval_s, on_event, cluster_secret)

@@ -4,6 +4,11 @@ Prints one line ``pdserve-router ready host=<host> port=<port>`` on stdout once 
 port is the bound one, useful with ``--port 0``), followed by `` http_port=<port>`` when the
 HTTP front runs (``--http-port``). Exit status 2 on a bad argument or config.
 
+``--config FILE`` is how the launchers start a router: FILE is its whole `RouterConfig` as JSON
+(built once from the cluster config, `deploy.config.ClusterConfig.router_config`, written by
+`deploy.launcher`), and no other flag but `--log-level` may come with it. The other flags are
+for people running a router by hand.
+
 Secrets never come on the command line: the cluster secret comes from
 ``PDSERVE_CLUSTER_SECRET`` or `--cluster-secret-file`, a Redis password from
 ``PDSERVE_REDIS_PASSWORD`` or the index config's `password_file`.
@@ -18,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr, TypeAdapter, ValidationError
@@ -27,7 +33,6 @@ from router.config import RouterConfig
 from router.policies import POLICIES
 from router.prefix_index.config import (
     REDIS_PASSWORD_ENV,
-    MemoryIndexConfig,
     PrefixIndexConfig,
     RedisIndexConfig,
 )
@@ -47,18 +52,41 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
     return SecurityConfig.model_validate(data)
 
 
-def _prefix_index(args: argparse.Namespace) -> MemoryIndexConfig | RedisIndexConfig:
-    """`--prefix-index-json`, else `--redis-url`; a Redis password from the environment."""
-    if args.prefix_index_json:
-        index = TypeAdapter(PrefixIndexConfig).validate_json(args.prefix_index_json)
-    else:
-        index = RouterConfig.prefix_index_from_url(args.redis_url)
+NOT_CONFIG_FLAGS = ("--config", "--log-level")
+"""The flags that may come with ``--config`` (none of them sets a `RouterConfig` field)."""
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """The router's whole config from its document: a `RouterConfig` as JSON, what the
+    launchers write, with the Redis password (never in the document) from
+    ``PDSERVE_REDIS_PASSWORD``. Raises OSError for an unreadable file,
+    pydantic.ValidationError (a ValueError) for a bad document."""
+    config = RouterConfig.model_validate_json(Path(path).read_bytes())
+    index = _with_password(config.prefix_index)
+    return (
+        config
+        if index is config.prefix_index
+        else config.model_copy(update={"prefix_index": index})
+    )
+
+
+def _with_password(index: PrefixIndexConfig) -> PrefixIndexConfig:
+    """`index` with the Redis password of the environment (read once, then removed)."""
     password = os.environ.pop(REDIS_PASSWORD_ENV, None)
     if password and isinstance(index, RedisIndexConfig):
         index = RedisIndexConfig.model_validate(
             {**index.model_dump(), "password": SecretStr(password)}
         )
     return index
+
+
+def _prefix_index(args: argparse.Namespace) -> PrefixIndexConfig:
+    """`--prefix-index-json`, else `--redis-url`; a Redis password from the environment."""
+    if args.prefix_index_json:
+        index = TypeAdapter(PrefixIndexConfig).validate_json(args.prefix_index_json)
+    else:
+        index = RouterConfig.prefix_index_from_url(args.redis_url)
+    return _with_password(index)
 
 
 def _addrs(values: list[str] | None) -> tuple[str, ...]:
@@ -69,7 +97,12 @@ def _addrs(values: list[str] | None) -> tuple[str, ...]:
 def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Command line -> validated `RouterConfig` (exits with status 2 on errors)."""
     p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
-    p.add_argument("--model", required=True, help="HF model folder (config.json, tokenizer.json)")
+    p.add_argument(
+        "--config",
+        help="the whole RouterConfig as a JSON file (what the launchers pass); excludes every "
+        "other config flag",
+    )
+    p.add_argument("--model", help="HF model folder (required without --config)")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
     p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg")
     p.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
@@ -132,10 +165,21 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     )
     add_server_security_args(p)
     p.add_argument("--log-level", default="INFO")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.config:
+        extra = [a for a in argv if a.startswith("--") and a.split("=")[0] not in NOT_CONFIG_FLAGS]
+        if extra:
+            p.error(f"--config takes no other config flag, got {extra}")
+        try:
+            return load_config(args.config)
+        except (OSError, ValidationError) as exc:
+            p.error(f"--config {args.config}: {exc}")
+    if not args.model:
+        p.error("--model is required without --config")
     try:
         return RouterConfig(
             model_dir=args.model,

@@ -1,4 +1,4 @@
-"""Router configuration (`RouterConfig`). Runs in the router process and in the CLI.
+"""Router configuration (`RouterSettings`, `RouterConfig`). Runs in the router and the CLI.
 
 Frozen pydantic v2 model; every field described and defaulted where a default makes sense.
 Values discovered at start-up (vocab size, context length) live in `app.ModelLimits`, never here.
@@ -28,17 +28,18 @@ def _check_address(addr: str) -> str:
     return addr
 
 
-class RouterConfig(BaseModel):
-    """Everything the router needs to start. Invalid combinations fail here, naming the field."""
+class RouterSettings(BaseModel):
+    """The router's own settings: what a cluster's ``[router]`` table holds
+    (`deploy.config.RouterSection` derives from this model and changes only the port's
+    default) and what `python -m router`'s flags set.
+    A field (or nested section, e.g. ``[router.hybrid]``) added here is a ``[router]`` key of
+    the cluster config and reaches the router process with no other code: the launchers hand
+    the whole validated `RouterConfig` over as one JSON document."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_dir: Path = Field(description="HF model folder (config.json + tokenizer.json).")
     model_name: str | None = Field(
         default=None, description="Name reported by GetModelInfo; defaults to the folder's name."
-    )
-    mode: Mode = Field(
-        default="disagg", description="'disagg' (prefill + decode workers) or 'colocated'."
     )
     policy: str = Field(
         default="prefix_aware", description=f"Routing policy, one of {sorted(POLICIES)}."
@@ -57,28 +58,7 @@ class RouterConfig(BaseModel):
         description="How 'least_load' and 'prefix_aware' price the KV move of a prefill/decode "
         "pair on different nodes (`router.pair_scoring`).",
     )
-    ratio: RatioConfig = Field(
-        default_factory=RatioConfig,
-        description="Prefill:decode ratio controller (`router.ratio`); default mode 'fixed' "
-        "(off). 'adaptive' / 'advisory' need mode 'disagg' and start with the configured "
-        "prefill/decode counts inside its bounds.",
-    )
-    prefill_addrs: tuple[str, ...] = Field(
-        default=(), description="Prefill workers' host:port (disagg)."
-    )
-    decode_addrs: tuple[str, ...] = Field(
-        default=(), description="Decode workers' host:port (disagg)."
-    )
-    colocated_addrs: tuple[str, ...] = Field(
-        default=(), description="Colocated workers' host:port (colocated mode)."
-    )
     host: str = Field(default="127.0.0.1", description="Interface the public gRPC server binds.")
-    security: SecurityConfig = Field(
-        default_factory=SecurityConfig,
-        description="TLS, mutual TLS and bearer tokens on the public API; the worker plane's "
-        "mutual TLS and cluster secret file (`security.config`). A non-loopback `host` needs "
-        "TLS and a token file unless security.insecure.",
-    )
     port: int = Field(default=0, ge=0, le=65535, description="Public port; 0 picks a free one.")
     http_port: int | None = Field(
         default=None,
@@ -151,6 +131,46 @@ class RouterConfig(BaseModel):
         "keeps the stream.",
     )
 
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {value!r}")
+        return value
+
+
+class RouterConfig(RouterSettings):
+    """Everything the router needs to start: its settings plus what the deployment decides
+    (model folder, mode, worker addresses, ratio controller, security). Invalid combinations
+    fail here, naming the field. `deploy.config.ClusterConfig.router_config` builds it; a
+    launched router process reads it whole from its ``--config`` document."""
+
+    model_dir: Path = Field(description="HF model folder (config.json + tokenizer.json).")
+    mode: Mode = Field(
+        default="disagg", description="'disagg' (prefill + decode workers) or 'colocated'."
+    )
+    ratio: RatioConfig = Field(
+        default_factory=RatioConfig,
+        description="Prefill:decode ratio controller (`router.ratio`); default mode 'fixed' "
+        "(off). 'adaptive' / 'advisory' need mode 'disagg' and start with the configured "
+        "prefill/decode counts inside its bounds.",
+    )
+    prefill_addrs: tuple[str, ...] = Field(
+        default=(), description="Prefill workers' host:port (disagg)."
+    )
+    decode_addrs: tuple[str, ...] = Field(
+        default=(), description="Decode workers' host:port (disagg)."
+    )
+    colocated_addrs: tuple[str, ...] = Field(
+        default=(), description="Colocated workers' host:port (colocated mode)."
+    )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="TLS, mutual TLS and bearer tokens on the public API; the worker plane's "
+        "mutual TLS and cluster secret file (`security.config`). A non-loopback `host` needs "
+        "TLS and a token file unless security.insecure.",
+    )
+
     @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")
     @classmethod
     def _addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -158,13 +178,6 @@ class RouterConfig(BaseModel):
             _check_address(addr)
         if len(set(value)) != len(value):
             raise ValueError(f"duplicate worker address in {list(value)}")
-        return value
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -59,7 +59,8 @@ class Cluster(Protocol):
 
 
 class Workers(Protocol):
-    """Supervised workers without a router (the caller runs one: `router_config`)."""
+    """Supervised workers without a router (the caller runs one: `router_config`): what every
+    launcher hands back (deploy's process and Ray launchers, `deploy.launchers`)."""
 
     @property
     def internal(self) -> InternalAuth:
@@ -71,8 +72,16 @@ class Workers(Protocol):
         """The config of a router in front of these workers."""
         ...
 
+    def addresses(self) -> dict[str, list[str]]:
+        """role -> worker addresses, as launched (roles can change later via SetRole)."""
+        ...
+
     def members(self) -> list[WorkerRef]:
         """The workers, in launch order."""
+        ...
+
+    def pids(self) -> list[int]:
+        """The workers' process ids (a restarted worker has a new one)."""
         ...
 
     def live_pid(self, worker_id: str) -> int | None:
@@ -80,7 +89,10 @@ class Workers(Protocol):
         worker is asked, with a short timeout)."""
         ...
 
-    def stop(self) -> None: ...
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop supervising and stop every worker (each drains for up to `grace_s`, default
+        its drain timeout); idempotent."""
+        ...
 
 
 C = TypeVar("C", bound=Cluster)

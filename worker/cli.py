@@ -1,11 +1,16 @@
 """The worker process's command line: ``python -m worker_main`` (`worker_main/__main__.py`).
 
+    python -m worker_main --config FILE [--log-level LEVEL] [--cluster-secret-file FILE]
     python -m worker_main --model DIR --role prefill|decode|colocated [--port 0] [--metrics-port 0]
         [--worker-id ID] [--engine-json JSON] [--torch-threads N] [--host H] [--kv-host H]
         [--kv-port P] [--transfer-timeout-s S] [--stop-grace-s S] [--log-level LEVEL]
         [--cluster-secret-file FILE] [--internal-tls-json JSON] [--insecure]
 
-prints exactly one line ``PDSERVE_WORKER_READY host:port`` on stdout once its gRPC server
+``--config FILE`` is how the launchers start a worker: FILE is the worker's whole `WorkerConfig`
+as JSON (built once from the cluster config, `deploy.config.ClusterConfig.worker_config`), and
+no other config flag may come with it. The other flags are for people running a worker by hand.
+
+It prints exactly one line ``PDSERVE_WORKER_READY host:port`` on stdout once its gRPC server
 answers health checks with SERVING (logs go to stderr), and stops cleanly on SIGTERM / SIGINT:
 no new work, in-flight work gets `--stop-grace-s` to finish, the rest is aborted, every KV
 block released, the transport closed. Started by a launcher that names itself in
@@ -44,16 +49,33 @@ THREAD_EXIT_WAIT_S = 2.0  # how long a stopped worker waits for its threads befo
 SIGNAL_CHECK_S = 0.2  # how often the main thread wakes to run signal handlers (see main)
 
 
+NOT_CONFIG_FLAGS = ("--config", "--log-level", "--cluster-secret-file")
+"""The flags that may come with ``--config`` (none of them sets a `WorkerConfig` field)."""
+
+
+def load_config(path: str | Path) -> WorkerConfig:
+    """The worker's whole config from its document: a `WorkerConfig` as JSON, what the
+    launchers write (`deploy.config.ClusterConfig.worker_config`). Raises OSError for an
+    unreadable file, pydantic.ValidationError (a ValueError) for a bad document."""
+    return WorkerConfig.model_validate_json(Path(path).read_bytes())
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
-) -> tuple[WorkerConfig, float, ClusterSecret | None]:
-    """(config, stop grace in seconds, cluster secret) from the command line and the
-    environment; argparse exits on bad input, a bad secret raises ValueError."""
+) -> tuple[WorkerConfig, ClusterSecret | None]:
+    """(config, cluster secret) from the command line and the environment: the ``--config``
+    document, else the config flags; argparse exits on bad usage, a bad document or secret
+    raises ValueError."""
     p = argparse.ArgumentParser(
         prog="python -m worker_main", description="One pdserve worker process."
     )
-    p.add_argument("--model", required=True, help="HF model folder")
-    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument(
+        "--config",
+        help="the whole WorkerConfig as a JSON file (what the launchers pass); excludes "
+        "every other config flag",
+    )
+    p.add_argument("--model", help="HF model folder (required without --config)")
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"])
     p.add_argument("--worker-id", help="unique worker id (default: worker-<random>)")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick)")
@@ -88,8 +110,19 @@ def parse_args(
     p.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback host without a secret"
     )
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     logging.getLogger().setLevel(args.log_level)
+    secret = ClusterSecret.from_env(remove=True)
+    if args.cluster_secret_file:
+        secret = ClusterSecret.from_file(Path(args.cluster_secret_file), "--cluster-secret-file")
+    if args.config:
+        extra = [a for a in argv if a.startswith("--") and a.split("=")[0] not in NOT_CONFIG_FLAGS]
+        if extra:
+            p.error(f"--config takes no other config flag, got {extra}")
+        return load_config(args.config), secret
+    if not args.model or not args.role:
+        p.error("--model and --role are required without --config")
     fields = {
         "model_dir": args.model,
         "role": args.role,
@@ -105,16 +138,14 @@ def parse_args(
         "kv_shared_memory": args.kv_shared_memory,
         "node": args.node,
         "transfer_timeout_s": args.transfer_timeout_s,
+        "stop_grace_s": args.stop_grace_s,
         "insecure": args.insecure,
     }
     if args.internal_tls_json:
         fields["internal_tls"] = InternalTLS.model_validate_json(args.internal_tls_json)
     if args.worker_id:
         fields["worker_id"] = args.worker_id
-    secret = ClusterSecret.from_env(remove=True)
-    if args.cluster_secret_file:
-        secret = ClusterSecret.from_file(Path(args.cluster_secret_file), "--cluster-secret-file")
-    return WorkerConfig(**fields), args.stop_grace_s, secret
+    return WorkerConfig(**fields), secret
 
 
 def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = None) -> int:
@@ -123,10 +154,11 @@ def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = No
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
     try:
-        config, grace_s, secret = parse_args(argv)
-    except ValueError as exc:  # pydantic ValidationError included
+        config, secret = parse_args(argv)
+    except (OSError, ValueError) as exc:  # pydantic ValidationError included
         print(f"worker: {exc}", file=sys.stderr)
         return 2
+    grace_s = config.stop_grace_s
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,7 +1,8 @@
 """`WorkerConfig`: everything one worker process is started with. Torch-free.
 
-Used by the worker process (`python -m worker_main`), the launchers that build its command line or
-Ray actor (`deploy.launcher`, `deploy.ray_launcher`) and the cluster config (`deploy.config`).
+Built from the cluster config in one place (`deploy.config.ClusterConfig.worker_config`) and
+handed whole, as JSON, to the worker process (`python -m worker_main --config FILE`, by
+`deploy.launcher`) or the Ray actor (`deploy.ray_launcher`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ class WorkerConfig(BaseModel):
         default=None,
         description="Serve the worker API over mutual TLS (the cluster certificate; clients "
         "must present one the same CA signed).",
+    )
+    stop_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM (`python -m worker_main`): NOT_SERVING at once, no new work, "
+        "in-flight requests get this long (the cluster's drain_timeout_s).",
     )
     insecure: bool = Field(
         default=False,

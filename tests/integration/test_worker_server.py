@@ -46,13 +46,13 @@ def test_config_validation(tmp_path: Path) -> None:
 
 def test_command_line(tmp_path: Path) -> None:
     engine = EngineConfig(block_size=8, num_kv_blocks=32)
-    cfg, grace, secret = parse_args(
+    cfg, secret = parse_args(
         ["--model", str(tmp_path), "--role", "prefill", "--worker-id", "p7", "--port", "0"]
         + ["--engine-json", engine.model_dump_json(), "--torch-threads", "1"]
         + ["--kv-host", "127.0.0.1", "--transfer-timeout-s", "5", "--stop-grace-s", "2"]
     )
     assert (cfg.worker_id, cfg.role, cfg.engine, cfg.torch_threads) == ("p7", "prefill", engine, 1)
-    assert (cfg.transfer_timeout_s, grace, secret) == (5.0, 2.0, None)
+    assert (cfg.transfer_timeout_s, cfg.stop_grace_s, secret) == (5.0, 2.0, None)
     with pytest.raises(ValidationError):
         parse_args(["--model", str(tmp_path), "--role", "decode", "--engine-json", '{"x": 1}'])
 

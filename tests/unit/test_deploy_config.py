@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from deploy.cli import build_parser, up_overrides
 from deploy.client import build_request
 from deploy.config import ClusterConfig, check_model_dir, load_cluster_config
-from deploy.launcher import router_argv, router_env, worker_argv
+from deploy.launcher import router_document, router_env, write_document
+from router.config import RouterConfig
 from worker.cli import parse_args as parse_worker_args
 from worker.server import lower_priority
 
@@ -169,7 +170,7 @@ def test_file_errors(tmp_path: Path) -> None:
         check_model_dir(ClusterConfig(model=tmp_path))
 
 
-def test_router_config_and_command_lines() -> None:
+def test_router_config_and_documents(tmp_path: Path) -> None:
     c = load_cluster_config(None, {"model": "m", "router.port": 0, "router.max_queued": 3})
     rc = c.router_config({"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
     assert (rc.mode, rc.prefill_addrs, rc.decode_addrs, rc.max_queued) == (
@@ -178,28 +179,26 @@ def test_router_config_and_command_lines() -> None:
         ("127.0.0.1:2",),
         3,
     )
-    argv = router_argv(rc)
-    assert argv[argv.index("--prefill-addr") + 1] == "127.0.0.1:1"
-    assert argv[argv.index("--max-queued") + 1] == "3"
-    assert "--prefix-index-json" not in argv
+    assert RouterConfig.model_validate_json(router_document(rc)) == rc.model_copy(
+        update={"model_dir": Path("m").resolve()}
+    )
     redis = {"kind": "redis", "url": "redis://u:hunter2@127.0.0.1:6379/0", "key_prefix": "k:"}
     c2 = load_cluster_config(None, {"model": "m", "router.prefix_index": redis})
     rc2 = c2.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
-    argv = router_argv(rc2)
-    index = json.loads(argv[argv.index("--prefix-index-json") + 1])
+    doc = router_document(rc2)
+    index = json.loads(doc)["prefix_index"]
     assert (index["url"], index["key_prefix"]) == ("redis://u@127.0.0.1:6379/0", "k:")
-    assert "hunter2" not in " ".join(argv)  # the password goes through the environment
+    assert "hunter2" not in doc  # the password goes through the environment
     assert router_env(rc2, None) == {"PDSERVE_REDIS_PASSWORD": "hunter2"}
     assert "hunter2" not in c2.model_dump_json()  # nor into the effective-config dump
-    wargv = worker_argv(c, "decode-0", "decode")
-    assert wargv[wargv.index("--role") + 1] == "decode"
-    assert wargv[wargv.index("--nice") + 1] == "0"
     niced = load_cluster_config(None, {"model": "m", "worker_nice": 7})
-    wargv = worker_argv(niced, "decode-0", "decode")
-    assert wargv[wargv.index("--nice") + 1] == "7"
-    cli = wargv[wargv.index("worker_main") + 1 :]
-    assert parse_worker_args(cli)[0].nice == 7
-    assert json.loads(wargv[wargv.index("--engine-json") + 1]) == c.engine.model_dump(mode="json")
+    path = write_document(
+        tmp_path, "w", niced.worker_config("decode-0", "decode", "h").model_dump_json()
+    )
+    wc, _ = parse_worker_args(["--config", str(path)])
+    assert (wc.nice, wc.role, wc.worker_id, wc.engine) == (7, "decode", "decode-0", c.engine)
+    with pytest.raises(SystemExit):  # the document is the whole config: no flag beside it
+        parse_worker_args(["--config", str(path), "--nice", "3"])
 
 
 def test_generate_request_builder() -> None:
@@ -282,15 +281,15 @@ def test_lower_priority_sched_idle_moves_the_process_to_sched_idle() -> None:
     assert policy == os.SCHED_IDLE
 
 
-def test_worker_sched_idle_reaches_both_launchers() -> None:
-    from deploy.ray_launcher import worker_config_json
-
+def test_worker_sched_idle_reaches_the_worker(tmp_path: Path) -> None:
+    """Both launchers hand a worker `ClusterConfig.worker_config` whole (the process launcher
+    as its --config file, the Ray launcher as its actor's argument)."""
     on = load_cluster_config(None, {"model": "m", "worker_sched_idle": True})
     off = load_cluster_config(None, {"model": "m"})
-    assert "--sched-idle" in worker_argv(on, "w0", "prefill")
-    assert "--sched-idle" not in worker_argv(off, "w0", "prefill")
-    assert parse_worker_args(worker_argv(on, "w0", "prefill")[3:])[0].sched_idle is True
-    assert json.loads(worker_config_json(on, "w0", "decode", "127.0.0.1"))["sched_idle"] is True
+    for config, want in ((on, True), (off, False)):
+        doc = config.worker_config("w0", "prefill", "127.0.0.1").model_dump_json()
+        wc, _ = parse_worker_args(["--config", str(write_document(tmp_path, "w0", doc))])
+        assert wc.sched_idle is want
 
 
 def test_ray_bundles_deal_the_roles_in_turn() -> None:

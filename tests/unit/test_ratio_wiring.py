@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from deploy.cli import build_parser, up_overrides
 from deploy.config import ClusterConfig, load_cluster_config
-from deploy.launcher import router_argv
+from deploy.launcher import router_document, write_document
 from router.__main__ import parse_args
 from router.config import RouterConfig
 from router.flow import RequestRun, RunTimings
@@ -39,7 +39,6 @@ def test_default_is_fixed_and_reaches_the_router_config() -> None:
     assert c.ratio == RatioConfig() and c.ratio.mode == "fixed"
     rc = c.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
     assert rc.ratio.mode == "fixed"
-    assert "--ratio-json" not in router_argv(rc)
     on = ClusterConfig.model_validate(cluster({"prefill": 1, "decode": 2}, max_prefill=2))
     rc = on.router_config({"prefill": ["h:1"], "decode": ["h:2", "h:3"]})
     assert rc.ratio == on.ratio and rc.ratio.mode == "adaptive"
@@ -108,12 +107,13 @@ def test_router_config_checks_the_ratio_against_its_workers(tmp_path: Path) -> N
         )
 
 
-def test_router_command_line_carries_the_ratio(tmp_path: Path) -> None:
+def test_router_document_carries_the_ratio(tmp_path: Path) -> None:
     ratio = RatioConfig(**ON, max_prefill=2, decisions_path=Path("d.jsonl"))
     rc = RouterConfig(
         model_dir=tmp_path, prefill_addrs=("h:1",), decode_addrs=("h:2",), ratio=ratio
     )
-    parsed = parse_args(router_argv(rc)[3:])  # drop "python -m router"
+    doc = write_document(tmp_path, "router-0", router_document(rc))
+    parsed = parse_args(["--config", str(doc)])
     assert parsed.ratio == ratio.model_copy(update={"decisions_path": Path("d.jsonl").resolve()})
     assert parse_args(["--model", str(tmp_path), "--prefill-addr", "h:1", "--decode-addr", "h:2"])
     with pytest.raises(SystemExit):

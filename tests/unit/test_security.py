@@ -108,7 +108,7 @@ def test_the_worker_takes_its_secret_from_the_environment_and_removes_it(
 ) -> None:
     secret = ClusterSecret.generate()
     monkeypatch.setenv(ENV_VAR, secret.to_text())
-    cfg, _, got = worker_args(["--model", str(tmp_path), "--role", "decode"])
+    cfg, got = worker_args(["--model", str(tmp_path), "--role", "decode"])
     assert got == secret and ENV_VAR not in os.environ
     assert secret.to_text() not in cfg.model_dump_json()
 
@@ -180,10 +180,10 @@ def test_stub_metadata_is_added_to_every_call() -> None:
     assert not check._allowed((("x-pdserve-cluster-auth", "abd"),)) and not check._allowed(None)
 
 
-def test_the_router_command_line_carries_paths_and_the_environment_the_secrets(
+def test_the_router_document_carries_paths_and_the_environment_the_secrets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deploy.launcher import router_argv, router_env
+    from deploy.launcher import router_document, router_env, write_document
     from router.__main__ import parse_args as router_args
     from security.config import InternalTLS
 
@@ -203,12 +203,14 @@ def test_the_router_command_line_carries_paths_and_the_environment_the_secrets(
         prefix_index=RedisIndexConfig(url="rediss://u:s3cret@h:1/0", tls_ca_file=pem),
     )
     secret = ClusterSecret.generate()
-    argv, env = router_argv(rc), router_env(rc, secret)
-    assert "s3cret" not in " ".join(argv) and secret.to_text() not in " ".join(argv)
+    doc, env = router_document(rc), router_env(rc, secret)
+    assert "s3cret" not in doc and secret.to_text() not in doc
     assert env == {**secret.env(), "PDSERVE_REDIS_PASSWORD": "s3cret"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    parsed = router_args(argv[3:])
+    path = write_document(tmp_path, "router-0", doc)
+    assert path.stat().st_mode & 0o777 == 0o600
+    parsed = router_args(["--config", str(path)])
     assert parsed.security == security and parsed.host == "0.0.0.0"
     assert isinstance(parsed.prefix_index, RedisIndexConfig)
     assert parsed.prefix_index.resolved_password() == "s3cret"

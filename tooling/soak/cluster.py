@@ -25,6 +25,7 @@ import grpc
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.app import RouterHandle, start_router
 from router.lifecycle import RequestRecord, RequestRecorder
+from router.views import WorkerView
 from tooling.launch import LaunchWorkers, WorkerRef, Workers
 from tooling.redis_server import RedisServer
 from tooling.soak.client import HttpFront
@@ -220,7 +221,8 @@ class SoakCluster:
             "worker_in_flight": sum(v.in_flight for v in views),
         }
 
-    def router_views(self) -> dict[str, Any]:
+    def router_views(self) -> dict[str, WorkerView]:
+        """The router's view of each worker, by address."""
         assert self.router is not None
         return {v.address: v for v in self.router.pool.views()}
 
