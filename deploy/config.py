@@ -17,6 +17,8 @@ sub-model per TOML table; every field is described and defaulted where a default
     [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
     [router]   host = "127.0.0.1"  port = 50051  http_port = 8000  policy = "prefix_aware" ...
     [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6380/0"   (default: memory)
+    [router.hybrid]  local_prefill_max_tokens = 256  prefill_queue_max_tokens = 0 ...
+               (a `router.hybrid` HybridConfig: decode workers prefill short prompts; default off)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
     [transfer] timeout_s = 30  kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
@@ -49,6 +51,7 @@ from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
 from proto.pdserve.v1.roles import ROLES, Role
 from router.config import RouterConfig
+from router.hybrid import HybridConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig
 from router.ratio.config import RatioConfig
@@ -167,6 +170,11 @@ class RouterSection(_Frozen):
         gt=0,
         description="A decode stream silent this long has its worker asked for its status; a "
         "worker that does not answer is frozen and the request moves (`max_migrations`).",
+    )
+    hybrid: HybridConfig = Field(
+        default_factory=HybridConfig,
+        description="[router.hybrid]: conditional disaggregation — decode workers prefill "
+        "short prompts themselves (`router.hybrid`); default off. Needs mode 'disagg'.",
     )
 
 
@@ -291,6 +299,11 @@ class ClusterConfig(_Frozen):
                 f"router.policy must be one of {sorted(POLICIES)}, got {self.router.policy!r}"
             )
         self._check_ratio()
+        if self.router.hybrid.enabled and self.mode != "disagg":
+            raise ValueError(
+                "router.hybrid.local_prefill_max_tokens > 0 lets decode workers prefill; it "
+                f"needs mode 'disagg', got mode={self.mode!r}"
+            )
         self.security.check_bind(self.router.host, "router.host")
         r = self.ray
         if r.address and r.num_cpus is not None:
@@ -380,6 +393,7 @@ class ClusterConfig(_Frozen):
             "max_migrations": r.max_migrations,
             "shutdown_grace_s": r.shutdown_grace_s,
             "stall_timeout_s": r.stall_timeout_s,
+            "hybrid": r.hybrid,
             "ratio": self.ratio,
             "security": self.security,
         }

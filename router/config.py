@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.hybrid import HybridConfig
 from router.pair_scoring import PairScoringConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
@@ -62,6 +63,11 @@ class RouterConfig(BaseModel):
         description="Prefill:decode ratio controller (`router.ratio`); default mode 'fixed' "
         "(off). 'adaptive' / 'advisory' need mode 'disagg' and start with the configured "
         "prefill/decode counts inside its bounds.",
+    )
+    hybrid: HybridConfig = Field(
+        default_factory=HybridConfig,
+        description="Conditional disaggregation (`router.hybrid`): which requests a decode "
+        "worker prefills itself instead of a prefill worker; default off. Needs mode 'disagg'.",
     )
     prefill_addrs: tuple[str, ...] = Field(
         default=(), description="Prefill workers' host:port (disagg)."
@@ -182,6 +188,15 @@ class RouterConfig(BaseModel):
                 raise ValueError("mode 'colocated' needs colocated_addrs (>= 1)")
             if self.prefill_addrs or self.decode_addrs:
                 raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
+        return self
+
+    @model_validator(mode="after")
+    def _hybrid(self) -> RouterConfig:
+        if self.hybrid.enabled and self.mode != "disagg":
+            raise ValueError(
+                "hybrid.local_prefill_max_tokens > 0 lets decode workers prefill; it needs "
+                f"mode 'disagg', got mode={self.mode!r}"
+            )
         return self
 
     @model_validator(mode="after")
