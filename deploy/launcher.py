@@ -258,6 +258,8 @@ def router_argv(rc: RouterConfig) -> list[str]:
         argv += ["--prefix-index-json", index.model_dump_json()]
     if rc.security != type(rc.security)():  # file paths only
         argv += ["--security-json", rc.security.model_dump_json(exclude_defaults=True)]
+    if rc.hybrid.enabled:
+        argv += ["--hybrid-json", rc.hybrid.model_dump_json()]
     if rc.ratio.enabled:  # a relative decisions_path means this process's directory
         path = rc.ratio.decisions_path
         ratio = rc.ratio.model_copy(update={"decisions_path": path and path.resolve()})

@@ -221,7 +221,12 @@ def test_example_configs_validate(path: Path) -> None:
 
 
 def test_examples_present() -> None:
-    assert {p.name for p in EXAMPLES} >= {"disagg-1p1d.toml", "disagg-2p2d.toml", "colocated.toml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "disagg-1p1d.toml",
+        "disagg-2p2d.toml",
+        "colocated.toml",
+        "hybrid-1p1d.toml",
+    }
 
 
 def _yaml_docs(path: Path) -> list[dict[str, object]]:
@@ -319,3 +324,24 @@ def test_ray_bundles_by_node_give_every_node_both_roles() -> None:
             per_node.setdefault(dealt[bundle], set()).add(roles[k])
         assert all(r == {"prefill", "decode"} for r in per_node.values()), (dealt, per_node)
     assert bundles_by_node(["", "", ""]) == [0, 1, 2]  # one node (or unknown): as placed
+
+
+def test_router_hybrid_section_reaches_the_router_process() -> None:
+    """`[router.hybrid]` -> RouterConfig.hybrid -> `python -m router --hybrid-json` (issue 31);
+    off by default (no flag), refused outside mode 'disagg'."""
+    c = load_cluster_config(DEPLOY / "examples" / "hybrid-1p1d.toml")
+    assert c.router.hybrid.local_prefill_max_tokens == 128
+    rc = c.router_config({"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
+    argv = router_argv(rc)
+    assert json.loads(argv[argv.index("--hybrid-json") + 1])["local_prefill_max_tokens"] == 128
+    from router.__main__ import parse_args as parse_router_args
+
+    assert parse_router_args(argv[3:]).hybrid == rc.hybrid
+    plain = load_cluster_config(None, {"model": "m"})
+    off = plain.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
+    assert not off.hybrid.enabled and "--hybrid-json" not in router_argv(off)
+    with pytest.raises(ValueError, match="needs mode 'disagg'"):
+        load_cluster_config(
+            None,
+            {"model": "m", "mode": "colocated", "router.hybrid.local_prefill_max_tokens": 8},
+        )
