@@ -78,7 +78,9 @@ def test_indexed_tokens_reads_only_the_workers_own_current_match() -> None:
 def test_config_sections(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="local_prefill_max_tokens"):
         HybridConfig(local_prefill_max_tokens=-1)
-    base = {"model_dir": tmp_path, "prefill_addrs": ("a:1",), "decode_addrs": ("b:2",)}
-    assert RouterConfig(**base, hybrid=ON).hybrid.enabled
+    rc = RouterConfig(model_dir=tmp_path, prefill_addrs=("a:1",), decode_addrs=("b:2",), hybrid=ON)
+    assert (
+        rc.hybrid.enabled and not RouterConfig(**{**rc.model_dump(), "hybrid": {}}).hybrid.enabled
+    )
     with pytest.raises(ValidationError, match="needs mode 'disagg'"):
         RouterConfig(model_dir=tmp_path, mode="colocated", colocated_addrs=("c:3",), hybrid=ON)
