@@ -44,7 +44,7 @@ def _names(value: str) -> tuple[str, ...]:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `bench`: max goodput of one or more configurations under SLOs."""
-    from tooling.goodput.clusters import CONFIG_NAMES
+    from tooling.goodput.clusters import CONFIG_NAMES, DEFAULT_CONFIGS
     from tooling.goodput.workloads import WORKLOADS
 
     p = subparsers.add_parser(
@@ -63,8 +63,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     a("--openai-model", help="model name at --openai-url (default: the server's first)")
     a("--vocab-size", type=int, help="vocabulary of --openai-url's token-id prompts "
       "(default: --model's)")  # fmt: skip
-    a("--configs", type=_names, default=CONFIG_NAMES, metavar="NAME[,NAME...]",
-      help=f"configurations to launch, a comma list from {','.join(CONFIG_NAMES)}")  # fmt: skip
+    a("--configs", type=_names, default=DEFAULT_CONFIGS, metavar="NAME[,NAME...]",
+      help=f"configurations to launch, a comma list from {','.join(CONFIG_NAMES)} (default: "
+      f"{','.join(DEFAULT_CONFIGS)})")  # fmt: skip
     a("--workload", choices=sorted(WORKLOADS), default="summarize",
       help="synthetic request lengths: chat (short in, medium out), summarize (long in, short "
       "out), code (medium in, short out), prefix / multiturn (shared prefixes)")  # fmt: skip
@@ -136,9 +137,9 @@ def bench_config(args: argparse.Namespace) -> Any:
 
 
 def _default_configs() -> tuple[str, ...]:
-    from tooling.goodput.clusters import CONFIG_NAMES
+    from tooling.goodput.clusters import DEFAULT_CONFIGS
 
-    return CONFIG_NAMES
+    return DEFAULT_CONFIGS
 
 
 def _run(prog: str, cfg: Any) -> int:

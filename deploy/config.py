@@ -17,6 +17,8 @@ sub-model per TOML table; every field is described and defaulted where a default
     [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
     [router]   host = "127.0.0.1"  port = 50051  http_port = 8000  policy = "prefix_aware" ...
     [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6380/0"   (default: memory)
+    [router.hybrid]  local_prefill_max_tokens = 256  prefill_queue_max_tokens = 0 ...
+               (a `router.hybrid` HybridConfig: decode workers prefill short prompts; default off)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
     [transfer] timeout_s = 30  kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
@@ -233,6 +235,11 @@ class ClusterConfig(_Frozen):
                     f"workers.prefill={w.prefill}, workers.decode={w.decode}"
                 )
         self._check_ratio()
+        if self.router.hybrid.enabled and self.mode != "disagg":
+            raise ValueError(
+                "router.hybrid.local_prefill_max_tokens > 0 lets decode workers prefill; it "
+                f"needs mode 'disagg', got mode={self.mode!r}"
+            )
         self.security.check_bind(self.router.host, "router.host")
         r = self.ray
         if r.address and r.num_cpus is not None:

@@ -30,6 +30,7 @@ from pydantic import SecretStr, TypeAdapter, ValidationError
 
 from router.app import start_router
 from router.config import RouterConfig
+from router.hybrid import HybridConfig
 from router.policies import POLICIES
 from router.prefix_index.config import (
     REDIS_PASSWORD_ENV,
@@ -153,6 +154,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         '\'{"mode": "advisory", "slo_ttft_ms": 500, "slo_tpot_ms": 50}\'); default: off',
     )
     p.add_argument(
+        "--hybrid-json",
+        default=None,
+        help="conditional disaggregation as JSON (a router.hybrid HybridConfig, e.g. "
+        "'{\"local_prefill_max_tokens\": 256}'); default: off",
+    )
+    p.add_argument(
         "--prefix-index-json",
         default=None,
         help="prefix index settings as JSON (a MemoryIndexConfig / RedisIndexConfig without "
@@ -203,6 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             shutdown_grace_s=args.shutdown_grace_s,
             prefix_index=_prefix_index(args),
             ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
+            hybrid=HybridConfig.model_validate_json(args.hybrid_json or "{}"),
             security=_security(args),
         )
     except ValidationError as exc:

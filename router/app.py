@@ -246,7 +246,9 @@ async def start_router(
         return GrpcKVEventSource(addr, lambda: pool.stub(addr))
 
     sources = kv_sources if kv_sources is not None else grpc_source
-    for addr in (*config.prefill_addrs, *config.colocated_addrs):
+    # A hybrid cluster's decode workers prefill too: their prefix caches price the local path.
+    decode_indexed = config.decode_addrs if config.hybrid.enabled else ()
+    for addr in (*config.prefill_addrs, *config.colocated_addrs, *decode_indexed):
         indexers.add(addr, sources(addr))
     ratio = make_ratio_controller(config, pool, indexers, sources)
     policy = make_policy(config.policy, config.prefix_routing, pair_scoring(config, model))
@@ -334,15 +336,19 @@ def make_ratio_controller(
 ) -> RatioController | None:
     """The (not yet started) ratio controller for `config.ratio`: None in mode 'fixed';
     'advisory' without an actuator; 'adaptive' with a `PoolActuator` whose `on_role_change`
-    adds an indexer for a worker that became prefill/colocated and removes the indexer of one
-    that became anything else."""
+    adds an indexer for a worker that became prefill/colocated (or decode, in a hybrid cluster)
+    and removes the indexer of one that became anything else."""
     if not config.ratio.enabled:
         return None
     if config.ratio.mode == "advisory":
         return RatioController(config.ratio, pool)
 
+    indexed: tuple[Role, ...] = ("prefill", "colocated")
+    if config.hybrid.enabled:
+        indexed += ("decode",)
+
     async def on_role_change(address: str, role: Role) -> None:
-        if role in ("prefill", "colocated"):
+        if role in indexed:
             indexers.add(address, sources(address))
         else:
             await indexers.remove(address)

@@ -48,6 +48,8 @@ class FinalFacts:
     prefill_worker: str = ""
     decode_worker: str = ""
     migrations: int = 0
+    prefill_path: str = ""  # the first leg's: "remote" | "local" (hybrid), "" colocated
+    prefill_path_reason: str = ""  # why (`router.hybrid.PathReason`)
 
 
 @dataclass
@@ -164,6 +166,8 @@ class ClientStream:
             prefill_worker=f.prefill_worker,
             decode_worker=f.decode_worker,
             migrations=f.migrations,
+            prefill_path=f.prefill_path,
+            prefill_path_reason=f.prefill_path_reason,
         )
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.hybrid import HybridConfig
 from router.pair_scoring import PairScoringConfig
 from router.policies import POLICIES
 from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, RedisIndexConfig
@@ -57,6 +58,11 @@ class RouterSettings(BaseModel):
         default_factory=PairScoringConfig,
         description="How 'least_load' and 'prefix_aware' price the KV move of a prefill/decode "
         "pair on different nodes (`router.pair_scoring`).",
+    )
+    hybrid: HybridConfig = Field(
+        default_factory=HybridConfig,
+        description="Conditional disaggregation (`router.hybrid`): which requests a decode "
+        "worker prefills itself instead of a prefill worker; default off. Needs mode 'disagg'.",
     )
     host: str = Field(default="127.0.0.1", description="Interface the public gRPC server binds.")
     port: int = Field(default=0, ge=0, le=65535, description="Public port; 0 picks a free one.")
@@ -195,6 +201,15 @@ class RouterConfig(RouterSettings):
                 raise ValueError("mode 'colocated' needs colocated_addrs (>= 1)")
             if self.prefill_addrs or self.decode_addrs:
                 raise ValueError("prefill_addrs/decode_addrs must be empty in mode 'colocated'")
+        return self
+
+    @model_validator(mode="after")
+    def _hybrid(self) -> RouterConfig:
+        if self.hybrid.enabled and self.mode != "disagg":
+            raise ValueError(
+                "hybrid.local_prefill_max_tokens > 0 lets decode workers prefill; it needs "
+                f"mode 'disagg', got mode={self.mode!r}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -46,9 +46,11 @@ import grpc
 
 from router.client_stream import ClientStream, RunTimings
 from router.errors import Retryable, RouterError
+from router.hybrid import HybridConfig, PathChoice, choose_prefill_path, indexed_tokens
 from router.policy import Role, RouteRequest, RoutingDecision, RoutingPolicy, WorkerView
 from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex, PromptPrefix
+from router.prefix_policy import load_tokens
 from router.validation import ValidatedRequest
 from router.worker_calls import Chunks, Leg, LegSpec, WorkerLost
 
@@ -74,6 +76,7 @@ class RequestRun:
     max_migrations: int = 0
     stall_timeout_s: float = 3.0  # a worker stream silent this long: is its worker frozen?
     prefix_index: GuardedPrefixIndex | None = None
+    hybrid: HybridConfig | None = None  # conditional disaggregation (`router.hybrid`); None: off
     excluded: set[str] = field(default_factory=set)  # workers that failed this request
     migrations: int = 0
     legs: list[Leg] = field(default_factory=list)  # every attempt so far, in order
@@ -139,6 +142,7 @@ class RequestRun:
             t.decode_admission_ms = report.decode_admission_ms
             t.first_decode_step_ms = report.first_decode_step_ms
             facts.cached_tokens = report.cached_tokens
+            facts.prefill_path, facts.prefill_path_reason = report.prefill_path, report.path_reason
 
     async def _migrate(self, leg: Leg, lost: WorkerLost) -> tuple[Leg, Chunks]:
         """Move the request off the worker that failed mid-stream (see the module docstring)."""
@@ -186,6 +190,11 @@ class RequestRun:
                 if decision.colocated is not None:
                     return leg, await leg.start_colocated(decision.colocated)
                 assert decision.prefill is not None and decision.decode is not None
+                choice = self._prefill_path(spec, decision, prefix)
+                leg.report.prefill_path, leg.report.path_reason = choice.path, choice.reason
+                if choice.path == "local":  # Generate on D: it prefills, then decodes
+                    cached = len(spec.prompt) - choice.uncached_tokens
+                    return leg, await leg.start_colocated(decision.decode, cached)
                 chunks = await leg.reserve_and_prefill(
                     decision.prefill, decision.decode, decision.cached_tokens
                 )
@@ -205,10 +214,34 @@ class RequestRun:
         assert last is not None
         raise RouterError(last.code, last.message, last.public)
 
+    def _prefill_path(
+        self, spec: LegSpec, decision: RoutingDecision, prefix: PromptPrefix
+    ) -> PathChoice:
+        """`router.hybrid.choose_prefill_path` for the policy's (P, D) pair: the prompt's
+        uncached tokens on each (prefix index) and both workers' queued prefill tokens."""
+        p, d = decision.prefill, decision.decode
+        assert p is not None and d is not None, decision
+        n = len(spec.prompt)
+        on_d = indexed_tokens(
+            d.worker_id, d.epoch, d.block_size, len(prefix.block_hashes), prefix.matches, n
+        )
+        return choose_prefill_path(
+            self.hybrid or HybridConfig(),
+            n,
+            cached_on_decode=on_d,
+            cached_on_prefill=decision.cached_tokens,
+            prefill_queued_tokens=load_tokens(p),
+            decode_queued_tokens=load_tokens(d),
+        )
+
     async def _prefix_lookup(self, spec: LegSpec) -> PromptPrefix:
         """The prompt's chain and the index's matches (block size: the workers', if they agree;
-        else, without an index, or for a policy that ignores prefixes: none, by load only)."""
-        if self.prefix_index is None or not self.policy.uses_prefix_matches:
+        else, without an index, or for a policy that ignores prefixes and no hybrid path to
+        price: none, by load only)."""
+        wanted = self.policy.uses_prefix_matches or (
+            self.hybrid is not None and self.hybrid.enabled
+        )
+        if self.prefix_index is None or not wanted:
             return PromptPrefix()
         role: Role = "colocated" if self.colocated else "prefill"
         sizes = {v.block_size for v in self.pool.views(role) if v.healthy}

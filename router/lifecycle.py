@@ -95,6 +95,8 @@ class RequestRecord:
     inter_token_s: list[float] = field(default_factory=list)  # between messages with tokens
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prefill_path: str = ""  # disagg: "remote" | "local" (`router.hybrid`); "" before placing
+    prefill_path_reason: str = ""
 
 
 class RequestRecorder(Protocol):
@@ -257,6 +259,7 @@ class RequestLifecycle:
             max_migrations=self.config.max_migrations,
             stall_timeout_s=self.config.stall_timeout_s,
             prefix_index=self._prefix_index,
+            hybrid=self.config.hybrid if self.config.hybrid.enabled else None,
         )
         self._in_flight_ids.add(request_id)
         error: RouterError | None = None
@@ -286,6 +289,8 @@ class RequestLifecycle:
                 self.abort_later(request_id, sorted(run.holders))
             rec.completion_tokens = run.completion_tokens
             rec.workers = tuple(run.placed_on)
+            rec.prefill_path = client.facts.prefill_path
+            rec.prefill_path_reason = client.facts.prefill_path_reason
             rec.ttft_s, rec.tpot_s = request_outcome(run, time.perf_counter() - t_arrival)
         # Reached only when the caller was not cancelled (the client did not go away).
         self._report(run, error is None, time.perf_counter() - t_arrival)

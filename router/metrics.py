@@ -20,6 +20,9 @@ routers can share a test process). What is counted where:
   `observe_prefix_lookup`, from the guarded prefix index on the request path;
 - `ratio_decisions_total{action}`: `observe_ratio_decision`, every ratio-controller decision
   (`hold` included).
+- `prefill_path_total{path,reason}`: `record`, once per request that reached a worker in
+  mode 'disagg': where its prompt was prefilled (``remote``: a prefill worker; ``local``: its
+  decode worker, `[router.hybrid]`) and why (`router.hybrid.choose_prefill_path`'s reason).
 
 Every labelled series of the served model exists from start-up, at zero (vLLM does the same),
 so `rate()` and quantile queries work from the first scrape.
@@ -38,6 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from router.admission import Admission
+from router.hybrid import REASONS
 from router.lifecycle import RequestRecord
 from router.policy import WorkerView
 
@@ -203,6 +207,13 @@ class RouterMetrics:
             [*lm, "action"],
             registry=r,
         )
+        self.prefill_path = Counter(
+            P + "prefill_path",
+            "Disaggregated requests by where their prompt was prefilled (remote: a prefill "
+            "worker; local: the decode worker) and why.",
+            [*lm, "path", "reason"],
+            registry=r,
+        )
         r.register(_LiveState(model, admission, views))
         self._init_series()
 
@@ -225,6 +236,9 @@ class RouterMetrics:
             self.lookup_failures.labels(model, why)
         for action in RATIO_ACTIONS:
             self.ratio_decisions.labels(model, action)
+        for path, reasons in REASONS.items():
+            for reason in reasons:
+                self.prefill_path.labels(model, path, reason)
 
     def record(self, rec: RequestRecord) -> None:
         """One finished request (the lifecycle's `RequestRecorder`)."""
@@ -242,6 +256,8 @@ class RouterMetrics:
             self.ttft.labels(model).observe(rec.ttft_s)
         if rec.tpot_s is not None:
             self.tpot.labels(model).observe(rec.tpot_s)
+        if rec.prefill_path:
+            self.prefill_path.labels(model, rec.prefill_path, rec.prefill_path_reason).inc()
         itl = self.itl.labels(model)
         for gap in rec.inter_token_s:
             itl.observe(gap)

@@ -105,6 +105,8 @@ class LegReport:
     kv_transfer_ms: float = 0.0
     decode_admission_ms: float = 0.0
     first_decode_step_ms: float = 0.0
+    prefill_path: str = ""  # disagg: "remote" (prefill worker) or "local" (on D); "" colocated
+    path_reason: str = ""  # why (`router.hybrid.PathReason`)
 
 
 class Leg:
@@ -250,9 +252,10 @@ class Leg:
         )
         return self._decode_stream(first, d.address, decode)
 
-    async def start_colocated(self, w: WorkerView) -> Chunks:
-        """Start `Generate` on `w` and wait for its first chunk (retryable until then); the
-        leg's chunk stream."""
+    async def start_colocated(self, w: WorkerView, cached: int = 0) -> Chunks:
+        """Start `Generate` on `w` — a colocated worker, or a hybrid cluster's decode worker
+        prefilling locally, expected to hold `cached` prompt tokens — and wait for its first
+        chunk (retryable until then); the leg's chunk stream."""
         report = self.report
         report.prefill_worker = report.decode_worker = w.worker_id
         self.holders.add(w.address)
@@ -270,14 +273,14 @@ class Leg:
         )
         stream = self._chunks_of(call, w.address)
         try:
-            with self.pool.track_prefill(w.address, len(self.spec.prompt), 0):
+            with self.pool.track_prefill(w.address, len(self.spec.prompt), cached):
                 first = await anext(stream)
         except StreamStalled as stalled:
             raise Retryable(grpc.StatusCode.UNAVAILABLE, str(stalled), w.address) from stalled
         except StreamFailed as failed:
             await self.blame(failed.exc, "Generate", w.address)
             err = worker_error(
-                failed.exc, f"Generate on colocated worker {w.address}", "Generate on a worker"
+                failed.exc, f"Generate on {w.role} worker {w.address}", "Generate on a worker"
             )
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 raise Retryable(err.code, err.message, w.address, err.public) from failed.exc

@@ -1,6 +1,9 @@
-"""Fidelity and concurrency through real processes: colocated, 1P+1D and 2P+2D clusters give
-the in-process colocated engine's greedy tokens, one request at a time and 40 at once, and a
-prefill worker switching role under traffic drops nothing.
+"""Fidelity and concurrency through real processes: colocated, 1P+1D, 2P+2D and hybrid 1P+1D
+clusters give the in-process colocated engine's greedy tokens, one request at a time and 40 at
+once, and a prefill worker switching role under traffic drops nothing. The hybrid cluster
+(`[router.hybrid]` local_prefill_max_tokens = `HYBRID_LOCAL`) prefills short prompts on its
+decode worker and long ones on its prefill worker: both paths are taken, and each response says
+which (`FinalInfo.prefill_path`).
 
 Runs in the pytest process; one cluster per topology (module-scoped, parametrized), so pytest
 runs every test of a topology before starting the next one.
@@ -20,10 +23,16 @@ from tests.e2e.helpers import PROMPTS, E2ECluster, Reference, wait_until
 
 pytestmark = pytest.mark.slow
 
-TOPOLOGIES = {
-    "colocated": ("colocated", {"colocated": 1}),
-    "1p1d": ("disagg", {"prefill": 1, "decode": 1}),
-    "2p2d": ("disagg", {"prefill": 2, "decode": 2}),
+HYBRID_LOCAL = 64  # prompts of at most this many uncached tokens are prefilled on D
+TOPOLOGIES: dict[str, tuple[str, dict[str, int], dict[str, object]]] = {
+    "colocated": ("colocated", {"colocated": 1}, {}),
+    "1p1d": ("disagg", {"prefill": 1, "decode": 1}, {}),
+    "2p2d": ("disagg", {"prefill": 2, "decode": 2}, {}),
+    "hybrid-1p1d": (
+        "disagg",
+        {"prefill": 1, "decode": 1},
+        {"router.hybrid.local_prefill_max_tokens": HYBRID_LOCAL},
+    ),
 }
 
 
@@ -31,19 +40,38 @@ TOPOLOGIES = {
 def cluster(
     request: pytest.FixtureRequest, start_cluster: Callable[..., Iterator[E2ECluster]]
 ) -> Iterator[E2ECluster]:
-    mode, counts = TOPOLOGIES[request.param]
-    yield from start_cluster(request.param, mode, **counts)
+    mode, counts, overrides = TOPOLOGIES[request.param]
+    yield from start_cluster(request.param, mode, overrides, **counts)
+
+
+def _expected_path(cluster: E2ECluster, prompt_tokens: int) -> set[str]:
+    """The prefill paths a prompt of `prompt_tokens` may take on `cluster` (a prompt longer
+    than the threshold may still go local when its prefix is cached on the decode worker)."""
+    if cluster.name == "colocated":
+        return {""}
+    if not cluster.name.startswith("hybrid"):
+        return {"remote"}
+    return {"local"} if prompt_tokens <= HYBRID_LOCAL else {"local", "remote"}
 
 
 def test_greedy_tokens_match_colocated_engine(cluster: E2ECluster, reference: Reference) -> None:
     got: dict[str, list[int]] = {}
+    paths: dict[str, str] = {}
     for p in PROMPTS:  # one at a time, in order: the shared-prefix prompts hit the cache
         tokens, final = cluster.generate(p.request())
         got[p.name] = tokens
+        n = len(reference.prompt_ids[p.name])
         assert final.usage.completion_tokens == len(tokens)
-        assert final.usage.prompt_tokens == len(reference.prompt_ids[p.name])
+        assert final.usage.prompt_tokens == n
         assert final.finish_reason == ("length" if len(tokens) == p.max_tokens else "stop")
+        assert final.prefill_path in _expected_path(cluster, n), (p.name, n, final)
+        paths[p.name] = final.prefill_path
+        if final.prefill_path == "local":  # prefilled and decoded on the decode worker
+            assert final.prefill_worker == final.decode_worker
+            assert final.prefill_path_reason == "short_prompt"
     reference.check(got)
+    if cluster.name.startswith("hybrid"):  # both paths taken, the long prompts through P
+        assert paths["len1"] == "local" and paths["len700"] == "remote", paths
     cluster.wait_no_leaks()
 
 

@@ -48,6 +48,7 @@ ROUTER_SETTINGS: dict[str, Any] = {
     "max_route_attempts": 3,
     "max_migrations": 2,
     "stall_timeout_s": 3.5,
+    "hybrid": {"local_prefill_max_tokens": 96, "prefill_queue_max_tokens": 500},
 }
 
 # What a worker's config takes from the cluster config: field -> (cluster config -> value).

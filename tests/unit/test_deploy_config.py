@@ -220,7 +220,12 @@ def test_example_configs_validate(path: Path) -> None:
 
 
 def test_examples_present() -> None:
-    assert {p.name for p in EXAMPLES} >= {"disagg-1p1d.toml", "disagg-2p2d.toml", "colocated.toml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "disagg-1p1d.toml",
+        "disagg-2p2d.toml",
+        "colocated.toml",
+        "hybrid-1p1d.toml",
+    }
 
 
 def _yaml_docs(path: Path) -> list[dict[str, object]]:
@@ -318,3 +323,20 @@ def test_ray_bundles_by_node_give_every_node_both_roles() -> None:
             per_node.setdefault(dealt[bundle], set()).add(roles[k])
         assert all(r == {"prefill", "decode"} for r in per_node.values()), (dealt, per_node)
     assert bundles_by_node(["", "", ""]) == [0, 1, 2]  # one node (or unknown): as placed
+
+
+def test_router_hybrid_section_reaches_the_router_config() -> None:
+    """`[router.hybrid]` -> RouterConfig.hybrid (issue 31; the router process gets it with the
+    whole document, `test_config_documents`); off by default, refused outside mode 'disagg'."""
+    c = load_cluster_config(DEPLOY / "examples" / "hybrid-1p1d.toml")
+    assert c.router.hybrid.local_prefill_max_tokens == 128
+    rc = c.router_config({"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
+    assert rc.hybrid == c.router.hybrid and rc.hybrid.enabled
+    plain = load_cluster_config(None, {"model": "m"})
+    off = plain.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
+    assert not off.hybrid.enabled
+    with pytest.raises(ValueError, match="needs mode 'disagg'"):
+        load_cluster_config(
+            None,
+            {"model": "m", "mode": "colocated", "router.hybrid.local_prefill_max_tokens": 8},
+        )

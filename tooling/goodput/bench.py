@@ -43,6 +43,7 @@ from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
 from tooling.goodput.clusters import (
     CONFIG_NAMES,
+    DEFAULT_CONFIGS,
     ClusterSet,
     EngineSizing,
     OpenAITarget,
@@ -82,7 +83,7 @@ class BenchConfig(BaseModel):
         "folder's, when `model` is one.",
     )
     configs: tuple[str, ...] = Field(
-        default=CONFIG_NAMES, description=f"Configurations to compare, from {CONFIG_NAMES}."
+        default=DEFAULT_CONFIGS, description=f"Configurations to compare, from {CONFIG_NAMES}."
     )
     workload: str = Field(default="summarize", description=f"One of {sorted(WORKLOADS)}.")
     trace: Path | None = Field(default=None, description="Replay this trace (.csv/.jsonl).")

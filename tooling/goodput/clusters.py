@@ -8,6 +8,13 @@ same model, block size, KV blocks and batch limits:
 | `colocated` | 1 colocated | `threads` | chunked, `chunk_tokens` per step |
 | `colocated-nochunk` | 1 colocated | `threads` | whole prompts (step budget = context + seqs) |
 | `disagg` | 1 prefill + 1 decode | `threads // 2` each | chunked, `chunk_tokens` per step |
+| `hybrid` | 1 prefill + 1 decode | `threads // 2` each | as `disagg`, short prompts on D |
+
+`hybrid` is `disagg` with `[router.hybrid]` on: prompts of at most
+`HYBRID_LOCAL_PREFILL_TOKENS` uncached tokens are prefilled on the decode worker itself.
+
+`bench` compares the first three by default (`DEFAULT_CONFIGS`); `hybrid` is asked for by name
+(`--configs`) and `pdserve demo` shows all four.
 
 `start_clusters` launches them with the launch function it is given (`tooling.launch`; deploy's
 `tool_launchers.launch_cluster` starts router + workers as local processes), all at once, so
@@ -26,7 +33,10 @@ from typing import Any
 
 from tooling.launch import Cluster, LaunchCluster
 
-CONFIG_NAMES = ("colocated", "colocated-nochunk", "disagg")
+CONFIG_NAMES = ("colocated", "colocated-nochunk", "disagg", "hybrid")
+DEFAULT_CONFIGS = ("colocated", "colocated-nochunk", "disagg")
+HYBRID_LOCAL_PREFILL_TOKENS = 128
+"""`hybrid`'s `router.hybrid.local_prefill_max_tokens`: short prompts skip the prefill hop."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +55,8 @@ def cluster_overrides(name: str, sizing: EngineSizing, threads: int = 2) -> dict
     """Dotted `ClusterConfig` keys of configuration `name` (ValueError for an unknown one)."""
     if name not in CONFIG_NAMES:
         raise ValueError(f"configuration must be one of {CONFIG_NAMES}, got {name!r}")
-    if threads < 2 and name == "disagg":
-        raise ValueError(f"disagg needs threads >= 2 (one per worker), got {threads}")
+    if threads < 2 and name in ("disagg", "hybrid"):
+        raise ValueError(f"{name} needs threads >= 2 (one per worker), got {threads}")
     engine: dict[str, Any] = {
         "block_size": sizing.block_size,
         "num_kv_blocks": sizing.num_kv_blocks,
@@ -56,9 +66,11 @@ def cluster_overrides(name: str, sizing: EngineSizing, threads: int = 2) -> dict
         "device": sizing.device,
     }
     out: dict[str, Any] = {"launcher": "process", "router.port": 0, "engine": engine}
-    if name == "disagg":
+    if name in ("disagg", "hybrid"):
         out |= {"mode": "disagg", "workers.prefill": 1, "workers.decode": 1}
         out["torch_threads"] = threads // 2
+        if name == "hybrid":
+            out["router.hybrid"] = {"local_prefill_max_tokens": HYBRID_LOCAL_PREFILL_TOKENS}
         return out
     out |= {"mode": "colocated", "workers.colocated": 1, "torch_threads": threads}
     out["workers.prefill"] = out["workers.decode"] = 0

@@ -2,7 +2,8 @@
 
 1. Get the model: SmolLM2-135M-Instruct by default, pulled and converted once
    (`tooling.models.pull`, idempotent; a folder that already holds a model is used as it is).
-2. Start the benchmark's clusters (colocated, colocated without chunking, disaggregated 1P1D;
+2. Start the benchmark's clusters (colocated, colocated without chunking, disaggregated 1P1D,
+   and hybrid 1P1D — disaggregated, short prompts prefilled on the decode worker;
    `clusters`) with their OpenAI HTTP fronts open, and ask the disaggregated one ONE question
    over `POST /v1/chat/completions` (greedy): the question and the model's answer go to stdout.
 3. Run the goodput comparison (`bench.run_bench` with `DEMO`) on the same clusters: prompts are
@@ -11,7 +12,8 @@
    comparison needs the same work per request everywhere. The report path and the headline go
    to stdout, progress to stderr.
 
-`DEMO` is sized for a 2-core machine: about 10 minutes in all.
+`DEMO` is sized for a 2-core machine: about 10 minutes in all with the three fixed
+configurations; hybrid, the fourth, adds about a third to that.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tooling.goodput.bench import BenchConfig, run_bench
-from tooling.goodput.clusters import ClusterSet
+from tooling.goodput.clusters import CONFIG_NAMES, ClusterSet
 from tooling.launch import Cluster, LaunchCluster
 
 QUESTION = "What is the capital of France?"
@@ -53,7 +55,8 @@ def demo_config(model: Path, out: Path, seed: int = 0) -> BenchConfig:
     """The demo's `BenchConfig`: `DEMO`, every configuration, HTTP fronts open."""
     return BenchConfig(
         out=out, model=model, seed=seed, calibrate_on="colocated", http_front=True,
-        title="pdserve demo: disaggregated vs colocated goodput (SmolLM2-135M-Instruct)",
+        configs=CONFIG_NAMES,
+        title="pdserve demo: disaggregated, hybrid and colocated goodput (SmolLM2-135M-Instruct)",
         **DEMO,
     )  # fmt: skip
 

@@ -147,6 +147,7 @@ async def consume_stream(
                 rec.server = {"ttft_ms": t.ttft_ms, "e2e_ms": t.e2e_ms}
                 rec.server |= {name: getattr(t, name) for name in TIMING_FIELDS}
                 rec.prefill_worker, rec.decode_worker = f.prefill_worker, f.decode_worker
+                rec.prefill_path = f.prefill_path
     except grpc.aio.AioRpcError as exc:
         rec.status, rec.error = exc.code().name, exc.details() or ""
     rec.close(t_sent, first, prev, last if last is not None else loop.time())

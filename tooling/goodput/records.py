@@ -76,7 +76,8 @@ class RequestRecord:
     Client-side: `ttft_ms` = send -> first token; `tpot_ms` = (last - first token) / (n - 1),
     None with fewer than two tokens; `itl_ms` = gaps between consecutive response messages
     (one token each, normally); `e2e_ms` = send -> last message. `server` holds the router's
-    `Timings` (ttft_ms, the breakdown in `TIMING_FIELDS`, e2e_ms); empty on errors."""
+    `Timings` (ttft_ms, the breakdown in `TIMING_FIELDS`, e2e_ms); empty on errors.
+    `prefill_path`: where the router had the prompt prefilled (`FinalInfo.prefill_path`)."""
 
     index: int
     request_id: str
@@ -97,6 +98,7 @@ class RequestRecord:
     server: dict[str, float] = field(default_factory=dict)
     prefill_worker: str = ""
     decode_worker: str = ""
+    prefill_path: str = ""  # disagg: "remote" | "local" (hybrid, `router.hybrid`); "" colocated
 
     @property
     def send_lag_ms(self) -> float:

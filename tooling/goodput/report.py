@@ -91,26 +91,29 @@ def _rate(mg: MaxGoodput) -> str:
 
 
 def headline(src: Source, mgs: dict[str, MaxGoodput]) -> str:
-    """One line: each configuration's max goodput and disagg's ratio to each baseline."""
+    """One line: each configuration's max goodput and disagg's (and hybrid's) ratio to each
+    baseline."""
     slo = src.slo
     parts = [f"{src.label(c)} {_rate(m)}" for c, m in mgs.items()]
     ratios = []
-    if "disagg" in mgs:
-        d = mgs["disagg"]
+    for top in ("disagg", "hybrid"):
+        if top not in mgs:
+            continue
+        d = mgs[top]
         for base in BASELINES:
             if base not in mgs:
                 continue
             b = mgs[base]
             if d.lower_bound and b.lower_bound:
-                ratios.append(f"disagg/{base} = n/a (no tested rate failed for either)")
+                ratios.append(f"{top}/{base} = n/a (no tested rate failed for either)")
             elif b.rate > 0:
                 bound = ">= " if d.lower_bound else "<= " if b.lower_bound else ""
-                ratios.append(f"disagg/{base} = {bound}{d.rate / b.rate:.2f}x")
+                ratios.append(f"{top}/{base} = {bound}{d.rate / b.rate:.2f}x")
             elif d.rate > 0 and b.first_fail is not None:  # base's max < its first failing rate
-                ratios.append(f"disagg/{base} > {d.rate / b.first_fail:.2f}x ({base} met the "
+                ratios.append(f"{top}/{base} > {d.rate / b.first_fail:.2f}x ({base} met the "
                               f"target at no tested rate)")  # fmt: skip
             else:
-                ratios.append(f"disagg/{base} = n/a ({base} met the target at no tested rate)")
+                ratios.append(f"{top}/{base} = n/a ({base} met the target at no tested rate)")
     text = (
         f"max goodput (>= {src.target:.0%} of requests with TTFT <= {slo.ttft_ms:g} ms and "
         f"TPOT <= {slo.tpot_ms:g} ms): " + ", ".join(parts)

@@ -79,20 +79,24 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_admission_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ...) -> None: ...
 
 class FinalInfo(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "migrations")
+    __slots__ = ("finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "migrations", "prefill_path", "prefill_path_reason")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PATH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PATH_REASON_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     timings: Timings
     prefill_worker: str
     decode_worker: str
     migrations: int
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
+    prefill_path: str
+    prefill_path_reason: str
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., migrations: _Optional[int] = ..., prefill_path: _Optional[str] = ..., prefill_path_reason: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
