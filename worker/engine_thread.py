@@ -278,7 +278,7 @@ class EngineThread:
                     f"{method} needs a worker in role '{self._served_by.get(method, '?')}'; worker "
                     f"{self.ctx.worker_id} is in role '{self.role.name}'",
                 )
-            self.role.handle(method, request, sink, timeout_s)
+            self.role.rpc_table[method].call(self.role, request, sink, timeout_s)
         except WorkerError as err:
             sink.fail(err)
 
@@ -396,7 +396,7 @@ class EngineThread:
             role=self.role.name,
             draining=self._drain is not None,
             num_waiting=len(sched.waiting) + len(sched.ready) + self.role.num_pending(),
-            num_running=len(sched.running) + len(sched.held),
+            num_running=len(sched.running) + sched.num_parked(),
             waiting_tokens=waiting_tokens,
             free_blocks=pool.num_free,
             total_blocks=pool.num_blocks,

@@ -1,7 +1,7 @@
 """Scripted interleavings of the decode role's block ownership, one event at a time.
 
 The test thread plays the engine thread: it calls `DecodeRole` the way `worker.engine_thread`
-does (an RPC's `handle`, `on_transfer_results` with what the receiving loopback transport's
+does (its typed RPC entry points (`reserve`, `decode`), `on_transfer_results` with what the receiving loopback transport's
 `poll()` returns, `expire(now)`, `abort`, engine steps), and a second loopback transport plays
 the prefill worker sending the KV. Nothing runs concurrently, so every order below is made,
 not hoped for: cancel during a transfer, expiry with no transfer, a transfer that fails after
@@ -58,7 +58,7 @@ class Script:
         req = pb.ReserveRequest(
             request_id=rid, num_prompt_tokens=len(PROMPT), max_tokens=max_tokens
         )
-        self.role.handle("Reserve", req, sink, life_s)
+        self.role.reserve(req, sink, life_s)
         answer: pb.ReserveResponse = self.loop.run_until_complete(sink.wait())
         return ticket_from_proto(answer.ticket)
 
@@ -71,7 +71,7 @@ class Script:
             first_token=20,
             sampling=pb.WorkerSampling(max_tokens=max_tokens, ignore_eos=True),
         )
-        self.role.handle("Decode", req, sink, 60.0)
+        self.role.decode(req, sink, 60.0)
         return sink
 
     def decode_refused(self, ticket: TransferTicket) -> WorkerError:

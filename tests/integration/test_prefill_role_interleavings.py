@@ -49,7 +49,7 @@ class Pair:
     def reserve(self, rid: str) -> pb.TransferTicket:
         sink = UnarySink(self.loop)
         req = pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(PROMPT), max_tokens=4)
-        self.d.handle("Reserve", req, sink, 30.0)
+        self.d.reserve(req, sink, 30.0)
         answer: pb.ReserveResponse = self.loop.run_until_complete(sink.wait())
         return answer.ticket
 
@@ -61,7 +61,7 @@ class Pair:
             sampling=pb.WorkerSampling(max_tokens=4, ignore_eos=True),
             ticket=ticket,
         )
-        self.p.handle("Prefill", req, sink, timeout_s)
+        self.p.prefill(req, sink, timeout_s)
         return sink
 
     def step_prefill(self) -> None:
