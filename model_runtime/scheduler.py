@@ -268,11 +268,12 @@ class Scheduler:
         """The transport's one result for `transfer_id`, ok or not: the transport never reads
         the blocks again, so they are freed now. Returns the id of the finished request whose
         answer waits on it, or None when the send was abandoned. KeyError for an unknown id."""
-        kv = self.sending.pop(transfer_id)
+        kv = self.sending[transfer_id]
         request = kv.request
         assert request.status is RequestStatus.FINISHED, (
             f"transfer {transfer_id!r}: result before request {request.request_id!r} finished"
         )
+        del self.sending[transfer_id]  # once: a second result finds no send
         self._release_blocks(request)
         return request.request_id if kv.state is Send.SENDING else None
 
