@@ -59,12 +59,12 @@ class Pair:
 
     # -- RPCs through the typed entry points ------------------------------------------------
 
-    def reserve(self, rid: str, max_tokens: int = 4) -> pb.TransferTicket:
+    def reserve(self, rid: str, max_tokens: int = 4, life_s: float = 30.0) -> pb.TransferTicket:
         sink = UnarySink(self.loop)
         req = pb.ReserveRequest(
             request_id=rid, num_prompt_tokens=len(PROMPT), max_tokens=max_tokens
         )
-        self.d.reserve(req, sink, 30.0)
+        self.d.reserve(req, sink, life_s)
         answer = self.answer(sink)
         assert isinstance(answer, pb.ReserveResponse), answer
         return answer.ticket
@@ -212,6 +212,33 @@ def test_open_raises_answers_and_frees_when_the_step_ends(pair: Pair) -> None:
     pair.all_free()
 
 
+def test_abort_before_the_opening_step_frees_at_once(pair: Pair) -> None:
+    t = pair.reserve("a")
+    sink = pair.prefill("a", t)
+    assert pair.p.abort("a", None, CANCELLED)  # 1. queued only: nothing opened, nothing held
+    assert pair.failed(sink) == grpc.StatusCode.CANCELLED
+    assert not pair.p_engine.has_unfinished() and pair.p_held() == 0
+    pair.step_prefill()  # 2. an empty step opens nothing
+    assert pair.d.abort("a", None, CANCELLED)  # 3. the router aborts the reservation too
+    assert pair.poll_d() == [False]  # 4. the expected transfer's cancelled result
+    pair.all_free()
+
+
+@pytest.mark.parametrize("receiver_polls_first", [True, False])
+def test_cancel_while_the_send_is_in_flight(pair: Pair, receiver_polls_first: bool) -> None:
+    t = pair.reserve("a")
+    sink = pair.prefill("a", t)
+    pair.step_prefill()  # 1. the transfer is open; no side has polled yet
+    assert pair.p.abort("a", None, CANCELLED)  # 2. cancelled in flight: answered at once
+    assert pair.failed(sink) == grpc.StatusCode.CANCELLED
+    assert pair.p_held() > 0  # 3. still held for the transport
+    polls = [pair.poll_d, pair.poll_p]
+    for poll in polls if receiver_polls_first else polls[::-1]:
+        poll()  # 4. each side's result frees what it held
+    assert pair.decode_refused("a", t).code == grpc.StatusCode.UNAVAILABLE
+    pair.all_free()
+
+
 def test_a_retry_with_the_same_ticket_while_the_cancelled_send_is_in_flight(pair: Pair) -> None:
     t = pair.reserve("a")
     first = pair.prefill("a", t)
@@ -302,6 +329,68 @@ def test_transfer_failure_after_expiry(pair: Pair, expire_first: bool) -> None:
         pair.d.expire(time.monotonic() + LAPSED)  # 3. then the reservation expires
     assert pair.poll_d() == [False]  # 4. one result: freed once, nothing left to fail
     assert pair.decode_refused("a", t).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    pair.poll_p()
+    pair.all_free()
+
+
+def test_a_reservation_nobody_decodes_expires(pair: Pair) -> None:
+    t = pair.reserve("a")
+    pair.d.expire(time.monotonic() + LAPSED)  # 1. expiry cancels the expected transfer
+    assert pair.decode_refused("a", t).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert pair.poll_d() == [False]  # 2. its (cancelled) result frees the blocks
+    pair.all_free()
+
+
+def test_decode_after_cancel_of_a_received_reservation(pair: Pair) -> None:
+    t = pair.reserve("a")
+    pair.prefill("a", t)
+    pair.step_prefill()
+    pair.poll_d()  # 1. the KV arrived: RECEIVED, no Decode yet
+    assert pair.d_engine.scheduler.remote_state(t.transfer_id) is Receive.RECEIVED
+    pair.poll_p()
+    assert pair.d.abort("a", None, CANCELLED)  # 2. cancelled before any Decode: freed now
+    assert pair.decode_refused("a", t).code == grpc.StatusCode.CANCELLED  # 3. Decode arrives
+    pair.all_free()
+
+
+def test_transfer_failure_fails_the_waiting_decode(pair: Pair) -> None:
+    t = pair.reserve("a")
+    pair.prefill("a", t)
+    stream = pair.decode("a", t, 20)  # 1. Decode waits for the transfer
+    pair.step_prefill()
+    pair.p_tr.cancel(t.transfer_id)  # 2. the sender gives up
+    assert pair.poll_d() == [False]
+    tokens, error = pair.chunks(stream)
+    assert tokens == [] and error is not None and error.code == grpc.StatusCode.UNAVAILABLE
+    pair.poll_p()
+    pair.all_free()
+
+
+def test_cancel_while_decoding_returns_the_blocks(pair: Pair) -> None:
+    t = pair.reserve("a", max_tokens=8)
+    pair.prefill("a", t, max_tokens=8)
+    stream = pair.decode("a", t, 20, max_tokens=8)  # 1. Decode before any KV
+    pair.step_prefill()
+    pair.poll_d()  # 2. the KV lands: admitted, the engine request owns the blocks
+    pair.poll_p()
+    pair.d.on_outputs(pair.d_engine.step(), time.monotonic(), time.monotonic())
+    assert pair.d.abort("a", None, CANCELLED)  # 3. aborted mid-decode
+    _, error = pair.chunks(stream)
+    assert error is not None and error.code == grpc.StatusCode.CANCELLED
+    pair.all_free()
+
+
+def test_a_failed_result_past_the_lifetime_reads_as_expiry(pair: Pair) -> None:
+    t = pair.reserve("a", life_s=0.05)
+    lapses = time.monotonic() + 0.05
+    pair.prefill("a", t)
+    pair.step_prefill()
+    pair.p_tr.cancel(t.transfer_id)  # 1. the transfer fails, unseen yet
+    while time.monotonic() <= lapses:  # 2. the reservation's lifetime passes (the state
+        time.sleep(0.005)  # tested: it is a time), with no expire() call in between
+    assert pair.poll_d() == [False]  # 3. the result is what notices: freed once
+    assert pair.decode_refused("a", t).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    pair.d.expire(time.monotonic())  # 4. nothing left to expire
     pair.poll_p()
     pair.all_free()
 
