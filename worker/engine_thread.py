@@ -6,7 +6,8 @@ only through `submit` / `cancel` / `abort` / `set_role` / `stop` (thread-safe: t
 command) and read `snapshot` (an immutable object swapped each iteration). One iteration:
 
 1. wait for commands — up to 50 ms when idle, 2 ms while KV transfers are in flight, not at
-   all while the engine has work — and run every queued one (RPCs in, aborts, role changes);
+   all while the engine has work — and run every queued one (RPCs in, aborts, role changes;
+   an RPC runs the typed entry point its method names in the role's `Rpc` table);
    RPCs the role marks `between_layers` (a decode worker's Reserve) also run between two
    layers of a forward pass, so a long step does not hold them up;
    the KV transport's waker ends the wait as soon as a transfer has news;
