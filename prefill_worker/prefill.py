@@ -61,7 +61,7 @@ from model_runtime.engine import LayerCallback
 from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput, stop_reason
 from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler import SchedulerOutput, Send
+from model_runtime.scheduler import SchedulerOutput, Send, SendingKV
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_from_proto
 from worker.roles import RoleHandler, Rpc, ms
@@ -187,7 +187,7 @@ class PrefillRole(RoleHandler):
             if call is None:  # its open failed and answered it; the blocks were freed
                 assert all(kv.request.request_id != out.request_id for kv in sending.values())
                 continue
-            assert call.ticket.transfer_id in sending, (out.request_id, "finished unsent")
+            assert self._send_of(call) is not None, (out.request_id, "finished unsent")
             call.output, call.compute_end = out, ended
 
     def on_transfer_results(self, results: Sequence[TransferResult]) -> None:
@@ -234,7 +234,7 @@ class PrefillRole(RoleHandler):
     def expire(self, now: float) -> None:
         for rid, call in list(self._calls.items()):
             if now >= call.deadline:
-                sending = self.engine.scheduler.send_state(call.ticket.transfer_id) is not None
+                sending = self._send_of(call) is not None
                 self.abort(
                     rid, None, self.expired(rid, "transferring KV" if sending else "prefilling")
                 )
@@ -245,15 +245,21 @@ class PrefillRole(RoleHandler):
             return False
         del self._calls[request_id]
         call.sink.fail(error)
-        sched = self.engine.scheduler
-        tid = call.ticket.transfer_id
-        if call.engine_id in sched.requests:
+        if call.engine_id in self.engine.scheduler.requests:
             self.engine.abort_request(call.engine_id)  # frees its blocks, or abandons its send
-        else:
-            sched.abandon_send(tid)  # finished: the send holds the blocks until its result
-        if sched.send_state(tid) is Send.ABANDONED:
-            self.ctx.transport.cancel(tid)  # its result frees the blocks
+        else:  # finished: its send holds the blocks until the transfer's result
+            self.engine.scheduler.abandon_send(call.ticket.transfer_id)
+        send = self._send_of(call)  # (the transfer id may be a cancelled predecessor's)
+        if send is not None:
+            assert send.state is Send.ABANDONED, send.state
+            self.ctx.transport.cancel(send.transfer_id)  # its result frees the blocks
         return True
+
+    def _send_of(self, call: _PrefillCall) -> SendingKV | None:
+        """The scheduler's send of `call`'s own request, if it opened one (a retry may carry
+        the ticket of a cancelled predecessor whose send is still in flight)."""
+        send = self.engine.scheduler.sending.get(call.ticket.transfer_id)
+        return send if send is not None and send.request.request_id == call.engine_id else None
 
     def request_ids(self) -> list[str]:
         return list(self._calls)

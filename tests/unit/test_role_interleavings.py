@@ -251,8 +251,13 @@ def test_a_retry_with_the_same_ticket_while_the_cancelled_send_is_in_flight(pair
     assert pair.failed(retry) == grpc.StatusCode.INTERNAL
     assert pair.p_engine.scheduler.send_state(t.transfer_id) is Send.ABANDONED  # untouched
     assert pair.p.num_active() == 1  # the abandoned send still holds its blocks
+    queued = pair.prefill("a", t)  # 5. another retry, its deadline passes before its step:
+    pair.p.expire(time.monotonic() + LATER)  # the predecessor's send is not its own
+    error = pair.answer(queued)
+    assert isinstance(error, WorkerError) and "while prefilling" in error.message, error
+    assert pair.p_engine.scheduler.send_state(t.transfer_id) is Send.ABANDONED
     pair.poll_d()
-    assert pair.poll_p() == [False]  # 5. the cancelled transfer's result frees them
+    assert pair.poll_p() == [False]  # 6. the cancelled transfer's result frees them
     assert pair.d.abort("a", None, CANCELLED) in (True, False)  # the router's clean-up
     pair.poll_d()
     pair.all_free()
