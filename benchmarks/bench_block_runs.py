@@ -47,6 +47,7 @@ def run_mix(model_dir: str, num_blocks: int, num_prompts: int, seed: int) -> dic
             blocks = list(item.block_table[: -(-len(prompt) // BLOCK)])
             run = all(b == blocks[0] + i for i, b in enumerate(blocks))
             counts["run" if run else "scattered"] += 1
+            engine.scheduler.open_send(item.request_id, item.request_id)  # held like a send
             if prompt[: len(system)] == system:
                 counts["prompts_with_prefix"] += 1
                 counts["run_with_prefix"] += run
@@ -56,17 +57,15 @@ def run_mix(model_dir: str, num_blocks: int, num_prompts: int, seed: int) -> dic
     for i in range(num_prompts):
         prefix = system if rng.random() < 0.5 else []
         prompts[f"r{i}"] = prefix + [rng.randrange(3, 200) for _ in range(rng.randrange(20, 600))]
-        engine.add_request(
-            f"r{i}", prompts[f"r{i}"], SamplingParams(max_tokens=1), hold_blocks=True
-        )
+        engine.add_request(f"r{i}", prompts[f"r{i}"], SamplingParams(max_tokens=1))
         if i % 3 == 2:  # arrivals in threes
             while engine.has_unfinished():
                 engine.step(before_forward)
                 for rid in held:  # transfers end one step after they open
-                    engine.release_held(rid)
+                    engine.scheduler.send_result(rid)
                 held, finished[:] = list(finished), []
     for rid in held + finished:
-        engine.release_held(rid)
+        engine.scheduler.send_result(rid)
     total = counts["run"] + counts["scattered"]
     return {"num_blocks": num_blocks, **counts, "run_share": counts["run"] / total}
 

@@ -4,6 +4,9 @@ Runs in the engine thread of a colocated worker (the baseline of every goodput c
 Each request streams `TokenChunk`s: the first carries the first token with `cached_tokens`,
 `admission_ms` (arrival until its first step) and `first_step_ms` (its first step until the
 first token, chunked prefill included); the last has ``finished=True``.
+
+The request's state (queued, running, its blocks) is the engine scheduler's; `_calls` maps each
+request id to its RPC's stream and timings only, which is what answering needs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from model_runtime.request import RequestOutput
 from model_runtime.scheduler import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto
-from worker.roles import RoleHandler, ms
+from worker.roles import RoleHandler, Rpc, ms
 from worker.sinks import Sink, StreamSink, WorkerError
 
 
@@ -37,15 +40,15 @@ class ColocatedRole(RoleHandler):
     """`Generate` through the continuous-batching engine (chunked prefill, prefix cache)."""
 
     name = "colocated"
-    methods = frozenset({"Generate"})
-    new_work = frozenset({"Generate"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._jobs: dict[str, _GenerateCall] = {}
+        self._jobs: dict[str, _GenerateCall] = {}  # the open Generate RPCs, by request id
 
-    def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
-        assert method == "Generate" and isinstance(sink, StreamSink), (method, sink)
+    def generate(
+        self, request: worker_pb2.WorkerGenerateRequest, sink: StreamSink, timeout_s: float | None
+    ) -> None:
+        """`Generate`: queue the request in the engine; its tokens stream to `sink`."""
         rid = request.request_id
         if rid in self._jobs:
             raise self.duplicate(rid)
@@ -107,3 +110,5 @@ class ColocatedRole(RoleHandler):
 
     def request_ids(self) -> list[str]:
         return list(self._jobs)
+
+    rpcs = (Rpc("Generate", generate, worker_pb2.WorkerGenerateRequest, StreamSink),)

@@ -30,11 +30,17 @@ Runs in the engine thread of a decode worker. One request's life here::
 A request that ended without decoding leaves a short-lived tombstone, so a late `Decode`
 gets the reason (transfer failed, expired, aborted) instead of "no reservation".
 
-Block ownership is the engine scheduler's, not this role's: the reserved blocks are a
-"receiving KV" reservation (`Scheduler.reserve_remote`, keyed by transfer id) that the
-transport's result makes RECEIVED or frees, that `abandon_remote` gives up (at the result when
-the transfer is still in flight) and that `admit_received` hands to the decoding request; the
-scheduler frees each exactly once. This role maps requests and RPCs onto those states.
+State: the engine scheduler owns each request's state and blocks, not this role: the reserved
+blocks are a "receiving KV" reservation (`Scheduler.reserve_remote`, keyed by transfer id) that
+the transport's result makes RECEIVED or frees, that `abandon_remote` gives up (at the result
+when the transfer is still in flight: ABANDONED) and that `admit_received` hands to the
+decoding request; the scheduler frees each exactly once. The diagram's TRANSFERRING and READY
+are the reservation's RECEIVING and RECEIVED there, DECODING is the engine request. This role
+keeps two maps of RPC data, neither of them block state: request id -> `_Reservation` (the
+Reserve and Decode calls' sinks, ticket, lifetime and deadline: what answering needs, from
+Reserve until the request ends) and the tombstones (request id -> the error a late `Decode`
+gets). A transfer result finds its reservation by its request id and transfer id; one whose
+reservation was given up finds none and only frees its blocks in the scheduler.
 """
 
 from __future__ import annotations
@@ -53,9 +59,10 @@ from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_
 from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
+from model_runtime.scheduler import Receive
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_to_proto
-from worker.roles import RoleHandler, ms
+from worker.roles import RoleHandler, Rpc, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
 log = logging.getLogger(__name__)
@@ -76,45 +83,32 @@ class _DecodeCall:
 
 @dataclass
 class _Reservation:
+    """The RPCs of one request from Reserve until it ends (its blocks are the scheduler's)."""
+
     ticket: TransferTicket
-    block_ids: list[int]
     max_tokens: int
     expires: float  # released if no Decode arrives by then
     reserve_sink: UnarySink
-    state: str = "transferring"  # -> "ready" -> "decoding"
     decode: _DecodeCall | None = None
-    cancelled: WorkerError | None = None  # given up while the transfer is in flight
 
 
 class DecodeRole(RoleHandler):
     """`Reserve` + `Decode` (see the module docstring)."""
 
     name = "decode"
-    methods = frozenset({"Reserve", "Decode"})
-    new_work = frozenset({"Reserve"})  # a Decode continues a reservation: served while draining
-    # A reservation only takes free blocks and registers a ticket: safe in the middle of a
-    # step, and the router's Prefill (hence TTFT) waits for it.
-    between_layers = frozenset({"Reserve"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._res: dict[str, _Reservation] = {}  # live reservations by request id
-        self._by_tid: dict[str, _Reservation] = {}  # transfers in flight, cancelled ones too
-        self._gone: dict[str, tuple[WorkerError, float]] = {}
+        self._res: dict[str, _Reservation] = {}  # the RPCs of live requests, by request id
+        self._gone: dict[str, tuple[WorkerError, float]] = {}  # tombstones: (error, until)
 
     # ---- RPCs --------------------------------------------------------------------------------
 
-    def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
-        if method == "Reserve":
-            assert isinstance(sink, UnarySink), sink
-            self._reserve(request, sink, timeout_s)
-        else:
-            assert method == "Decode" and isinstance(sink, StreamSink), (method, sink)
-            self._decode(request, sink, timeout_s)
-
-    def _reserve(
+    def reserve(
         self, req: worker_pb2.ReserveRequest, sink: UnarySink, timeout_s: float | None
     ) -> None:
+        """`Reserve`: blocks for the request's whole KV and a ticket for them, answered at
+        once (RESOURCE_EXHAUSTED when the blocks are short)."""
         rid, n, m = req.request_id, req.num_prompt_tokens, req.max_tokens
         if not rid:
             raise self.invalid(ValueError("request_id is empty"))
@@ -161,15 +155,15 @@ class DecodeRole(RoleHandler):
         except ValueError as exc:
             self.engine.scheduler.remote_result(tid, ok=False)  # refused: a failed transfer
             raise WorkerError(grpc.StatusCode.INTERNAL, f"expect failed: {exc}") from exc
-        res = _Reservation(ticket, blocks, m, started + ticket.timeout_ms / 1000, sink)
-        self._res[rid] = res
-        self._by_tid[ticket.transfer_id] = res
+        self._res[rid] = _Reservation(ticket, m, started + ticket.timeout_ms / 1000, sink)
         self._gone.pop(rid, None)
         sink.set(worker_pb2.ReserveResponse(ticket=ticket_to_proto(ticket)))
 
-    def _decode(
+    def decode(
         self, req: worker_pb2.DecodeRequest, sink: StreamSink, timeout_s: float | None
     ) -> None:
+        """`Decode`: run the reservation's request once its KV is in; tokens stream to
+        `sink`."""
         rid = req.request_id
         res = self._res.get(rid)
         if res is None:
@@ -208,12 +202,17 @@ class DecodeRole(RoleHandler):
             sink, deadline, sink.created, prompt, req.first_token, params, req.sampling.num_sampled
         )
         res.expires = math.inf  # the Decode deadline governs from now on
-        if res.state == "ready":
+        if self._receive(res) is Receive.RECEIVED:
             self._admit(res)
+
+    def _receive(self, res: _Reservation) -> Receive | None:
+        """The reservation's state in the scheduler; None once its request was admitted (the
+        engine request owns the blocks then)."""
+        return self.engine.scheduler.remote_state(res.ticket.transfer_id)
 
     def _admit(self, res: _Reservation) -> None:
         d = res.decode
-        assert d is not None and res.state == "ready", res.state
+        assert d is not None and self._receive(res) is Receive.RECEIVED, self._receive(res)
         rid = res.ticket.request_id
         tid = res.ticket.transfer_id
         try:
@@ -226,7 +225,6 @@ class DecodeRole(RoleHandler):
             d.sink.fail(error)
             self._end(rid, error)
             return
-        res.state = "decoding"  # the engine owns the blocks now
         if out is not None:  # the first token already ends the request
             d.sink.put(
                 worker_pb2.TokenChunk(
@@ -242,7 +240,7 @@ class DecodeRole(RoleHandler):
     def on_outputs(self, outputs: Sequence[RequestOutput], started: float, ended: float) -> None:
         for out in outputs:
             res = self._res[out.request_id]
-            assert res.decode is not None and res.state == "decoding", res.state
+            assert res.decode is not None and self._receive(res) is None, self._receive(res)
             chunk = worker_pb2.TokenChunk(
                 token_ids=list(out.new_token_ids),
                 finished=out.finished,
@@ -258,17 +256,17 @@ class DecodeRole(RoleHandler):
                 self._end(out.request_id, None)
 
     def on_transfer_results(self, results: Sequence[TransferResult]) -> None:
+        sched = self.engine.scheduler
         for r in results:
-            res = self._by_tid.pop(r.transfer_id, None)
-            if res is None or r.role != "recv":
+            if r.role != "recv" or sched.remote_state(r.transfer_id) is None:
                 log.error("transfer result for no reservation of this worker: %s", r)
                 continue
-            rid = res.ticket.request_id
-            received = self.engine.scheduler.remote_result(r.transfer_id, r.ok)
-            if res.cancelled is not None:  # already out of `_res`, its RPCs answered
-                assert not received, r  # an abandoned reservation is freed at its result
+            received = sched.remote_result(r.transfer_id, r.ok)  # RECEIVED, or freed
+            rid = r.request_id
+            res = self._res.get(rid)
+            if res is None or res.ticket.transfer_id != r.transfer_id:
+                assert not received, r  # abandoned (its RPCs answered): freed at its result
             elif received:
-                res.state = "ready"
                 if res.decode is not None:
                     self._admit(res)
             elif res.decode is None and time.monotonic() >= res.expires:
@@ -277,7 +275,7 @@ class DecodeRole(RoleHandler):
                 error = WorkerError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"KV transfer {r.transfer_id} for request {rid!r} failed: {r.error}; its "
-                    f"{len(res.block_ids)} reserved blocks on decode worker "
+                    f"{len(res.ticket.dst_block_ids)} reserved blocks on decode worker "
                     f"{self.ctx.worker_id} were freed",
                     failed_peer=r.peer if r.peer != "?" else "",
                 )
@@ -290,7 +288,7 @@ class DecodeRole(RoleHandler):
             if res.decode is None and now >= res.expires:
                 self.abort(rid, None, self._expiry(res))
             elif res.decode is not None and now >= res.decode.deadline:
-                what = "decoding" if res.state == "decoding" else "waiting for the KV transfer"
+                what = "decoding" if self._receive(res) is None else "waiting for the KV transfer"
                 self.abort(rid, None, self.expired(rid, what))
         for rid, (_, until) in list(self._gone.items()):
             if now >= until:
@@ -315,41 +313,42 @@ class DecodeRole(RoleHandler):
             return False
         if decode_sink is not None:
             decode_sink.fail(error)
-        if res.state == "transferring":
-            res.cancelled = error
-            self.engine.scheduler.abandon_remote(res.ticket.transfer_id)  # freed at its result
-            self.ctx.transport.cancel(res.ticket.transfer_id)
-            del self._res[request_id]  # stays in `_by_tid` until then
-            self._gone[request_id] = (error, time.monotonic() + TOMBSTONE_TTL_S)
-        elif res.state == "ready":
-            self.engine.scheduler.abandon_remote(res.ticket.transfer_id)  # RECEIVED: freed now
-            self._end(request_id, error)
-        else:
+        tid = res.ticket.transfer_id
+        receive = self._receive(res)
+        if receive is None:
             self.engine.abort_request(request_id)  # frees the blocks it took over
-            self._end(request_id, error)
+        else:
+            self.engine.scheduler.abandon_remote(tid)  # RECEIVED: freed now; else at the result
+            if receive is Receive.RECEIVING:
+                self.ctx.transport.cancel(tid)
+        self._end(request_id, error)
         return True
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def _end(self, request_id: str, error: WorkerError | None) -> None:
-        res = self._res.pop(request_id)
-        self._by_tid.pop(res.ticket.transfer_id, None)
+        del self._res[request_id]
         if error is not None:
             self._gone[request_id] = (error, time.monotonic() + TOMBSTONE_TTL_S)
-
-    def _all(self) -> list[_Reservation]:
-        """Live reservations and cancelled ones whose transfer result is still to come."""
-        cancelled = [r for r in self._by_tid.values() if r.cancelled is not None]
-        return [*self._res.values(), *cancelled]
 
     def request_ids(self) -> list[str]:
         return list(self._res)
 
     def num_active(self) -> int:
-        return len(self._all())
+        """Live requests, and abandoned reservations whose transfer result is still to come."""
+        remote = self.engine.scheduler.remote.values()
+        return len(self._res) + sum(1 for kv in remote if kv.state is Receive.ABANDONED)
 
     def transfers_in_flight(self) -> bool:
-        return bool(self._by_tid)
+        return any(kv.state is not Receive.RECEIVED for kv in self.engine.scheduler.remote.values())
 
     def num_pending(self) -> int:
-        return sum(1 for r in self._res.values() if r.state != "decoding")
+        return sum(1 for r in self._res.values() if self._receive(r) is not None)
+
+    rpcs = (
+        # A reservation only takes free blocks and registers a ticket: safe in the middle of a
+        # step, and the router's Prefill (hence TTFT) waits for it.
+        Rpc("Reserve", reserve, worker_pb2.ReserveRequest, UnarySink, between_layers=True),
+        # A Decode continues a reservation: served while draining.
+        Rpc("Decode", decode, worker_pb2.DecodeRequest, StreamSink, new_work=False),
+    )

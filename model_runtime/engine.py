@@ -11,11 +11,12 @@ The engine owns the runner (model + KV cache), the block pool, the scheduler and
 engine's own RNG (`EngineConfig.seed`), so a seeded request draws the same tokens whatever else
 shares its batches.
 
-Disaggregated workers drive the same engine through three extra paths: `add_request(...,
-hold_blocks=True)` + `release_held` (prefill: a finished request keeps its blocks while its KV
-is being transferred), `add_prefilled_request` (decode: a request whose prompt KV arrived in
-blocks the worker reserved), and `step(before_forward=...)` (prefill: open KV transfers before
-the forward and push each layer from the runner's `on_layer_done`).
+Disaggregated workers drive the same engine through extra paths: `step(before_forward=...)`
+(prefill: open KV transfers before the forward, mark them with `Scheduler.open_send` so a
+finished request keeps its blocks until the transport's result, and push each layer from the
+runner's `on_layer_done`), the scheduler's "receiving KV" reservations (`Scheduler.reserve_remote`
+and `admit_received`: a request whose prompt KV arrived in blocks the worker reserved) and
+`add_prefilled_request` (the same with blocks the caller allocated).
 """
 
 from __future__ import annotations
@@ -111,10 +112,10 @@ class LLMEngine:
         """Start over with an empty scheduler on the same runner, KV cache and block pool (the
         prefix cache is kept). RuntimeError if any request is unfinished or holds blocks."""
         sched = self.scheduler
-        if sched.requests or sched.held or sched.remote:
+        if sched.requests or sched.sending or sched.remote:
             raise RuntimeError(
                 f"reset_scheduler needs an idle engine: {len(sched.requests)} unfinished, "
-                f"{len(sched.held) + len(sched.remote)} holding blocks"
+                f"{len(sched.sending) + len(sched.remote)} holding blocks"
             )
         self.scheduler = self._new_scheduler()
 
@@ -155,20 +156,16 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         *,
-        hold_blocks: bool = False,
         num_sampled: int = 0,
     ) -> None:
         """Queue a request. Raise ValueError for a duplicate id, bad params, token ids outside
         the vocabulary, or a request that can never fit (context length, KV capacity).
 
-        `hold_blocks=True`: when the request finishes its blocks stay allocated (and unchanged)
-        until `release_held(request_id)`; an abort still frees them at once.
         `num_sampled`: tokens of this request already sampled elsewhere (its prompt ends with
         them); a sampled request's generator skips their draws, so a seeded one continues its
         seed's stream.
         """
         request = self._make_request(request_id, prompt_token_ids, params, num_sampled)
-        request.hold_blocks = hold_blocks
         self.scheduler.add(request)
 
     def add_prefilled_request(
@@ -227,10 +224,6 @@ class LLMEngine:
         request.status = RequestStatus.RUNNING
         return request
 
-    def release_held(self, request_id: str) -> None:
-        """Free the blocks of a finished `hold_blocks` request (KeyError if none held)."""
-        self.scheduler.release(request_id)
-
     def _make_request(
         self,
         request_id: str,
@@ -280,12 +273,12 @@ class LLMEngine:
         `before_forward(scheduled)`, if given, runs after scheduling and before the forward
         (not at all for an empty step); the callback it returns, if any, is passed to
         `ModelRunner.execute` as `on_layer_done`. A step can be empty while requests wait if
-        finished `hold_blocks` requests hold the blocks they need.
+        finished requests' open sends (`Scheduler.open_send`) hold the blocks they need.
         """
         scheduled = self.scheduler.schedule()
         # An empty step with work left is a deadlock, unless finished requests hold blocks
         # (prefill worker: they come back when their KV transfers end).
-        assert scheduled.items or not self.has_unfinished() or self.scheduler.held, (
+        assert scheduled.items or not self.has_unfinished() or self.scheduler.sending, (
             f"no progress: {len(self.scheduler.waiting)} waiting, "
             f"{len(self.scheduler.running)} running, {self.block_pool.num_free} free blocks"
         )

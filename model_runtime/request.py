@@ -9,8 +9,9 @@ mutated only by the scheduler (tokens computed, blocks, status) and dropped when
 
 Two worker paths enter and leave this machine differently: a *prefilled* request (decode
 worker: prompt KV arrived by transfer, first token given) starts RUNNING with
-`num_computed_tokens = len(prompt)`; a request with `hold_blocks` (prefill worker) keeps its
-`block_ids` after FINISHED until the scheduler is told to release them.
+`num_computed_tokens = len(prompt)`; a request whose KV a transfer reads (prefill worker,
+`send_transfer_id`) keeps its `block_ids` after FINISHED until the transport's result frees them
+(`Scheduler.send_result`).
 
 Token bookkeeping: `all_token_ids = prompt_token_ids + output_token_ids`; the first
 `num_computed_tokens` of them have their K/V in the blocks `block_ids` (block i holds positions
@@ -122,8 +123,9 @@ class Request:
     """Leading blocks already offered to the pool's prefix cache."""
     num_reported_tokens: int = 0
     """Output tokens already reported by `make_output`."""
-    hold_blocks: bool = False
-    """Keep `block_ids` when the request finishes (not on abort) until `Scheduler.release`."""
+    send_transfer_id: str | None = None
+    """The transfer reading this request's blocks (`Scheduler.open_send`); set by the
+    scheduler only."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,16 +26,24 @@ Two entry/exit paths serve disaggregated workers:
   the caller allocated and hands over, and the first token is known. The request waits in
   `ready` (holding its blocks) until `max_num_seqs` allows, then joins `running` as a decoding
   request (step 0 of `schedule()`, before the decodes).
-- **Held blocks** (`Request.hold_blocks`, prefill worker): when such a request finishes, its
-  blocks are not freed but parked in `held` until `release(request_id)` — the KV transfer still
-  reads them. `abort` never parks: an aborted request's blocks are freed at once.
+- **Sending KV** (prefill worker; vLLM v1's connector `request_finished` delayed free):
+  `open_send(request_id, transfer_id)` records, in the step that samples a request's first
+  token, that the transport now reads its blocks (state SENDING, keyed by transfer id). When
+  that request finishes its blocks are not freed but stay with the send until the transport's
+  result (`send_result`), which frees them. `abandon_send` gives the send up (ABANDONED): the
+  blocks are still freed at the result, only nobody wants the answer; aborting a running
+  request whose send is open abandons it the same way. A request with no open send (its open
+  failed, or none was asked for) frees its blocks when it finishes, as any other.
 - **Receiving KV** (decode worker; vLLM v1's WAITING_FOR_REMOTE_KVS): `reserve_remote` takes
   blocks for a transfer that will write them, keyed by transfer id, in state RECEIVING. The
   transport's result (`remote_result`) makes them RECEIVED or, on failure, frees them;
   `abandon_remote` gives them up (freed at once when RECEIVED; when still RECEIVING they stay
   ABANDONED until the result, since the transport writes them until then); `admit_remote`
-  hands RECEIVED blocks to a prefilled request. Every reservation's blocks are freed exactly
-  once, or handed over once: each of those paths removes it, and `check_integrity` counts it.
+  hands RECEIVED blocks to a prefilled request.
+
+Every block is freed exactly once, or handed over once: each path above removes the request or
+the transfer entry that held it, and `check_integrity` counts every holder (running and ready
+requests, sends, reservations) against the pool's reference counts.
 """
 
 from __future__ import annotations
@@ -74,6 +82,23 @@ class RemoteKV:
     state: Receive = Receive.RECEIVING
 
 
+class Send(enum.Enum):
+    """Where the KV of an open send (`Scheduler.open_send`) stands."""
+
+    SENDING = "sending"  # the transport may read the blocks; its result is awaited
+    ABANDONED = "abandoned"  # given up: the blocks are still freed at the result, unanswered
+
+
+@dataclass
+class SendingKV:
+    """The request whose blocks a transfer reads, and its `Send` state. The blocks are the
+    request's (`request.block_ids`) while it runs and stay with this entry once it finishes."""
+
+    transfer_id: str
+    request: Request
+    state: Send = Send.SENDING
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch of one engine; see the module docstring."""
 
@@ -84,7 +109,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.ready: deque[Request] = deque()  # prefilled, holding blocks, waiting for a slot
-        self.held: dict[str, Request] = {}  # finished with hold_blocks, blocks not yet freed
+        self.sending: dict[str, SendingKV] = {}  # sends the transport reads, by transfer id
         self.remote: dict[str, RemoteKV] = {}  # reserved for incoming KV, by transfer id
 
     # ------------------------------------------------------------------ requests in and out
@@ -96,7 +121,7 @@ class Scheduler:
         caller's to check (`model_runtime.limits.check_context`); asserted here."""
         cfg = self.config
         rid = request.request_id
-        if rid in self.requests or rid in self.held:
+        if self._in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         n_prompt = request.num_prompt_tokens
         max_tokens = request.params.max_tokens
@@ -140,7 +165,7 @@ class Scheduler:
         """
         rid = request.request_id
         bs = self.config.block_size
-        if rid in self.requests or rid in self.held:
+        if self._in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         if len(request.block_ids) * bs < request.num_prompt_tokens:
             raise ValueError(
@@ -219,25 +244,74 @@ class Scheduler:
         del self.remote[kv.transfer_id]  # once: a second free finds no reservation
         self.block_pool.free(list(reversed(kv.block_ids)))
 
-    def release(self, request_id: str) -> None:
-        """Free the blocks of a finished `hold_blocks` request. KeyError if none is held."""
-        request = self.held.pop(request_id, None)
-        if request is None:
-            raise KeyError(f"no finished request holding blocks with id {request_id!r}")
+    # ------------------------------------------------------------------ sending KV
+
+    def open_send(self, request_id: str, transfer_id: str) -> None:
+        """The transport reads the blocks of the running request `request_id` for
+        `transfer_id` from now on (state SENDING): when the request finishes they stay held
+        until `send_result`. ValueError for a transfer id already sending or a request that is
+        not running or already sends."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running: no blocks to send")
+        if transfer_id in self.sending or request.send_transfer_id is not None:
+            raise ValueError(f"transfer {transfer_id!r} / request {request_id!r} already sends")
+        request.send_transfer_id = transfer_id
+        self.sending[transfer_id] = SendingKV(transfer_id, request)
+
+    def send_state(self, transfer_id: str) -> Send | None:
+        """The send's state (None: none, or its result freed it)."""
+        kv = self.sending.get(transfer_id)
+        return None if kv is None else kv.state
+
+    def send_result(self, transfer_id: str) -> str | None:
+        """The transport's one result for `transfer_id`, ok or not: the transport never reads
+        the blocks again, so they are freed now. Returns the id of the finished request whose
+        answer waits on it, or None when the send was abandoned. KeyError for an unknown id."""
+        kv = self.sending[transfer_id]
+        request = kv.request
+        assert request.status is RequestStatus.FINISHED, (
+            f"transfer {transfer_id!r}: result before request {request.request_id!r} finished"
+        )
+        del self.sending[transfer_id]  # once: a second result finds no send
         self._release_blocks(request)
+        return request.request_id if kv.state is Send.SENDING else None
+
+    def abandon_send(self, transfer_id: str) -> None:
+        """Give up a SENDING send of a finished request: its blocks are still freed at the
+        transport's result (ABANDONED), which `send_result` then reports as unwanted."""
+        kv = self.sending[transfer_id]
+        assert kv.state is Send.SENDING, f"transfer {transfer_id!r} abandoned twice"
+        assert kv.request.status is RequestStatus.FINISHED, (transfer_id, kv.request.status)
+        kv.state = Send.ABANDONED
+
+    def num_parked(self) -> int:
+        """Finished requests whose blocks a send still holds."""
+        return sum(1 for kv in self.sending.values() if kv.request.status is RequestStatus.FINISHED)
+
+    def _in_use(self, request_id: str) -> bool:
+        """Unfinished, or finished with its blocks still held by a send."""
+        if request_id in self.requests:
+            return True
+        return any(kv.request.request_id == request_id for kv in self.sending.values())
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish an unfinished request with reason 'abort', freeing its blocks.
 
-        Raises KeyError for an id that is unknown or already finished (a held request is
-        finished: use `release`).
+        Raises KeyError for an id that is unknown or already finished (a finished request
+        whose send holds its blocks: use `abandon_send`). A running request whose send is open
+        keeps its blocks with the send, ABANDONED: the transport reads them until its result.
         """
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._release_blocks(request)
+            send = self.sending.get(request.send_transfer_id or "")
+            if send is not None:
+                send.state = Send.ABANDONED  # freed at the transport's result
+            else:
+                self._release_blocks(request)
         elif request in self.ready:
             self.ready.remove(request)
             self._release_blocks(request)
@@ -336,9 +410,7 @@ class Scheduler:
             )
             if finished:
                 self.running.remove(request)
-                if request.hold_blocks:
-                    self.held[request.request_id] = request
-                else:
+                if request.send_transfer_id not in self.sending:  # else freed at its result
                     self._release_blocks(request)
                 del self.requests[request.request_id]
             else:
@@ -379,6 +451,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        assert request.send_transfer_id is None, (request.request_id, "preempted while sending")
         self.running.remove(request)
         self._release_blocks(request)
         request.num_computed_tokens = 0
@@ -438,18 +511,27 @@ class Scheduler:
             assert kv.transfer_id == tid and kv.block_ids, (tid, kv)
             for b in kv.block_ids:
                 held[b] = held.get(b, 0) + 1
-        for request in [*self.ready, *self.held.values()]:
-            assert request.block_ids, (request.request_id, "ready/held without blocks")
-            for b in request.block_ids:
-                held[b] = held.get(b, 0) + 1
-        for request in self.held.values():
-            assert request.status is RequestStatus.FINISHED, (request.request_id, request.status)
+        for tid, send in self.sending.items():
+            request = send.request
+            assert request.send_transfer_id == tid, (tid, request.request_id)
+            if self.requests.get(request.request_id) is request:  # running: counted there
+                assert send.state is Send.SENDING and request in self.running, (tid, send.state)
+            else:  # finished: the send holds its blocks until the transport's result
+                assert request.status is RequestStatus.FINISHED and request.block_ids, (
+                    tid,
+                    request.status,
+                )
+                for b in request.block_ids:
+                    held[b] = held.get(b, 0) + 1
         for request in self.ready:
+            assert request.block_ids, (request.request_id, "ready without blocks")
             assert request.status is RequestStatus.WAITING and request.is_decoding, (
                 request.request_id,
                 request.status,
                 request.num_computed_tokens,
             )
+            for b in request.block_ids:
+                held[b] = held.get(b, 0) + 1
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, (request.request_id, request.status)
             assert len(request.block_ids) * bs >= request.num_computed_tokens, (

@@ -12,7 +12,8 @@ Layers (imports go downwards only):
 - host core (this package, role-agnostic; never imports a role package):
   - `server`             loads the model, plugs in the roles it is given, starts the engine
                          thread and the grpc.aio server; `cli` parses the command line
-  - `roles`              the `RoleHandler` contract every role implements, and `RoleContext`
+  - `roles`              the `RoleHandler` contract every role implements (typed entry points
+                         listed in an `Rpc` table), and `RoleContext`
   - `engine_thread`      the single owner of model, KV cache and transport; commands, drain,
                          role switch, status snapshot
   - `service`            the grpc.aio `pdserve.v1.Worker` servicer + health

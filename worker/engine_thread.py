@@ -6,7 +6,8 @@ only through `submit` / `cancel` / `abort` / `set_role` / `stop` (thread-safe: t
 command) and read `snapshot` (an immutable object swapped each iteration). One iteration:
 
 1. wait for commands — up to 50 ms when idle, 2 ms while KV transfers are in flight, not at
-   all while the engine has work — and run every queued one (RPCs in, aborts, role changes);
+   all while the engine has work — and run every queued one (RPCs in, aborts, role changes;
+   an RPC runs the typed entry point its method names in the role's `Rpc` table);
    RPCs the role marks `between_layers` (a decode worker's Reserve) also run between two
    layers of a forward pass, so a long step does not hold them up;
    the KV transport's waker ends the wait as soon as a transfer has news;
@@ -278,7 +279,7 @@ class EngineThread:
                     f"{method} needs a worker in role '{self._served_by.get(method, '?')}'; worker "
                     f"{self.ctx.worker_id} is in role '{self.role.name}'",
                 )
-            self.role.handle(method, request, sink, timeout_s)
+            self.role.rpc_table[method].call(self.role, request, sink, timeout_s)
         except WorkerError as err:
             sink.fail(err)
 
@@ -396,7 +397,7 @@ class EngineThread:
             role=self.role.name,
             draining=self._drain is not None,
             num_waiting=len(sched.waiting) + len(sched.ready) + self.role.num_pending(),
-            num_running=len(sched.running) + len(sched.held),
+            num_running=len(sched.running) + sched.num_parked(),
             waiting_tokens=waiting_tokens,
             free_blocks=pool.num_free,
             total_blocks=pool.num_blocks,

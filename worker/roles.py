@@ -1,11 +1,15 @@
 """What a worker role is: the engine-thread half of the RPCs one role serves.
 
 Runs in the engine thread of every worker process; nothing here is thread-safe and nothing
-blocks. The engine thread (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
+blocks. A role is a thin typed adapter between RPCs and the engine: every KV block and every
+request's engine state (queued, running, sending KV, receiving KV) is the engine scheduler's;
+a role keeps only what it needs to answer its RPCs (their sinks, timings, deadlines). The
+engine thread (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
 
-- `handle(method, request, sink, timeout_s)` for each accepted RPC (it has already checked the
-  role and the draining state). Rejections raise `WorkerError`; the engine thread fails the
-  sink with it. A handler that raises must have undone whatever it started.
+- for each accepted RPC (it has already checked the role and the draining state), the typed
+  entry point its `Rpc` names in the role's `rpcs` table, e.g. ``DecodeRole.reserve(request,
+  sink, timeout_s)`` for `Reserve`. Rejections raise `WorkerError`; the engine thread fails the
+  sink with it. An entry point that raises must have undone whatever it started.
 - `before_forward(scheduled)` just before each forward; the callback it returns becomes the
   runner's ``on_layer_done``. It must not raise (a forward cannot be half-undone).
 - `on_outputs(outputs, started, ended)` after each step, with the step's wall-clock bounds.
@@ -16,19 +20,21 @@ blocks. The engine thread (`worker.engine_thread`) owns one `RoleHandler` at a t
   the request's open RPCs with `error` and releases what the request holds, exactly once
   (blocks of a transfer in flight: when its result arrives). Returns whether it found it.
 
-`num_active()` counts requests the role still holds anything for; a role switch waits until
-it is 0. Block ownership: every KV block is the engine scheduler's (a decode reservation is a
-"receiving KV" reservation there, `Scheduler.reserve_remote`); a role holds none itself, so
-`LLMEngine.check_integrity` sees them all.
+`num_active()` counts requests the role or the scheduler still holds anything for (a cancelled
+transfer's blocks included); a role switch waits until it is 0. Block ownership: every KV block
+is the engine scheduler's (a decode reservation is a "receiving KV" reservation there,
+`Scheduler.reserve_remote`; a prefill request's blocks a transfer reads are a "sending KV"
+entry, `Scheduler.open_send`); a role holds none itself, so `LLMEngine.check_integrity` sees
+them all.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import grpc
 
@@ -56,22 +62,60 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
+H = TypeVar("H", bound="RoleHandler")
+Req = TypeVar("Req")
+S = TypeVar("S", bound=Sink)
+
+
+@dataclass(frozen=True)
+class Rpc(Generic[H, Req, S]):
+    """One RPC a role serves: its gRPC method name and its typed entry point
+    ``entry(role, request, sink, timeout_s)``, which answers through `sink` (or raises
+    `WorkerError`, having undone what it started)."""
+
+    method: str
+    entry: Callable[[H, Req, S, float | None], None]
+    request_type: type[Req]
+    sink_type: type[S]
+    new_work: bool = True  # refused while draining (False: continues work already accepted)
+    # May also run between two layers of a forward pass (so a long step does not delay it):
+    # it must not touch the step's scheduled requests.
+    between_layers: bool = False
+
+    def call(self, role: H, request: object, sink: Sink, timeout_s: float | None) -> None:
+        """Run the entry point; the request and sink types are the gRPC service's contract."""
+        assert isinstance(request, self.request_type) and isinstance(sink, self.sink_type), (
+            self.method,
+            type(request),
+            type(sink),
+        )
+        self.entry(role, request, sink, timeout_s)
+
+
 class RoleHandler(ABC):
-    """One role's request handling on the engine thread (see the module docstring)."""
+    """One role's request handling on the engine thread (see the module docstring).
+
+    A subclass lists its RPCs in `rpcs`; `methods`, `new_work`, `between_layers` and
+    `rpc_table` are derived from it when the class is created."""
 
     name: ClassVar[str]
-    methods: ClassVar[frozenset[str]]  # RPCs this role serves
-    new_work: ClassVar[frozenset[str]]  # of those, the ones refused while draining
-    # Of those, the ones that may also run between two layers of a forward pass (so a long
-    # step does not delay them): they must not touch the step's scheduled requests.
-    between_layers: ClassVar[frozenset[str]] = frozenset()
+    rpcs: ClassVar[tuple[Rpc[Any, Any, Any], ...]] = ()
+    rpc_table: ClassVar[Mapping[str, Rpc[Any, Any, Any]]] = {}  # by method
+    methods: ClassVar[frozenset[str]] = frozenset()  # RPCs this role serves
+    new_work: ClassVar[frozenset[str]] = frozenset()  # of those, the ones refused while draining
+    between_layers: ClassVar[frozenset[str]] = frozenset()  # see `Rpc.between_layers`
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.rpc_table = {rpc.method: rpc for rpc in cls.rpcs}
+        assert len(cls.rpc_table) == len(cls.rpcs), (cls.__name__, "an RPC listed twice")
+        cls.methods = frozenset(cls.rpc_table)
+        cls.new_work = frozenset(r.method for r in cls.rpcs if r.new_work)
+        cls.between_layers = frozenset(r.method for r in cls.rpcs if r.between_layers)
 
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
         self.engine = ctx.engine
-
-    @abstractmethod
-    def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None: ...
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         return None

@@ -17,7 +17,7 @@ from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from worker.engine_thread import EngineThread
-from worker.roles import RoleContext, RoleHandler
+from worker.roles import RoleContext, RoleHandler, Rpc
 from worker.sinks import Sink, UnarySink, WorkerError
 
 
@@ -26,19 +26,17 @@ class SlowStepRole(RoleHandler):
     only) answer the time they ran."""
 
     name = "slow-step"
-    methods = frozenset({"Start", "Ping", "Later"})
-    new_work = frozenset({"Start"})
-    between_layers = frozenset({"Ping"})
 
     def __init__(self, ctx: RoleContext) -> None:
         super().__init__(ctx)
         self.step_ends: list[float] = []
 
-    def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
-        assert isinstance(sink, UnarySink)
-        if method == "Start":
-            params = SamplingParams(max_tokens=3, ignore_eos=True)
-            self.engine.add_request("long", [4, 5, 6], params)
+    def start(self, request: object, sink: UnarySink, timeout_s: float | None) -> None:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        self.engine.add_request("long", [4, 5, 6], params)
+        sink.set(time.monotonic())
+
+    def now(self, request: object, sink: UnarySink, timeout_s: float | None) -> None:
         sink.set(time.monotonic())
 
     def on_outputs(self, outputs: Sequence[RequestOutput], started: float, ended: float) -> None:
@@ -52,6 +50,12 @@ class SlowStepRole(RoleHandler):
 
     def request_ids(self) -> list[str]:
         return list(self.engine.scheduler.requests)
+
+    rpcs = (
+        Rpc("Start", start, object, UnarySink),
+        Rpc("Ping", now, object, UnarySink, new_work=False, between_layers=True),
+        Rpc("Later", now, object, UnarySink, new_work=False),
+    )
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The engine paths disaggregated workers use, in one process on the tiny model (no gRPC).
 
-- `hold_blocks`: a finished prefill keeps its blocks (KV unchanged) until `release_held`;
+- a "sending KV" request (`Scheduler.open_send`): a finished prefill keeps its blocks (KV
+  unchanged) until the transport's result (`Scheduler.send_result`);
 - `add_prefilled_request`: KV copied layer by layer from a "prefill" engine into blocks a
   "decode" engine reserved, then decoded there, gives the colocated engine's greedy tokens and
   never repeats the first token; a first token that ends the request frees the blocks at once;
@@ -38,14 +39,26 @@ def _all_free(*engines: LLMEngine) -> None:
 
 
 def _prefill(p: LLMEngine, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
-    """Run `prompt` on `p` with held blocks; return (first token, the held block ids)."""
-    p.add_request(rid, prompt, SamplingParams(max_tokens=1), hold_blocks=True)
+    """Run `prompt` on `p`, its blocks sent as transfer `rid`; return (first token, the held
+    block ids)."""
+    p.add_request(rid, prompt, SamplingParams(max_tokens=1))
     outs = []
     while p.has_unfinished():
-        outs += p.step()
+        outs += p.step(_opens_sends(p))
     (out,) = outs
-    assert out.finished and p.scheduler.held[rid].block_ids
-    return out.output_token_ids[0], list(p.scheduler.held[rid].block_ids)
+    assert out.finished and p.scheduler.sending[rid].request.block_ids
+    return out.output_token_ids[0], list(p.scheduler.sending[rid].request.block_ids)
+
+
+def _opens_sends(p: LLMEngine):  # type: ignore[no-untyped-def]
+    """A `before_forward` that opens a send (transfer id = request id) in each sampling step."""
+
+    def before_forward(scheduled: SchedulerOutput) -> None:
+        for item in scheduled.items:
+            if item.samples:
+                p.scheduler.open_send(item.request_id, item.request_id)
+
+    return before_forward
 
 
 def _copy_kv(p: LLMEngine, d: LLMEngine, src: list[int], dst: list[int]) -> None:
@@ -67,7 +80,7 @@ def test_disaggregated_paths_match_colocated(engines: tuple[LLMEngine, ...]) -> 
         dst = d.block_pool.allocate(need)
         assert dst is not None
         _copy_kv(p, d, src, dst)
-        p.release_held(rid)
+        assert p.scheduler.send_result(rid) == rid
         assert d.add_prefilled_request(rid, prompt, first, params, dst) is None
         d.check_integrity()
         tokens = [first]
@@ -85,7 +98,7 @@ def test_first_token_that_ends_the_request_frees_at_once(engines: tuple[LLMEngin
     dst = d.block_pool.allocate(len(src))
     assert dst is not None
     _copy_kv(p, d, src, dst)
-    p.release_held("one")
+    assert p.scheduler.send_result("one") == "one"
     out = d.add_prefilled_request("one", prompt, first, SamplingParams(max_tokens=1), dst)
     assert out is not None and out.finished and out.finish_reason == "length"
     assert out.new_token_ids == ()
@@ -118,13 +131,15 @@ def test_ready_queue_respects_max_num_seqs_and_abort(engines: tuple[LLMEngine, .
 def test_before_forward_sees_last_chunk_and_every_layer(engines: tuple[LLMEngine, ...]) -> None:
     p, _, _ = engines
     prompt = list(range(40, 110))  # 70 tokens: chunks of 32, 32, 6
-    p.add_request("h", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
+    p.add_request("h", prompt, SamplingParams(max_tokens=1))
     seen: list[tuple[int, list[int]]] = []
 
     def before_forward(scheduled: SchedulerOutput):  # type: ignore[no-untyped-def]
         (item,) = scheduled.items
         layers: list[int] = []
         seen.append((len(item.token_ids), layers))
+        if item.samples:
+            p.scheduler.open_send("h", "t-h")
         return layers.append if item.samples else None
 
     while p.has_unfinished():
@@ -133,9 +148,9 @@ def test_before_forward_sees_last_chunk_and_every_layer(engines: tuple[LLMEngine
     assert [layers for _, layers in seen] == [[], [], [0, 1, 2, 3]]
     with pytest.raises(ValueError, match="already in use"):
         p.add_request("h", [1], SamplingParams(max_tokens=1))
-    p.release_held("h")
+    assert p.scheduler.send_result("t-h") == "h"
     with pytest.raises(KeyError):
-        p.release_held("h")
+        p.scheduler.send_result("t-h")
     _all_free(p)
 
 
