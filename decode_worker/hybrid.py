@@ -17,8 +17,8 @@ scheduler's, so `LLMEngine.check_integrity` and the role switch's drain see all 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from decode_worker.colocated import ColocatedRole
 from decode_worker.decode import DecodeRole
@@ -26,35 +26,59 @@ from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler import SchedulerOutput
+from proto.pdserve.v1 import worker_pb2
 from worker.roles import RoleContext, RoleHandler
-from worker.sinks import Sink, WorkerError
+from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
 
 class HybridDecodeRole(RoleHandler):
     """`Reserve` + `Decode` (remote prefill) and `Generate` (local prefill) on one engine."""
 
     name = "decode"
-    methods = DecodeRole.methods | ColocatedRole.methods
-    new_work = DecodeRole.new_work | ColocatedRole.new_work
-    between_layers = DecodeRole.between_layers
 
     def __init__(self, ctx: RoleContext) -> None:
         super().__init__(ctx)
         self.remote = DecodeRole(ctx)  # KV prefilled elsewhere, received here
         self.local = ColocatedRole(ctx)  # prefilled here
 
-    def _part_for(self, method: str) -> tuple[RoleHandler, RoleHandler]:
-        """(the sub-role serving `method`, the other one): the one place RPCs are dispatched."""
-        if method in ColocatedRole.methods:
-            return self.local, self.remote
-        assert method in DecodeRole.methods, method
-        return self.remote, self.local
+    # ---- RPCs: the one place they are dispatched to a sub-role ---------------------------------
 
-    def handle(self, method: str, request: Any, sink: Sink, timeout_s: float | None) -> None:
-        part, other = self._part_for(method)
-        if request.request_id in other.request_ids():
-            raise self.duplicate(request.request_id)
-        part.handle(method, request, sink, timeout_s)
+    def _call(
+        self,
+        part: RoleHandler,
+        other: RoleHandler,
+        method: str,
+        request_id: str,
+        request: object,
+        sink: Sink,
+        timeout_s: float | None,
+    ) -> None:
+        """Run `method` on `part`; ALREADY_EXISTS when `other` holds the request id."""
+        if request_id in other.request_ids():
+            raise self.duplicate(request_id)
+        part.rpc_table[method].call(part, request, sink, timeout_s)
+
+    def reserve(
+        self, req: worker_pb2.ReserveRequest, sink: UnarySink, timeout_s: float | None
+    ) -> None:
+        self._call(self.remote, self.local, "Reserve", req.request_id, req, sink, timeout_s)
+
+    def decode(
+        self, req: worker_pb2.DecodeRequest, sink: StreamSink, timeout_s: float | None
+    ) -> None:
+        self._call(self.remote, self.local, "Decode", req.request_id, req, sink, timeout_s)
+
+    def generate(
+        self, req: worker_pb2.WorkerGenerateRequest, sink: StreamSink, timeout_s: float | None
+    ) -> None:
+        self._call(self.local, self.remote, "Generate", req.request_id, req, sink, timeout_s)
+
+    # The sub-roles' RPCs (types, draining and between-layers rules unchanged), entered here.
+    rpcs = (
+        dataclasses.replace(DecodeRole.rpc_table["Reserve"], entry=reserve),
+        dataclasses.replace(DecodeRole.rpc_table["Decode"], entry=decode),
+        dataclasses.replace(ColocatedRole.rpc_table["Generate"], entry=generate),
+    )
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         callbacks = [

@@ -59,12 +59,10 @@ class Cluster:
         req = pb.ReserveRequest(
             request_id=rid, num_prompt_tokens=len(REMOTE_PROMPT), max_tokens=MAX_TOKENS
         )
-        self.d.handle("Reserve", req, reserve, 30.0)
+        self.d.reserve(req, reserve, 30.0)
         ticket = self.loop.run_until_complete(reserve.wait()).ticket
         prefill = UnarySink(self.loop)
-        self.p.handle(
-            "Prefill",
-            pb.PrefillRequest(
+        self.p.prefill(pb.PrefillRequest(
                 request_id=rid, prompt_token_ids=REMOTE_PROMPT, sampling=self.sampling(),
                 ticket=ticket,
             ),
@@ -77,9 +75,7 @@ class Cluster:
             self.p.on_transfer_results(self.p_tr.poll())
         answer: pb.PrefillResponse = self.loop.run_until_complete(prefill.wait())
         sink = StreamSink(self.loop)
-        self.d.handle(
-            "Decode",
-            pb.DecodeRequest(
+        self.d.decode(pb.DecodeRequest(
                 request_id=rid, transfer_id=ticket.transfer_id, first_token=answer.first_token,
                 prompt_token_ids=REMOTE_PROMPT, sampling=self.sampling(),
             ),
@@ -94,7 +90,7 @@ class Cluster:
         req = pb.WorkerGenerateRequest(
             request_id=rid, prompt_token_ids=LOCAL_PROMPT, sampling=self.sampling()
         )
-        self.d.handle("Generate", req, sink, 30.0)
+        self.d.generate(req, sink, 30.0)
         return sink
 
     def step(self) -> None:
@@ -175,8 +171,7 @@ def test_both_paths_share_the_decode_batches_with_oracle_tokens(
 def test_an_id_live_on_one_path_is_refused_on_the_other(cluster: Cluster) -> None:
     cluster.local("x")
     with pytest.raises(WorkerError) as info:
-        cluster.d.handle(
-            "Reserve",
+        cluster.d.reserve(
             pb.ReserveRequest(request_id="x", num_prompt_tokens=4, max_tokens=2),
             UnarySink(cluster.loop),
             30.0,
@@ -184,8 +179,7 @@ def test_an_id_live_on_one_path_is_refused_on_the_other(cluster: Cluster) -> Non
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
     sink = cluster.remote("y")
     with pytest.raises(WorkerError) as info:
-        cluster.d.handle(
-            "Generate",
+        cluster.d.generate(
             pb.WorkerGenerateRequest(request_id="y", prompt_token_ids=[1, 2, 3]),
             StreamSink(cluster.loop),
             30.0,
@@ -218,7 +212,7 @@ def test_a_local_request_expires_like_a_colocated_one(cluster: Cluster) -> None:
     req = pb.WorkerGenerateRequest(
         request_id="late", prompt_token_ids=LOCAL_PROMPT, sampling=cluster.sampling()
     )
-    cluster.d.handle("Generate", req, sink, 0.01)
+    cluster.d.generate(req, sink, 0.01)
     deadline = time.monotonic() + 0.01
     while time.monotonic() <= deadline:  # the request's deadline passing is the state tested
         time.sleep(0.005)
