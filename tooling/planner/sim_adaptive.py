@@ -33,6 +33,7 @@ from router.ratio.config import RatioConfig
 from router.ratio.driver import DecisionRecord, RatioController
 from tooling.planner.costs import CostModel
 from tooling.planner.sim import Router, Sim
+from tooling.planner.sim_routing import address, view
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
 from tooling.planner.sim_workers import Job, Worker
 
@@ -50,28 +51,6 @@ class AdaptiveResult:
     def decisions(self) -> list[DecisionRecord]:
         """The change decisions (not their completions)."""
         return [r for r in self.records if r.event == "decision" and r.action != "hold"]
-
-
-def address(w: Worker) -> str:
-    return f"w{w.index}"
-
-
-def view(w: Worker, spec: ClusterSpec) -> WorkerView:
-    """A simulated worker as the router's pool shows it."""
-    role: Role = "prefill" if w.kind == "prefill" else "decode"
-    return WorkerView(
-        worker_id=address(w),
-        address=address(w),
-        role=role,
-        healthy=True,
-        draining=bool(w.drain_to),
-        num_waiting=len(w.queue),
-        num_running=w.dec.batch if w.kind == "decode" else len(w.step or ()),
-        waiting_tokens=w.qtokens if w.kind == "prefill" else 0,
-        free_blocks=w.free_blocks if w.kind == "decode" else spec.num_kv_blocks,
-        total_blocks=spec.num_kv_blocks,
-        block_size=spec.block_size,
-    )
 
 
 class SimPool:
