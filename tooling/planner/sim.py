@@ -64,7 +64,7 @@ from tooling.planner.sim_routing import (
     threshold_rule,
 )
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
-from tooling.planner.sim_workers import Entity, Job, Path, Worker
+from tooling.planner.sim_workers import Entity, Job, Route, Worker
 
 __all__ = [
     "ClusterSpec",
@@ -125,7 +125,7 @@ class Sim:
         self.handoff: Callable[[Sim, Job], float] | None = None
         self.flipped: list[Worker] = []  # flips since the caller last cleared it
         self.step_s = {"prefill": 0.0, "decode": 0.0, "colocated": 0.0}
-        self.paths = {p: 0 for p in Path}  # requests routed each way
+        self.routes = {r: 0 for r in Route}  # requests served each way
         self.tokens = 0  # generated tokens, first tokens included
         self.seq = 0
         self.inflight = 0
@@ -212,27 +212,26 @@ class Sim:
             if w is None:
                 self._reject(i)
                 return
-            self._start(Job(i, r, w, Path.COLOCATED))
+            self._start(Job(i, r, w, Route.COLOCATED))
             return
         pick = self.router(self, r, self.role("prefill"), self.role("decode"))
         if pick is None:
             self._reject(i)
             return
         p, d, transfer_s = pick
-        path = Path.REMOTE
-        job = Job(i, r, d, path, prefill=p, transfer_s=transfer_s)
+        job = Job(i, r, d, Route.REMOTE, prefill=p, transfer_s=transfer_s)
         if self.choose is not None:
             prompt = job.prompt
             uncached = r.input_len - d.eng.cached_tokens(prompt)
             if self.choose(uncached, p.eng.queued_tokens(), d.eng.queued_tokens()) == "local":
-                job = Job(i, r, d, Path.LOCAL)
+                job = Job(i, r, d, Route.LOCAL)
         self._start(job)
 
     def _start(self, job: Job) -> None:
         """Hand `job` to its worker(s)' schedulers; fails it when they cannot take it."""
         r, d = job.req, job.decode
         try:
-            if job.path is Path.REMOTE:
+            if job.route is Route.REMOTE:
                 p = job.prefill
                 assert p is not None
                 need = blocks_for(r.input_len + r.output_len - 1, self.spec.block_size)
@@ -253,7 +252,7 @@ class Sim:
                     w.eng.drop(job.rid, job.tid)
             self._reject(job.idx)
             return
-        self.paths[job.path] += 1
+        self.routes[job.route] += 1
         self.inflight += 1
         self.host_work(self.cost.host_request_s)
 
@@ -316,8 +315,8 @@ class Sim:
             if w.kind == "prefill":
                 self._prefilled(w, job)
                 continue
-            made += prog.new_tokens
             first = job.first_s is None
+            made += prog.new_tokens - first  # a first token is counted by `_first`
             if first:
                 self._first(job, self.now + max(0.0, self.cost.ttft_overhead(job.req.input_len)))
             if prog.finished:
@@ -326,6 +325,7 @@ class Sim:
                     o.tpot_s = (self.now - job.first_s) / (job.req.output_len - 1)
                 self.end(job, ok=True, t=job.first_s if first else self.now)
         if made:
+            self.tokens += made
             self.host_work(self.cost.host_token_s * made)
             self.host_work(self.cost.decode_token_cpu_s * made, w)
         self._check_drained(w)

@@ -15,7 +15,7 @@ from tooling.planner.sim_engine import SimEngine, Step, prompt_tokens
 from tooling.planner.sim_types import SimRequest
 
 
-class Path(enum.Enum):
+class Route(enum.Enum):
     """How a request is served: on one colocated worker; on a disaggregated decode worker that
     prefills it itself (LOCAL, hybrid); or through a prefill worker and a KV hand-off."""
 
@@ -73,7 +73,7 @@ class Job:
     idx: int
     req: SimRequest
     decode: Worker
-    path: Path
+    route: Route
     prefill: Worker | None = None
     first_s: float | None = None  # when the client got the first token
     transfer_s: float = 0.0  # KV hand-off delay after the prefill (pair-dependent)
