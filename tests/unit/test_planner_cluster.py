@@ -1,4 +1,5 @@
-"""The simulator's cluster-scale parts against hand-computable cases: colocated steps, admission shedding, a drain that times out, the real controller on simulated
+"""The simulator's cluster-scale parts against hand-computable cases: colocated steps,
+admission shedding, a drain that times out, the real controller on simulated
 time, `pdserve simulate`'s outputs, pairs over two nodes, profiles. Pure, about a second."""
 
 from __future__ import annotations
