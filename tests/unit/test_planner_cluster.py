@@ -5,7 +5,6 @@ time, `pdserve simulate`'s outputs, pairs over two nodes, profiles. Pure, about 
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,7 +130,9 @@ def test_links_serialise_cross_node_moves_on_the_prefill_workers_link() -> None:
     sim = Sim([], ClusterSpec(prefill=1, decode=1, nodes=("a", "b")), COST)
     p, d = sim.workers
     links = Links(kv_bytes_per_token=1e6, cross_node_gbps=1.0, layers=10)  # 1 ms per token
-    job = Job(0, SimRequest(0.0, 100, 2), d, Route.REMOTE, prefill=p)  # 0.1 s of link; 0.11 s of compute
+    job = Job(
+        0, SimRequest(0.0, 100, 2), d, Route.REMOTE, prefill=p
+    )  # 0.1 s of link; 0.11 s of compute
     sim.now = 1.0  # the prefill ends: its push started with its compute, at 0.89 s
     assert links(sim, job) == pytest.approx(0.01)  # hidden but one layer
     assert links(sim, job) == pytest.approx(0.09)  # waits for the first move (done at 0.99)

@@ -6,6 +6,8 @@ and the planner recommends the best predicted mode. Pure, about a second."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from model_runtime.block_pool import BlockPool
@@ -47,8 +49,7 @@ def test_steps_are_the_real_schedulers_with_chunks_preemption_and_prefix_hits() 
     sim = Sim(reqs, spec, COST)
     seen: list[tuple[Shape, list[str]]] = []
 
-    def on_step(w: Worker, step: object) -> None:
-        assert isinstance(step, Step)
+    def on_step(w: Worker, step: Step) -> None:
         w.eng.check()
         seen.append(_shape(step))
 
@@ -87,15 +88,14 @@ def test_virtual_time_advances_by_the_cost_of_each_composed_step() -> None:
     sim = Sim(reqs, spec, COST)
     starts: list[tuple[float, float]] = []
 
-    def on_step(w: Worker, step: object) -> None:
-        assert isinstance(step, Step)
+    def on_step(w: Worker, step: Step) -> None:
         b = step.batch
         starts.append((sim.now, COST.step_s(b.chunks, b.decode, b.context)))
 
     sim.on_step = on_step
     sim.run()
     assert len(starts) > 4
-    for (t0, cost), (t1, _) in zip(starts, starts[1:], strict=False):
+    for (t0, cost), (t1, _) in itertools.pairwise(starts):
         assert t1 == pytest.approx(t0 + cost)  # the worker is never idle in between
     assert starts[0][1] == pytest.approx(0.010 + 0.016)  # first: a 16-token prompt chunk
 
@@ -117,9 +117,12 @@ def test_hybrid_routes_by_the_uncached_prompt_through_the_injected_decision() ->
     reqs = [SimRequest(0.1 * i, n, 4) for i, n in enumerate([32, 300, 64, 65, 10])]
     sim = Sim(reqs, spec, COST)
     prefill_steps: list[str] = []
-    sim.on_step = lambda w, s: prefill_steps.extend(
-        i.request_id for i in s.out.items if w.kind == "prefill"  # type: ignore[attr-defined]
-    )
+
+    def on_step(w: Worker, step: Step) -> None:
+        if w.kind == "prefill":
+            prefill_steps.extend(i.request_id for i in step.out.items)
+
+    sim.on_step = on_step
     outs = sim.run()
     assert all(o.ok for o in outs)
     assert sim.routes[Route.LOCAL] == 3 and sim.routes[Route.REMOTE] == 2

@@ -313,7 +313,8 @@ def table(rows: Sequence[PlanRow], slo_ttft_ms: float, slo_tpot_ms: float) -> st
     out = [f"SLOs: TTFT {slo_ttft_ms:g} ms, TPOT {slo_tpot_ms:g} ms", "", head, line]
     for r in rows:
         row = (
-            f"| {r.mode} | {r.ratio} | {r.threshold_label} | {r.threads} | {r.chunk_label} | {r.max_num_seqs} | "
+            f"| {r.mode} | {r.ratio} | {r.threshold_label} | {r.threads} | {r.chunk_label} | "
+            f"{r.max_num_seqs} | "
             f"{r.ttft_attainment:.1%} | {r.tpot_attainment:.1%} | {r.attainment:.1%} | "
             f"{r.goodput_rps:.2f} |"
         )

@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 from router.policy import LeastLoadPolicy
 from tooling.planner.costs import CostModel
 from tooling.planner.sim_cpu import SharedCpu
-from tooling.planner.sim_engine import SimEngine, blocks_for
+from tooling.planner.sim_engine import SimEngine, Step, blocks_for
 from tooling.planner.sim_routing import (
     Choose,
     Pick,
@@ -119,7 +119,7 @@ class Sim:
         self.on_tick: Callable[[Sim], None] | None = None
         self.tick_s = 0.0
         self.on_end: Callable[[int, SimOutcome], None] | None = None
-        self.on_step: Callable[[Worker, object], None] | None = None
+        self.on_step: Callable[[Worker, Step], None] | None = None
         # KV hand-off delay, decided when the prompt's first token is sampled (default: the
         # router's `transfer_s`); `pairing.Links` models links that requests share
         self.handoff: Callable[[Sim, Job], float] | None = None
@@ -141,7 +141,11 @@ class Sim:
     def _engine(self) -> SimEngine:
         s = self.spec
         return SimEngine(
-            s.num_kv_blocks, s.block_size, s.chunk_tokens, s.max_num_seqs, s.chunked,
+            s.num_kv_blocks,
+            s.block_size,
+            s.chunk_tokens,
+            s.max_num_seqs,
+            s.chunked,
             s.prefix_caching,
         )
 
@@ -366,6 +370,7 @@ class Sim:
     def timer(self, t: float, kind: int, payload: object) -> None:
         self.seq += 1
         heapq.heappush(self.timers, (t, self.seq, kind, payload))
+
     # ---- the event loop --------------------------------------------------------------------
 
     def _start_ready(self) -> None:

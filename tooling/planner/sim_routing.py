@@ -52,7 +52,9 @@ the decode worker, chunked inside its decode batches) or "remote" (through the p
 def threshold_rule(threshold: int) -> Choose:
     """Local when the uncached prompt is at most `threshold` tokens (llm-d's rule)."""
 
-    def choose(uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int) -> Decision:
+    def choose(
+        uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int
+    ) -> Decision:
         return "local" if uncached_tokens <= threshold else "remote"
 
     return choose
@@ -64,7 +66,9 @@ def address(w: Worker) -> str:
 
 def view(w: Worker, spec: ClusterSpec) -> WorkerView:
     """`w` as the router's pool shows it (module docstring)."""
-    role: Role = "prefill" if w.kind == "prefill" else "colocated" if w.kind == "colocated" else "decode"
+    role: Role = (
+        "prefill" if w.kind == "prefill" else "colocated" if w.kind == "colocated" else "decode"
+    )
     eng = w.eng
     return WorkerView(
         worker_id=address(w),
@@ -113,7 +117,9 @@ def colocated_pick(
 ) -> Worker | None:
     """The colocated worker `policy` picks for `r` (None: none has room)."""
     by_addr = {address(w): w for w in workers}
-    decision = policy.choose(_route_request(r, colocated=True), [view(w, spec) for w in workers], [])
+    decision = policy.choose(
+        _route_request(r, colocated=True), [view(w, spec) for w in workers], []
+    )
     if decision is None or decision.colocated is None:
         return None
     return by_addr[decision.colocated.address]
