@@ -17,7 +17,7 @@ from model_runtime.scheduler import Scheduler, SchedulerConfig
 from tooling.planner.costs import CostModel, Linear
 from tooling.planner.planner import alternatives, best_by_mode, plan_alternatives, threshold_grid
 from tooling.planner.sim import ClusterSpec, Sim, SimRequest
-from tooling.planner.sim_engine import TOKEN, Step
+from tooling.planner.sim_engine import TOKEN, Step, prompt_tokens
 from tooling.planner.sim_routing import Decision, threshold_rule
 from tooling.planner.sim_workers import Route, Worker
 
@@ -42,10 +42,7 @@ def _prompts() -> list[tuple[int, ...]]:
     return [shared + (1, 2), shared + (3, 4), shared + (5, 6), (9,) * 10]
 
 
-def test_steps_are_the_real_schedulers_with_chunks_preemption_and_prefix_hits() -> None:
-    spec = ClusterSpec(0, 0, colocated=1, chunk_tokens=8, max_num_seqs=4, num_kv_blocks=12,
-                       block_size=4)  # fmt: skip
-    reqs = [SimRequest(0.0, 10, 12, tokens=t) for t in _prompts()]
+def _sim_steps(reqs: list[SimRequest], spec: ClusterSpec) -> list[tuple[Shape, list[str]]]:
     sim = Sim(reqs, spec, COST)
     seen: list[tuple[Shape, list[str]]] = []
 
@@ -54,16 +51,19 @@ def test_steps_are_the_real_schedulers_with_chunks_preemption_and_prefix_hits() 
         seen.append(_shape(step))
 
     sim.on_step = on_step
-    outs = sim.run()
-    assert all(o.ok for o in outs)
+    assert all(o.ok for o in sim.run())
+    return seen
 
-    # the same requests on a bare scheduler, one sampled token per sampling item
-    cfg = SchedulerConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
-                          max_model_len=1 << 30)  # fmt: skip
-    sched = Scheduler(cfg, BlockPool(12))
-    for i, r in enumerate(reqs):
-        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-        sched.add(Request(f"r{i}", list(r.tokens), params, arrival_time=0.0))
+
+def _bare_steps(
+    prompts: list[list[int]], outputs: list[int], cfg: SchedulerConfig, blocks: int
+) -> tuple[list[tuple[Shape, list[str]]], int]:
+    """The steps a bare scheduler composes for the same requests (all queued at once), one
+    sampled token per sampling item; and how many admissions hit the prefix cache."""
+    sched = Scheduler(cfg, BlockPool(blocks))
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        params = SamplingParams(max_tokens=out, ignore_eos=True)
+        sched.add(Request(f"r{i}", list(prompt), params, arrival_time=0.0))
     bare: list[tuple[Shape, list[str]]] = []
     hits = 0
     while sched.has_unfinished():
@@ -76,10 +76,28 @@ def test_steps_are_the_real_schedulers_with_chunks_preemption_and_prefix_hits() 
             if i.start_pos > 0 and sched.requests[i.request_id].num_output_tokens == 0
         )
         sched.update(out, [TOKEN if i.samples else None for i in out.items])
-    assert seen == bare
+    return bare, hits
+
+
+def test_steps_are_the_real_schedulers_with_chunks_preemption_and_prefix_hits() -> None:
+    spec = ClusterSpec(0, 0, colocated=1, chunk_tokens=8, max_num_seqs=4, num_kv_blocks=12,
+                       block_size=4)  # fmt: skip
+    cfg = SchedulerConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
+                          max_model_len=1 << 30)  # fmt: skip
+    reqs = [SimRequest(0.0, 10, 12, tokens=t) for t in _prompts()]
+    bare, hits = _bare_steps([list(r.tokens) for r in reqs], [12] * 4, cfg, 12)
+    assert _sim_steps(reqs, spec) == bare
     assert any(pre for _, pre in bare), "the scenario must preempt"
     assert any(not samples for shape, _ in bare for *_, samples in shape), "and chunk"
     assert hits > 0, "and hit the prefix cache"
+
+    # private prompts (no token ids: unique block ids, no content hashing) schedule exactly
+    # as the same prompts hashed by the engine
+    private = [SimRequest(0.0, n, 9) for n in (10, 7, 13, 10)]
+    prompts = [prompt_tokens(i + 1, r.input_len) for i, r in enumerate(private)]
+    bare, _ = _bare_steps(prompts, [9] * 4, cfg, 12)
+    assert _sim_steps(private, spec) == bare
+    assert any(pre for _, pre in bare)
 
 
 def test_virtual_time_advances_by_the_cost_of_each_composed_step() -> None:

@@ -226,7 +226,7 @@ class Sim:
         job = Job(i, r, d, Route.REMOTE, prefill=p, transfer_s=transfer_s)
         if self.choose is not None:
             prompt = job.prompt
-            uncached = r.input_len - d.eng.cached_tokens(prompt)
+            uncached = r.input_len - d.eng.cached_tokens(prompt, job.seed)
             if self.choose(uncached, p.eng.queued_tokens(), d.eng.queued_tokens()) == "local":
                 job = Job(i, r, d, Route.LOCAL)
         self._start(job)
@@ -243,11 +243,11 @@ class Sim:
                     self._reject(job.idx)  # the decode worker's Reserve: RESOURCE_EXHAUSTED
                     return
                 d.jobs[job.rid] = job
-                p.eng.add(job.rid, job.prompt, 1, hold=True)
+                p.eng.add(job.rid, job.prompt, 1, hold=True, seed=job.seed)
                 p.jobs[job.rid] = job
                 self.ready.add(p)
             else:
-                d.eng.add(job.rid, job.prompt, r.output_len, hold=False)
+                d.eng.add(job.rid, job.prompt, r.output_len, hold=False, seed=job.seed)
                 d.jobs[job.rid] = job
                 self.ready.add(d)
         except ValueError:  # can never run there (e.g. whole prompts above the budget)
@@ -360,7 +360,7 @@ class Sim:
         p.jobs.pop(job.rid, None)
         self.ready.add(p)
         self._check_drained(p)
-        finished = d.eng.admit_received(job.tid, job.rid, job.prompt, job.req.output_len)
+        finished = d.eng.admit_received(job.tid, job.rid, job.prompt, job.req.output_len, job.seed)
         self._first(job, self.now)
         if finished:
             self.end(job, ok=True)

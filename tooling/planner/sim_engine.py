@@ -11,6 +11,14 @@ decode worker's "receiving KV" reservations (`reserve_remote`, `remote_result`,
 The simulator supplies what a model would: one sampled token per item that samples (always
 `TOKEN`; requests ignore EOS, so they end by `max_tokens`).
 
+Requests are `LeanRequest`s: the engine's `Request` with the scheduler-facing state unchanged
+and two costs a model-less simulator need not pay (a cluster of tens of workers runs minutes of
+traffic): outputs carry no token tuples (`make_output`: the new tokens only), `all_token_ids`
+is kept as one list instead of concatenated per call, and a *private* prompt (no token ids
+given: `prompt_tokens`) gets unique block ids instead of BLAKE2b content hashes — it can share
+no block with another request either way, so the prefix cache registers, evicts and misses
+exactly as it would. Prompts with token ids hash as the engine does.
+
 `step()` returns the `SchedulerOutput` of the next engine step, already described as the cost
 model needs it (`Batch`: prompt chunks as (start, tokens), decode rows and their context);
 `finish(out)` applies it as the engine's `update` does, after the step's simulated duration.
@@ -21,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model_runtime.block_pool import BlockPool
-from model_runtime.request import Request, RequestStatus
-from model_runtime.sampling_params import SamplingParams
+from model_runtime.request import Request, RequestOutput, RequestStatus
+from model_runtime.sampling_params import SamplingParams, TopLogprobs
 from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 TOKEN = 1  # what the simulated model samples
@@ -51,12 +59,64 @@ class Step:
 @dataclass(frozen=True)
 class Progress:
     """What one step did for one request: `new_tokens` sampled (0 for a partial chunk),
-    `output_tokens` it has in all, `finished`."""
+    `finished`."""
 
     request_id: str
     new_tokens: int
-    output_tokens: int
     finished: bool
+
+
+PRIVATE = 1 << 128  # private block ids lie above every 128-bit content hash
+
+
+@dataclass(eq=False)
+class LeanRequest(Request):
+    """The engine's `Request` without the costs a simulator need not pay (module docstring).
+    `private`: the prompt shares no block with any other request's (`prompt_tokens`)."""
+
+    private: bool = False
+    seed: int = 0
+    _all: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all
+
+    def append_token(
+        self, token_id: int, logprob: float = 0.0, top: TopLogprobs | None = None
+    ) -> bool:
+        self._all.append(token_id)
+        return super().append_token(token_id, logprob, top)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        if not self.private:
+            super().update_block_hashes(block_size)
+            return
+        full = len(self._all) // block_size
+        base = PRIVATE + (self.seed << 32)
+        self.block_hashes.extend(range(base + len(self.block_hashes), base + full))
+
+    def make_output(self) -> RequestOutput:
+        new = tuple(self.output_token_ids[self.num_reported_tokens :])
+        self.num_reported_tokens = self.num_output_tokens
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=(),
+            output_token_ids=(),
+            new_token_ids=new,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def _request(request_id: str, prompt: list[int], max_tokens: int, seed: int) -> LeanRequest:
+    """`seed` > 0: a private prompt (`prompt_tokens(seed, n)`)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return LeanRequest(request_id, prompt, params, arrival_time=0.0, private=seed > 0, seed=seed)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -93,12 +153,14 @@ class SimEngine:
 
     # ---- requests in ---------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, hold: bool) -> None:
+    def add(
+        self, request_id: str, prompt: list[int], max_tokens: int, hold: bool, seed: int = 0
+    ) -> None:
         """Queue a request (`Engine.add_request`); `hold`: a prefill worker's request, which
-        finishes at its first token and keeps its blocks until `release_held`. ValueError
-        when it can never run (the scheduler's `add`)."""
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(request_id, list(prompt), params, arrival_time=0.0)
+        finishes at its first token and keeps its blocks until `release_held`; `seed` > 0:
+        its prompt is private (`prompt_tokens(seed, n)`). ValueError when it can never run
+        (the scheduler's `add`)."""
+        request = _request(request_id, prompt, max_tokens, seed)
         request.hold_blocks = hold
         self.scheduler.add(request)
 
@@ -107,15 +169,14 @@ class SimEngine:
         return self.scheduler.reserve_remote(transfer_id, num_blocks) is not None
 
     def admit_received(
-        self, transfer_id: str, request_id: str, prompt: list[int], max_tokens: int
+        self, transfer_id: str, request_id: str, prompt: list[int], max_tokens: int, seed: int = 0
     ) -> bool:
         """The transfer landed: the reservation becomes RECEIVED and a prefilled request with
         first token `TOKEN` takes its blocks over (`Engine.admit_received`). True when that
         first token already ended the request."""
         received = self.scheduler.remote_result(transfer_id, ok=True)
         assert received, transfer_id
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(request_id, list(prompt), params, arrival_time=0.0)
+        request = _request(request_id, prompt, max_tokens, seed)
         request.status = RequestStatus.RUNNING
         return self.scheduler.admit_remote(transfer_id, request, TOKEN) is not None
 
@@ -167,10 +228,9 @@ class SimEngine:
                 continue
             o = done.get(item.request_id)
             if o is None:
-                progress.append(Progress(item.request_id, 0, 0, False))
+                progress.append(Progress(item.request_id, 0, False))
             else:
-                n = len(o.output_token_ids)
-                progress.append(Progress(item.request_id, len(o.new_token_ids), n, o.finished))
+                progress.append(Progress(item.request_id, len(o.new_token_ids), o.finished))
         return progress
 
     # ---- what the router and the controller see -----------------------------------------
@@ -206,11 +266,11 @@ class SimEngine:
             if not r.is_decoding and not r.is_finished
         )
 
-    def cached_tokens(self, prompt: list[int]) -> int:
+    def cached_tokens(self, prompt: list[int], seed: int = 0) -> int:
         """Prompt tokens this worker's prefix cache would give a new request (admission
         reuses full blocks, never the one holding the last token)."""
         bs = self.scheduler.config.block_size
-        probe = Request("probe", list(prompt), SamplingParams(max_tokens=1), arrival_time=0.0)
+        probe = _request("probe", prompt, 1, seed)
         probe.update_block_hashes(bs)
         reusable = (len(prompt) - 1) // bs
         return len(self.pool.lookup(probe.block_hashes[:reusable])) * bs

@@ -88,6 +88,11 @@ class Job:
         return f"t{self.idx}"
 
     @property
+    def seed(self) -> int:
+        """> 0: the prompt is private (`sim_engine.prompt_tokens`); 0: its token ids are given."""
+        return 0 if self.req.tokens else self.idx + 1
+
+    @property
     def prompt(self) -> list[int]:
         r = self.req
-        return list(r.tokens) if r.tokens else prompt_tokens(self.idx + 1, r.input_len)
+        return list(r.tokens) if r.tokens else prompt_tokens(self.seed, r.input_len)
