@@ -33,7 +33,7 @@ from router.ratio.config import RatioConfig
 from router.ratio.driver import DecisionRecord, RatioController
 from tooling.planner.costs import CostModel
 from tooling.planner.sim import Router, Sim
-from tooling.planner.sim_routing import address, view
+from tooling.planner.sim_routing import Choose, address, view
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
 from tooling.planner.sim_workers import Job, Worker
 
@@ -99,6 +99,7 @@ async def run_adaptive(
     config: RatioConfig,
     router: Router | None = None,
     handoff: Callable[[Sim, Job], float] | None = None,
+    choose: Choose | None = None,
 ) -> AdaptiveResult:
     """`simulate_adaptive` on the running event loop."""
     if config.mode != "adaptive":
@@ -107,7 +108,7 @@ async def run_adaptive(
         )
     if spec.colocated:
         raise ValueError("the ratio controller runs on disaggregated clusters only")
-    sim = Sim(requests, spec, cost, router)
+    sim = Sim(requests, spec, cost, router, choose=choose)
     sim.handoff = handoff
     actuator = SimActuator(sim)
     ctrl = RatioController(
@@ -160,11 +161,13 @@ def simulate_adaptive(
     config: RatioConfig,
     router: Router | None = None,
     handoff: Callable[[Sim, Job], float] | None = None,
+    choose: Choose | None = None,
 ) -> AdaptiveResult:
     """Run `requests` on `spec` (its prefill:decode split is the starting ratio) with the
     controller of `config` (mode 'adaptive') switching roles (module docstring); `router` /
-    `handoff`: the simulator's routing and KV hand-off (defaults: least load, `cost`)."""
-    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff))
+    `handoff` / `choose`: the simulator's routing, KV hand-off and hybrid decision (defaults:
+    least load, `cost`, the spec's `hybrid_threshold` rule)."""
+    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff, choose))
 
 
 def records_json(res: AdaptiveResult) -> list[dict[str, Any]]:

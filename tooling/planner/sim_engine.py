@@ -58,8 +58,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Progress:
-    """What one step did for one request: `new_tokens` sampled (0 for a partial chunk),
-    `finished`."""
+    """What one step did for one request that sampled: `new_tokens`, and `finished`."""
 
     request_id: str
     new_tokens: int
@@ -217,21 +216,14 @@ class SimEngine:
         return Step(out, Batch(chunks, decode, context))
 
     def finish(self, step: Step) -> list[Progress]:
-        """Apply a step's results (`Scheduler.update`), one `TOKEN` per sampling item."""
+        """Apply a step's results (`Scheduler.update`), one `TOKEN` per sampling item; what
+        each request that sampled a token got (partial prompt chunks report nothing)."""
         out = step.out
         sampled = [TOKEN if item.samples else None for item in out.items]
-        live = {i.request_id for i in out.items if i.request_id in self.scheduler.requests}
-        done = {o.request_id: o for o in self.scheduler.update(out, sampled)}
-        progress = []
-        for item in out.items:
-            if item.request_id not in live:
-                continue
-            o = done.get(item.request_id)
-            if o is None:
-                progress.append(Progress(item.request_id, 0, False))
-            else:
-                progress.append(Progress(item.request_id, len(o.new_token_ids), o.finished))
-        return progress
+        return [
+            Progress(o.request_id, len(o.new_token_ids), o.finished)
+            for o in self.scheduler.update(out, sampled)
+        ]
 
     # ---- what the router and the controller see -----------------------------------------
 
