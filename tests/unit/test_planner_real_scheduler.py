@@ -61,8 +61,8 @@ def _bare_steps(
     """The steps a bare scheduler composes for the same requests (all queued at once), one
     sampled token per sampling item; and how many admissions hit the prefix cache."""
     sched = Scheduler(cfg, BlockPool(blocks))
-    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        params = SamplingParams(max_tokens=out, ignore_eos=True)
+    for i, (prompt, n_out) in enumerate(zip(prompts, outputs, strict=True)):
+        params = SamplingParams(max_tokens=n_out, ignore_eos=True)
         sched.add(Request(f"r{i}", list(prompt), params, arrival_time=0.0))
     bare: list[tuple[Shape, list[str]]] = []
     hits = 0
