@@ -7,6 +7,7 @@ and the planner recommends the best predicted mode. Pure, about a second."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from tooling.planner.sim import ClusterSpec, Sim, SimRequest
 from tooling.planner.sim_engine import TOKEN, Step, prompt_tokens
 from tooling.planner.sim_routing import Decision, threshold_rule
 from tooling.planner.sim_workers import Route, Worker
+from tooling.planner.workload import requests, to_sim
 
 # prefill: 10 ms + 1 ms/token; decode: 5 ms + 1 ms/request; transfer 2 ms; overhead 1 ms
 COST = CostModel(
@@ -181,3 +183,45 @@ def test_planner_recommends_the_mode_with_the_highest_predicted_goodput() -> Non
     assert set(modes) == {"colocated", "disagg", "hybrid"}
     assert rows[0] is modes["hybrid"] and rows[0].hybrid_threshold == 32
     assert modes["hybrid"].attainment > modes["disagg"].attainment > modes["colocated"].attainment
+
+
+def test_prefix_groups_hit_the_simulated_prefix_cache() -> None:
+    """`to_sim` gives a prefix group's requests token ids: the engine's prefix cache hits, so
+    TTFT drops against the same lengths with private prompts."""
+    sim_reqs = to_sim(requests("prefix", 40, 2.0, 1024, 0, None))
+    assert all(r.tokens for r in sim_reqs)
+    private = [replace(r, tokens=()) for r in sim_reqs]
+    spec = ClusterSpec(0, 0, colocated=1)
+
+    def p50(reqs: list[SimRequest]) -> float:
+        ttfts = sorted(o.ttft_s for o in Sim(reqs, spec, COST).run() if o.ttft_s is not None)
+        return ttfts[len(ttfts) // 2]
+
+    assert p50(sim_reqs) < 0.5 * p50(private)
+
+
+def test_prefix_aware_policy_sees_each_workers_cache_through_its_pool() -> None:
+    """The router's real `prefix_aware` keeps each prefix group on the worker that caches it
+    (matches read from the simulated pools); `least_load` spreads them."""
+    specs = requests("prefix", 40, 4.0, 1024, 0, None)
+    reqs = to_sim(specs)
+
+    def workers_per_group(policy: str, spec: ClusterSpec) -> list[int]:
+        sim = Sim(reqs, spec, COST, policy=policy)
+        where: dict[str, int] = {}
+
+        def on_step(w: Worker, step: Step) -> None:
+            if w.kind != "decode":
+                for item in step.out.items:
+                    where.setdefault(item.request_id, w.index)
+
+        sim.on_step = on_step
+        assert all(o.ok for o in sim.run())
+        groups: dict[int | None, set[int]] = {}
+        for i, s in enumerate(specs):
+            groups.setdefault(s.prefix_group, set()).add(where[f"r{i}"])
+        return sorted(len(v) for v in groups.values())
+
+    for spec in (ClusterSpec(0, 0, colocated=2), ClusterSpec(2, 1)):
+        assert set(workers_per_group("prefix_aware", spec)) == {1}
+        assert max(workers_per_group("least_load", spec)) == 2

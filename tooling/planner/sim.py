@@ -10,9 +10,9 @@ the KV hand-offs and the shared CPU are modelled around it:
 
 - **router**: at most `max_inflight` requests run (FIFO queue beyond, `max_queued` long; a
   request that finds it full fails at once). Each request is routed on arrival by the router's
-  real policy code (`sim_routing`): colocated, to the worker `LeastLoadPolicy` picks;
-  disaggregated, to the (prefill, decode) pair the `router` seam picks (default: the real
-  `least_load` policy on views read from the workers' schedulers). No pair or worker with
+  real policy code (`sim_routing`; `policy` names it, default `least_load`) on views read from
+  the workers' schedulers: colocated, to the worker it picks; disaggregated, to the (prefill,
+  decode) pair the `router` seam picks (default: the same policy). No pair or worker with
   room: the request fails, as RESOURCE_EXHAUSTED;
 - **hybrid** (`ClusterSpec.hybrid_threshold`): after the pair is picked, `choose(uncached
   prompt tokens on the decode worker, the prefill worker's queued prompt tokens, the decode
@@ -51,7 +51,6 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from router.policy import LeastLoadPolicy
 from tooling.planner.costs import CostModel
 from tooling.planner.sim_cpu import SharedCpu
 from tooling.planner.sim_engine import SimEngine, Step, blocks_for
@@ -60,7 +59,8 @@ from tooling.planner.sim_routing import (
     Pick,
     Router,
     colocated_pick,
-    least_load,
+    policy_router,
+    sim_policy,
     threshold_rule,
 )
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
@@ -96,10 +96,14 @@ class Sim:
         router: Router | None = None,
         drain_timeout_s: float = math.inf,
         choose: Choose | None = None,
+        policy: str = "least_load",
     ) -> None:
         self.reqs, self.spec, self.cost = reqs, spec, cost
-        self.router: Router = router or least_load()
-        self.policy = LeastLoadPolicy()  # colocated routing
+        self.now = 0.0
+        # the router's policy by name (`sim_policy`): colocated picks, and the pairs unless
+        # `router` is given
+        self.policy = sim_policy(policy, lambda: self.now)
+        self.router: Router = router or policy_router(self.policy)
         threshold = spec.hybrid_threshold
         self.choose: Choose | None = choose or (
             None if threshold is None else threshold_rule(threshold)
@@ -130,7 +134,6 @@ class Sim:
         self.seq = 0
         self.inflight = 0
         self.router_q: deque[int] = deque()
-        self.now = 0.0
         self.cpu = SharedCpu(spec.cores)
         self.ready: set[Worker] = set(self.workers)
         self.aborted = 0  # drains that timed out
@@ -456,9 +459,11 @@ def simulate(
     spec: ClusterSpec,
     cost: CostModel,
     router: Router | None = None,
+    policy: str = "least_load",
 ) -> list[SimOutcome]:
-    """Run `requests` through the model of `spec` (module docstring); one outcome each."""
-    return Sim(requests, spec, cost, router).run()
+    """Run `requests` through the model of `spec` (module docstring); one outcome each.
+    `policy`: the router's policy by name (`router` overrides its pair choice)."""
+    return Sim(requests, spec, cost, router, policy=policy).run()
 
 
 def charged(requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel) -> dict[str, float]:

@@ -118,6 +118,13 @@ def _request(request_id: str, prompt: list[int], max_tokens: int, seed: int) -> 
     return LeanRequest(request_id, prompt, params, arrival_time=0.0, private=seed > 0, seed=seed)
 
 
+def block_hashes(prompt: list[int], block_size: int) -> list[int]:
+    """The engine's hash chain of a prompt's full blocks (what the router looks up)."""
+    probe = _request("probe", prompt, 1, 0)
+    probe.update_block_hashes(block_size)
+    return probe.block_hashes
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     """KV blocks that hold `tokens` tokens (a decode reservation: prompt + output - 1)."""
     return -(-tokens // block_size)
@@ -257,6 +264,11 @@ class SimEngine:
             for r in self.scheduler.requests.values()
             if not r.is_decoding and not r.is_finished
         )
+
+    def matched_blocks(self, block_hashes: list[int]) -> int:
+        """Leading blocks of a hash chain this worker's prefix cache holds (what the router's
+        prefix index learns from its KV events)."""
+        return len(self.pool.lookup(block_hashes))
 
     def cached_tokens(self, prompt: list[int], seed: int = 0) -> int:
         """Prompt tokens this worker's prefix cache would give a new request (admission

@@ -5,7 +5,11 @@ workers, and the hybrid path decision. Pure; used by `sim.Sim`, `sim_adaptive` a
   read from its real scheduler: queued prompt tokens, running and waiting requests (reservations
   included), free KV blocks;
 - `Router`: the seam that picks a (prefill, decode) pair; `policy_router(policy)` asks a real
-  `router.policy.RoutingPolicy` (default: `LeastLoadPolicy`, the router's `least_load`);
+  `router.policy.RoutingPolicy` (default: the router's `least_load`;
+  `sim_policy(name, clock)` builds any registered one, `prefix_aware` on the simulator's
+  clock). A policy that `uses_prefix_matches` gets the prompt's block-hash chain and, as the
+  prefix index would answer, how many leading blocks each candidate's pool holds; a private
+  prompt (no token ids) has no chain to look up, so such a policy routes it by load;
 - `colocated_pick`: the same policy's colocated choice;
 - `Choose`: the hybrid decision, one pure function of three numbers; `threshold_rule` is the
   default (local when the uncached prompt is at most the threshold).
@@ -16,9 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
-from router.policy import LeastLoadPolicy, RouteRequest, RoutingPolicy, WorkerView
+from router.policies import make_policy
+from router.policy import RouteRequest, RoutingPolicy, WorkerView
+from router.prefix_index.base import PrefixMatch
+from router.prefix_policy import PrefixAwarePolicy
 from router.views import Role
 from tooling.planner.costs import CostModel
+from tooling.planner.sim_engine import block_hashes
 from tooling.planner.sim_types import ClusterSpec, SimRequest
 from tooling.planner.sim_workers import Worker
 
@@ -39,7 +47,7 @@ Pick = tuple[Worker, Worker, float]  # (prefill, decode, KV hand-off seconds)
 Router = Callable[[SimView, SimRequest, list[Worker], list[Worker]], Pick | None]
 """`router(sim, request, prefill workers, decode workers)` (those taking new work) -> the pair
 and its KV hand-off delay, or None (no capacity: the request fails, as RESOURCE_EXHAUSTED).
-Default: `policy_router(LeastLoadPolicy())`."""
+Default: `policy_router` of the simulator's policy (`sim_policy`)."""
 
 Decision = Literal["local", "remote"]
 Choose = Callable[[int, int, int], Decision]
@@ -86,10 +94,40 @@ def view(w: Worker, spec: ClusterSpec) -> WorkerView:
     )
 
 
-def _route_request(r: SimRequest, colocated: bool = False) -> RouteRequest:
+def route_request(
+    policy: RoutingPolicy,
+    spec: ClusterSpec,
+    r: SimRequest,
+    candidates: Sequence[Worker],
+    colocated: bool = False,
+) -> RouteRequest:
+    """What the router's policy knows of `r`: lengths, and for a policy that reads prefix
+    matches, the chain of a prompt with token ids and each candidate's matched blocks."""
+    hashes: tuple[int, ...] = ()
+    matches: tuple[PrefixMatch, ...] | None = None
+    if policy.uses_prefix_matches and r.tokens:
+        hashes = tuple(block_hashes(list(r.tokens), spec.block_size))
+        matches = tuple(
+            PrefixMatch(address(w), 0, n)
+            for w in candidates
+            if (n := w.eng.matched_blocks(list(hashes)))
+        )
     return RouteRequest(
-        "sim", num_prompt_tokens=r.input_len, max_tokens=r.output_len, colocated=colocated
+        "sim",
+        num_prompt_tokens=r.input_len,
+        max_tokens=r.output_len,
+        colocated=colocated,
+        block_hashes=hashes,
+        prefix_matches=matches,
     )
+
+
+def sim_policy(name: str, clock: Callable[[], float]) -> RoutingPolicy:
+    """The router's policy registered as `name`, on the simulator's `clock` where it keeps
+    time (`prefix_aware`'s pending credit)."""
+    if name == PrefixAwarePolicy.name:
+        return PrefixAwarePolicy(clock=clock)
+    return make_policy(name)
 
 
 def policy_router(policy: RoutingPolicy) -> Router:
@@ -100,7 +138,7 @@ def policy_router(policy: RoutingPolicy) -> Router:
     ) -> Pick | None:
         by_addr = {address(w): w for w in [*prefills, *decodes]}
         decision = policy.choose(
-            _route_request(r),
+            route_request(policy, sim.spec, r, prefills),
             [view(w, sim.spec) for w in prefills],
             [view(w, sim.spec) for w in decodes],
         )
@@ -117,14 +155,8 @@ def colocated_pick(
 ) -> Worker | None:
     """The colocated worker `policy` picks for `r` (None: none has room)."""
     by_addr = {address(w): w for w in workers}
-    decision = policy.choose(
-        _route_request(r, colocated=True), [view(w, spec) for w in workers], []
-    )
+    request = route_request(policy, spec, r, workers, colocated=True)
+    decision = policy.choose(request, [view(w, spec) for w in workers], [])
     if decision is None or decision.colocated is None:
         return None
     return by_addr[decision.colocated.address]
-
-
-def least_load() -> Router:
-    """The router's default policy (`least_load`) as a simulator router."""
-    return policy_router(LeastLoadPolicy())
