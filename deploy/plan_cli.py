@@ -111,6 +111,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--max-inflight", type=int, default=64, help="router's running limit")
     p.add_argument("--max-queued", type=int, default=256, help="router's waiting limit")
     p.add_argument("--search-rate", action="store_true", help="also find each max rate")
+    p.add_argument(
+        "--policy",
+        default="prefix_aware",
+        help="the router's routing policy to simulate (default: the router's, prefix_aware)",
+    )
     h = p.add_mutually_exclusive_group()
     h.add_argument(
         "--hybrid-thresholds",
@@ -260,6 +265,7 @@ def plan_main(args: argparse.Namespace) -> int:
             args.slo_tpot_ms / 1e3,
             rate_search=search,
             target=args.target,
+            policy=args.policy,
         )
         adaptive = None
         if args.adaptive:

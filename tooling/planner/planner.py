@@ -95,12 +95,15 @@ def max_rate(
     lo: float,
     hi: float,
     steps: int = 8,
+    policy: str = "least_load",
 ) -> float:
     """Highest rate in [lo, hi] whose attainment is >= target (0.0 when even `lo` fails;
-    `hi` when `hi` passes); geometric bisection, `steps` simulations after the two ends."""
+    `hi` when `hi` passes); geometric bisection, `steps` simulations after the two ends.
+    `policy`: the router's policy by name."""
 
     def ok(rate: float) -> bool:
-        return attainment(simulate(make(rate), spec, cost), slo_ttft_s, slo_tpot_s)[2] >= target
+        outs = simulate(make(rate), spec, cost, policy=policy)
+        return attainment(outs, slo_ttft_s, slo_tpot_s)[2] >= target
 
     if not ok(lo):
         return 0.0
@@ -241,17 +244,22 @@ def plan_alternatives(
     rate_search: Callable[[float], list[SimRequest]] | None = None,
     target: float = 0.9,
     rate_bounds: tuple[float, float] = (0.05, 50.0),
+    policy: str = "least_load",
 ) -> list[PlanRow]:
     """Simulate every alternative (at the workload's rate; with `rate_search`, also its max
-    rate = predicted max goodput) and rank them (`rank`). `costs(threads)`: the cost model."""
+    rate = predicted max goodput) and rank them (`rank`). `costs(threads)`: the cost model;
+    `policy`: the router's policy by name."""
     rows = []
     for alt in alts:
         spec, cost = alt.spec, costs(alt.threads)
-        outs = simulate(reqs, spec, cost)
+        outs = simulate(reqs, spec, cost, policy=policy)
         ttft, tpot, both = attainment(outs, slo_ttft_s, slo_tpot_s)
         rate = None
         if rate_search is not None:
-            rate = max_rate(rate_search, spec, cost, slo_ttft_s, slo_tpot_s, target, *rate_bounds)
+            lo, hi = rate_bounds
+            rate = max_rate(
+                rate_search, spec, cost, slo_ttft_s, slo_tpot_s, target, lo, hi, policy=policy
+            )
         good = goodput_rps(reqs, outs, slo_ttft_s, slo_tpot_s)
         rows.append(
             PlanRow(
