@@ -6,7 +6,8 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
                  --slo-ttft-ms MS --slo-tpot-ms MS (--profile PROFILE.json | --model DIR)
                  [--workers 2] [--threads 1] [--colocated-workers 1] [--context 1024]
                  [--num-requests 200] [--cores 2] [--chunk-tokens 128,256] [--search-rate]
-                 [--hybrid-thresholds 128,512 | --no-hybrid] [--adaptive] [--json OUT.json]
+                 [--hybrid-thresholds 128,512 | --no-hybrid] [--policy prefix_aware]
+                 [--adaptive] [--json OUT.json]
     pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--anchor-unloaded]
                  [--cores 2] [--report validation.md] [--json validation.json]
 
@@ -14,10 +15,11 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
 colocated (--colocated-workers workers sharing the same threads; each chunk budget, and whole
 prompts), every prefill:decode split (each chunk budget) and every split in hybrid mode (decode
 workers prefill the prompts whose uncached part is at most the threshold themselves; each
-threshold of --hybrid-thresholds, default the workload's prompt-length quartiles), on the
-workload's requests; it prints them ranked, each with its predicted goodput (with
---search-rate: its max rate meeting the attainment target, DistServe's goodput), the best of
-each mode, and the recommended (mode, ratio, threshold, chunk budget).
+threshold of --hybrid-thresholds, default the workload's prompt-length quartiles and longest
+prompt), on the workload's requests, routed by the router's --policy; it prints them ranked,
+each with its predicted goodput (with --search-rate: its max rate meeting the attainment
+target, DistServe's goodput), the best of each mode, and the recommended (mode, ratio,
+threshold, chunk budget).
 `plan --validate` replays the exact requests of saved `pdserve bench` runs and compares
 predicted with measured attainment and latency percentiles (`tooling.planner.validate`).
 Exit codes: 0 ok, 2 bad arguments, 1 failure.
@@ -122,7 +124,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         type=ints,
         metavar="N[,N...]",
         help="hybrid thresholds (uncached prompt tokens) to try with every split "
-        "(default: the workload's prompt-length quartiles)",
+        "(default: the workload's prompt-length quartiles and longest prompt)",
     )
     h.add_argument("--no-hybrid", action="store_true", help="compare the fixed modes only")
     p.add_argument(

@@ -165,9 +165,9 @@ def test_hybrid_routes_by_the_uncached_prompt_through_the_injected_decision() ->
     assert sim.routes[Route.REMOTE] == 1 and sim.routes[Route.LOCAL] == 1
 
 
-def test_threshold_grid_is_the_prompt_quartiles_in_blocks() -> None:
-    reqs = [SimRequest(0.0, n, 2) for n in (10, 20, 30, 40, 50, 60, 70, 80)]
-    assert threshold_grid(reqs, 16) == [32, 64, 80]  # 30, 50, 70 rounded up to blocks
+def test_threshold_grid_is_the_prompt_quartiles_and_longest_in_blocks() -> None:
+    reqs = [SimRequest(0.0, n, 2) for n in (10, 20, 30, 40, 50, 60, 70, 90)]
+    assert threshold_grid(reqs, 16) == [32, 64, 80, 96]  # 30, 50, 70, 90 rounded up to blocks
     assert threshold_grid([], 16) == []
 
 

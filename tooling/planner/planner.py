@@ -14,11 +14,11 @@ each point is simulated (`sim.simulate`) on the very requests a real run would s
 `alternatives` lists the configurations a user can choose between for a budget of N workers of
 t threads: colocated (its workers share the same threads; each chunk budget, and whole prompts),
 every split, and every split in hybrid mode with each threshold of a small grid
-(`threshold_grid`: the workload's prompt-length quartiles, unless given); `plan_alternatives`
-simulates them (each with the costs of its thread count). `rank` orders the rows best first:
-max rate (when searched), then attainment, then goodput, then disaggregated before colocated,
-fixed before hybrid, fewer prefill workers (deterministic on ties); `best_by_mode` keeps the
-best row of each mode (colocated, disagg, hybrid).
+(`threshold_grid`: the workload's prompt-length quartiles and longest prompt, unless given);
+`plan_alternatives` simulates them (each with the costs of its thread count). `rank` orders
+the rows best first: max rate (when searched), then attainment, then goodput, then
+disaggregated before colocated, fixed before hybrid, fewer prefill workers (deterministic on
+ties); `best_by_mode` keeps the best row of each mode (colocated, disagg, hybrid).
 """
 
 from __future__ import annotations
@@ -157,12 +157,13 @@ class Alternative:
 
 
 def threshold_grid(reqs: Sequence[SimRequest], block_size: int = 16) -> list[int]:
-    """Hybrid thresholds worth trying on `reqs`: the quartiles of their prompt lengths, rounded
-    up to whole KV blocks (distinct, ascending; empty for no requests)."""
+    """Hybrid thresholds worth trying on `reqs`: the quartiles of their prompt lengths and the
+    longest (every prompt local), rounded up to whole KV blocks (distinct, ascending; empty for
+    no requests)."""
     lens = sorted(r.input_len for r in reqs)
     if not lens:
         return []
-    picks = {lens[min(len(lens) - 1, (len(lens) * q) // 4)] for q in (1, 2, 3)}
+    picks = {lens[min(len(lens) - 1, (len(lens) * q) // 4)] for q in (1, 2, 3, 4)}
     return sorted({-(-n // block_size) * block_size for n in picks})
 
 
