@@ -12,7 +12,7 @@ The simulator supplies what a model would: one sampled token per item that sampl
 `TOKEN`; requests ignore EOS, so they end by `max_tokens`).
 
 Requests are `LeanRequest`s: the engine's `Request` with the scheduler-facing state unchanged
-and two costs a model-less simulator need not pay (a cluster of tens of workers runs minutes of
+and three costs a model-less simulator need not pay (a cluster of tens of workers runs minutes of
 traffic): outputs carry no token tuples (`make_output`: the new tokens only), `all_token_ids`
 is kept as one list instead of concatenated per call, and a *private* prompt (no token ids
 given: `prompt_tokens`) gets unique block ids instead of BLAKE2b content hashes — it can share
