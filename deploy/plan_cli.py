@@ -6,15 +6,20 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
                  --slo-ttft-ms MS --slo-tpot-ms MS (--profile PROFILE.json | --model DIR)
                  [--workers 2] [--threads 1] [--colocated-workers 1] [--context 1024]
                  [--num-requests 200] [--cores 2] [--chunk-tokens 128,256] [--search-rate]
+                 [--hybrid-thresholds 128,512 | --no-hybrid] [--policy prefix_aware]
                  [--adaptive] [--json OUT.json]
     pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--anchor-unloaded]
                  [--cores 2] [--report validation.md] [--json validation.json]
 
 `plan` simulates the alternatives for a budget of --workers workers of --threads threads:
 colocated (--colocated-workers workers sharing the same threads; each chunk budget, and whole
-prompts) and every prefill:decode split (each chunk budget), on the workload's requests; it
-prints them ranked, each with its predicted goodput (with --search-rate: its max rate meeting
-the attainment target, DistServe's goodput), and the recommended (mode, ratio, chunk budget).
+prompts), every prefill:decode split (each chunk budget) and every split in hybrid mode (decode
+workers prefill the prompts whose uncached part is at most the threshold themselves; each
+threshold of --hybrid-thresholds, default the workload's prompt-length quartiles and longest
+prompt), on the workload's requests, routed by the router's --policy; it prints them ranked,
+each with its predicted goodput (with --search-rate: its max rate meeting the attainment
+target, DistServe's goodput), the best of each mode, and the recommended (mode, ratio,
+threshold, chunk budget).
 `plan --validate` replays the exact requests of saved `pdserve bench` runs and compares
 predicted with measured attainment and latency percentiles (`tooling.planner.validate`).
 Exit codes: 0 ok, 2 bad arguments, 1 failure.
@@ -109,6 +114,20 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--max-queued", type=int, default=256, help="router's waiting limit")
     p.add_argument("--search-rate", action="store_true", help="also find each max rate")
     p.add_argument(
+        "--policy",
+        default="prefix_aware",
+        help="the router's routing policy to simulate (default: the router's, prefix_aware)",
+    )
+    h = p.add_mutually_exclusive_group()
+    h.add_argument(
+        "--hybrid-thresholds",
+        type=ints,
+        metavar="N[,N...]",
+        help="hybrid thresholds (uncached prompt tokens) to try with every split "
+        "(default: the workload's prompt-length quartiles and longest prompt)",
+    )
+    h.add_argument("--no-hybrid", action="store_true", help="compare the fixed modes only")
+    p.add_argument(
         "--adaptive",
         action="store_true",
         help="also simulate the ratio controller (mode 'adaptive'), starting at N//2 prefill",
@@ -175,7 +194,13 @@ def validate_main(args: argparse.Namespace, profile: Any) -> int:
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from tooling.planner.planner import alternatives, plan_alternatives, table
+    from tooling.planner.planner import (
+        alternatives,
+        best_by_mode,
+        plan_alternatives,
+        table,
+        threshold_grid,
+    )
     from tooling.planner.sim import ClusterSpec
     from tooling.planner.workload import requests, to_sim
 
@@ -207,8 +232,21 @@ def plan_main(args: argparse.Namespace) -> int:
             max_queued=args.max_queued,
             cores=args.cores if args.cores > 0 else None,
         )
+        reqs = to_sim(specs)
+        if args.no_hybrid:
+            thresholds: list[int] = []
+        elif args.hybrid_thresholds:
+            thresholds = list(args.hybrid_thresholds)
+        else:
+            thresholds = threshold_grid(reqs, args.block_size)
         alts = alternatives(
-            base, args.workers, args.threads, colocated_workers, args.chunk_tokens, args.context
+            base,
+            args.workers,
+            args.threads,
+            colocated_workers,
+            args.chunk_tokens,
+            args.context,
+            thresholds,
         )
         search = None
         if args.search_rate:
@@ -222,17 +260,18 @@ def plan_main(args: argparse.Namespace) -> int:
                 )
 
         rows = plan_alternatives(
-            to_sim(specs),
+            reqs,
             profile.cost,
             alts,
             args.slo_ttft_ms / 1e3,
             args.slo_tpot_ms / 1e3,
             rate_search=search,
             target=args.target,
+            policy=args.policy,
         )
         adaptive = None
         if args.adaptive:
-            adaptive = _adaptive(args, to_sim(specs), profile.cost(args.threads), base)
+            adaptive = _adaptive(args, reqs, profile.cost(args.threads), base)
     except (ValueError, OSError, KeyError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
@@ -245,12 +284,14 @@ def plan_main(args: argparse.Namespace) -> int:
         )
     best = rows[0]
     what = "max rate" if best.max_rate is not None else "goodput at this rate"
-    value = best.max_rate if best.max_rate is not None else best.goodput_rps
+    modes = best_by_mode(rows)
+    print(f"\nbest of each mode ({what}, req/s):")
+    for mode, row in modes.items():
+        print(f"  {mode}: {_describe(row)}: {_value(row):.2f} (attainment {row.attainment:.1%})")
     print(
-        f"\nrecommended: {best.ratio if best.colocated else 'disagg ' + best.ratio}, "
-        f"chunk {best.chunk_label}, "
+        f"\nrecommended: {_describe(best)}, chunk {best.chunk_label}, "
         f"{best.threads} thread(s)/worker, max_num_seqs={best.max_num_seqs}: predicted "
-        f"attainment {best.attainment:.1%}, {what} {value:.2f} req/s"
+        f"attainment {best.attainment:.1%}, {what} {_value(best):.2f} req/s"
     )
     if args.json:
         data = {
@@ -259,10 +300,29 @@ def plan_main(args: argparse.Namespace) -> int:
             "profile": profile.to_json(),
             "rows": [r.to_json() | {"mode": r.mode, "ratio": r.ratio} for r in rows],
             "recommended": rows[0].to_json() | {"mode": rows[0].mode, "ratio": rows[0].ratio},
+            "best_by_mode": {
+                m: r.to_json() | {"mode": r.mode, "ratio": r.ratio, "value_rps": _value(r)}
+                for m, r in modes.items()
+            },
+            "hybrid_thresholds": thresholds,
             "adaptive": adaptive,
         }
         Path(args.json).write_text(json.dumps(data, indent=1, default=str) + "\n")
     return 0
+
+
+def _describe(row: Any) -> str:
+    """'colocated x1', 'disagg 1:1' or 'hybrid 1:1, threshold 256'."""
+    if row.colocated:
+        return str(row.ratio)
+    if row.hybrid_threshold is None:
+        return f"disagg {row.ratio}"
+    return f"hybrid {row.ratio}, threshold {row.hybrid_threshold}"
+
+
+def _value(row: Any) -> float:
+    """The row's predicted max goodput (searched max rate), else its goodput at the rate."""
+    return float(row.max_rate if row.max_rate is not None else row.goodput_rps)
 
 
 def _adaptive(args: argparse.Namespace, reqs: list[Any], cost: Any, base: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def test_switch_drains_then_flips() -> None:
     (d0, d1) = [w for w in sim.workers if w.kind == "decode"]
 
     def tick(s: Sim) -> None:
-        held = next((w for w in (d0, d1) if w.held), None)
+        held = next((w for w in (d0, d1) if w.jobs), None)
         if held is not None and s.now >= 0.1 and not held.drain_to and held.kind == "decode":
             s.switch(held, "prefill")
 

@@ -96,6 +96,27 @@ def test_plan_cli_recommends_and_writes_json(
     assert disagg[0]["ratio"] == "2:1" and data["requests"] == 40  # long prompts: more prefill
     assert data["recommended"] == data["rows"][0]
     assert {r["ratio"] for r in data["rows"]} == {"1:2", "2:1", "colocated x3"}
+    # hybrid: every split with each threshold of the grid (the prompt-length quartiles)
+    grid = data["hybrid_thresholds"]
+    assert grid and all(t % 16 == 0 for t in grid)
+    hybrid = {(r["ratio"], r["hybrid_threshold"]) for r in data["rows"] if r["mode"] == "hybrid"}
+    assert hybrid == {(ratio, t) for ratio in ("1:2", "2:1") for t in grid}
+    best = data["best_by_mode"]
+    assert set(best) == {"colocated", "disagg", "hybrid"} and "best of each mode" in out
+    top = max(b["value_rps"] for b in best.values())
+    assert best[data["recommended"]["mode"]]["value_rps"] == top
+    argv += ["--hybrid-thresholds", "64,128"]
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 0
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["hybrid_thresholds"] == [64, 128]
+    args = _parser().parse_args([*argv[:-2], "--no-hybrid"])
+    assert args.func(args) == 0
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert (
+        not any(r["mode"] == "hybrid" for r in data["rows"])
+        and "hybrid" not in data["best_by_mode"]
+    )
 
 
 def test_plan_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

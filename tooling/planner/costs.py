@@ -111,6 +111,14 @@ class CostModel:
             step = max(step, self.decode(batch, context)) + self.token_overhead_s
         return step
 
+    def step_s(self, chunks: list[tuple[int, int]], batch: int, context: int) -> float:
+        """One engine step of any worker, from its composition (what the simulator's real
+        scheduler scheduled): prompt `chunks` only is a prefill step (`prefill_s`); decode
+        rows, alone or with chunks, a `mixed_s` step."""
+        if not batch:
+            return self.prefill_s(chunks)
+        return self.mixed_s(chunks, batch, context)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

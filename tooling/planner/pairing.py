@@ -4,9 +4,9 @@ in `pdserve simulate --nodes K`.
 
 - `spread_nodes(prefill, decode, k)`: node labels that put each role's workers round-robin
   over k nodes (every node holds both roles when there are enough workers);
-- `policy_router(policy)`: a simulator `Router` that asks a `router.policy.RoutingPolicy`
-  (`least_load` — node-blind when every transfer is priced 0 — or the same policy with pair
-  scoring, `router.pair_scoring`) using `WorkerView`s of the simulated workers;
+- `pair_policy(config)`: the router's `least_load` policy, node-blind when every transfer is
+  priced 0 or with pair scoring (`router.pair_scoring`); `sim_routing.policy_router` asks it
+  with `WorkerView`s of the simulated workers;
 - `Links`: the hand-off physics. A pair on one node moves KV at the profile's same-node cost
   (`cost.transfer`: shared memory / NVLink). A pair across nodes moves the prompt's KV bytes
   over the prefill worker's link at `cross_node_gbps`, layer by layer while the prefill
@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.pair_scoring import PairScoringConfig
-from router.policy import LeastLoadPolicy, RouteRequest, RoutingPolicy, WorkerView
-from tooling.planner.sim_routing import Pick, Router, SimView
-from tooling.planner.sim_types import SimRequest
-from tooling.planner.sim_workers import Job, Worker
+from router.policy import LeastLoadPolicy
+from tooling.planner.sim_routing import SimView, policy_router
+from tooling.planner.sim_workers import Job
+
+__all__ = ["Links", "pair_policy", "policy_router", "spread_nodes"]
 
 
 def spread_nodes(prefill: int, decode: int, k: int) -> tuple[str, ...]:
@@ -32,57 +33,6 @@ def spread_nodes(prefill: int, decode: int, k: int) -> tuple[str, ...]:
     if k < 1:
         raise ValueError(f"nodes must be >= 1, got {k}")
     return tuple(f"n{i % k}" for i in range(prefill)) + tuple(f"n{i % k}" for i in range(decode))
-
-
-def _view(w: Worker, total_blocks: int, block_size: int) -> WorkerView:
-    if w.kind == "prefill":
-        return WorkerView(
-            worker_id=f"w{w.index}",
-            address=f"w{w.index}",
-            role="prefill",
-            healthy=True,
-            draining=bool(w.drain_to),
-            num_waiting=len(w.queue),
-            num_running=len(w.step or ()),
-            waiting_tokens=w.qtokens,
-            free_blocks=total_blocks,
-            total_blocks=total_blocks,
-            block_size=block_size,
-            node=w.node,
-        )
-    return WorkerView(
-        worker_id=f"w{w.index}",
-        address=f"w{w.index}",
-        role="decode",
-        healthy=True,
-        draining=bool(w.drain_to),
-        num_waiting=len(w.queue),
-        num_running=w.dec.batch,
-        free_blocks=w.free_blocks,
-        total_blocks=total_blocks,
-        block_size=block_size,
-        node=w.node,
-    )
-
-
-def policy_router(policy: RoutingPolicy) -> Router:
-    """A simulator router that asks `policy` (module docstring)."""
-
-    def route(
-        sim: SimView, r: SimRequest, prefills: list[Worker], room: list[Worker]
-    ) -> Pick | None:
-        spec = sim.spec
-        by_addr = {f"w{w.index}": w for w in [*prefills, *room]}
-        # room: the simulator's own block check (prompt + output - 1); the policy's is one more
-        req = RouteRequest("sim", num_prompt_tokens=r.input_len, max_tokens=r.output_len - 1)
-        views_p = [_view(w, spec.num_kv_blocks, spec.block_size) for w in prefills]
-        views_d = [_view(w, spec.num_kv_blocks, spec.block_size) for w in room]
-        decision = policy.choose(req, views_p, views_d)
-        if decision is None or decision.prefill is None or decision.decode is None:
-            return None
-        return by_addr[decision.prefill.address], by_addr[decision.decode.address], 0.0
-
-    return route
 
 
 def pair_policy(config: PairScoringConfig | None) -> LeastLoadPolicy:

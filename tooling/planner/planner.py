@@ -12,10 +12,13 @@ each point is simulated (`sim.simulate`) on the very requests a real run would s
   the rate rises — DistServe's per-GPU goodput, here per cluster).
 
 `alternatives` lists the configurations a user can choose between for a budget of N workers of
-t threads: colocated (its workers share the same threads; each chunk budget, and whole prompts)
-and every split; `plan_alternatives` simulates them (each with the costs of its thread count).
-`rank` orders the rows best first: max rate (when searched), then attainment, then goodput,
-then disaggregated before colocated, fewer prefill workers (deterministic on ties).
+t threads: colocated (its workers share the same threads; each chunk budget, and whole prompts),
+every split, and every split in hybrid mode with each threshold of a small grid
+(`threshold_grid`: the workload's prompt-length quartiles and longest prompt, unless given);
+`plan_alternatives` simulates them (each with the costs of its thread count). `rank` orders
+the rows best first: max rate (when searched), then attainment, then goodput, then
+disaggregated before colocated, fixed before hybrid, fewer prefill workers (deterministic on
+ties); `best_by_mode` keeps the best row of each mode (colocated, disagg, hybrid).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class PlanRow:
     colocated: int = 0
     chunked: bool = True
     threads: int = 1
+    hybrid_threshold: int | None = None
 
     @property
     def ratio(self) -> str:
@@ -54,7 +58,13 @@ class PlanRow:
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated else "disagg"
+        if self.colocated:
+            return "colocated"
+        return "disagg" if self.hybrid_threshold is None else "hybrid"
+
+    @property
+    def threshold_label(self) -> str:
+        return "-" if self.hybrid_threshold is None else str(self.hybrid_threshold)
 
     @property
     def chunk_label(self) -> str:
@@ -85,12 +95,15 @@ def max_rate(
     lo: float,
     hi: float,
     steps: int = 8,
+    policy: str = "least_load",
 ) -> float:
     """Highest rate in [lo, hi] whose attainment is >= target (0.0 when even `lo` fails;
-    `hi` when `hi` passes); geometric bisection, `steps` simulations after the two ends."""
+    `hi` when `hi` passes); geometric bisection, `steps` simulations after the two ends.
+    `policy`: the router's policy by name."""
 
     def ok(rate: float) -> bool:
-        return attainment(simulate(make(rate), spec, cost), slo_ttft_s, slo_tpot_s)[2] >= target
+        outs = simulate(make(rate), spec, cost, policy=policy)
+        return attainment(outs, slo_ttft_s, slo_tpot_s)[2] >= target
 
     if not ok(lo):
         return 0.0
@@ -143,6 +156,17 @@ class Alternative:
     threads: int
 
 
+def threshold_grid(reqs: Sequence[SimRequest], block_size: int = 16) -> list[int]:
+    """Hybrid thresholds worth trying on `reqs`: the quartiles of their prompt lengths and the
+    longest (every prompt local), rounded up to whole KV blocks (distinct, ascending; empty for
+    no requests)."""
+    lens = sorted(r.input_len for r in reqs)
+    if not lens:
+        return []
+    picks = {lens[min(len(lens) - 1, (len(lens) * q) // 4)] for q in (1, 2, 3, 4)}
+    return sorted({-(-n // block_size) * block_size for n in picks})
+
+
 def alternatives(
     base: ClusterSpec,
     workers: int,
@@ -150,10 +174,12 @@ def alternatives(
     colocated_workers: int,
     chunk_options: Sequence[int],
     context: int,
+    hybrid_thresholds: Sequence[int] = (),
 ) -> list[Alternative]:
     """Colocated (`colocated_workers` workers sharing the disaggregated cluster's threads, each
-    chunk budget and whole prompts) and every prefill:decode split of `workers` workers of
-    `threads` threads (each chunk budget)."""
+    chunk budget and whole prompts), every prefill:decode split of `workers` workers of
+    `threads` threads (each chunk budget), and each split in hybrid mode with each of
+    `hybrid_thresholds` (each chunk budget)."""
     if workers < 2 or colocated_workers < 1:
         raise ValueError(
             f"need >= 2 workers and >= 1 colocated worker, got {workers}, {colocated_workers}"
@@ -205,6 +231,8 @@ def alternatives(
             threads=float(threads),
         )
         out.append(Alternative(spec, threads))
+        for threshold in hybrid_thresholds:
+            out.append(Alternative(replace(spec, hybrid_threshold=threshold), threads))
     return out
 
 
@@ -217,17 +245,22 @@ def plan_alternatives(
     rate_search: Callable[[float], list[SimRequest]] | None = None,
     target: float = 0.9,
     rate_bounds: tuple[float, float] = (0.05, 50.0),
+    policy: str = "least_load",
 ) -> list[PlanRow]:
     """Simulate every alternative (at the workload's rate; with `rate_search`, also its max
-    rate = predicted max goodput) and rank them (`rank`). `costs(threads)`: the cost model."""
+    rate = predicted max goodput) and rank them (`rank`). `costs(threads)`: the cost model;
+    `policy`: the router's policy by name."""
     rows = []
     for alt in alts:
         spec, cost = alt.spec, costs(alt.threads)
-        outs = simulate(reqs, spec, cost)
+        outs = simulate(reqs, spec, cost, policy=policy)
         ttft, tpot, both = attainment(outs, slo_ttft_s, slo_tpot_s)
         rate = None
         if rate_search is not None:
-            rate = max_rate(rate_search, spec, cost, slo_ttft_s, slo_tpot_s, target, *rate_bounds)
+            lo, hi = rate_bounds
+            rate = max_rate(
+                rate_search, spec, cost, slo_ttft_s, slo_tpot_s, target, lo, hi, policy=policy
+            )
         good = goodput_rps(reqs, outs, slo_ttft_s, slo_tpot_s)
         rows.append(
             PlanRow(
@@ -243,6 +276,7 @@ def plan_alternatives(
                 colocated=spec.colocated,
                 chunked=spec.chunked,
                 threads=alt.threads,
+                hybrid_threshold=spec.hybrid_threshold,
             )
         )
     return rank(rows)
@@ -257,6 +291,8 @@ def rank(rows: Sequence[PlanRow]) -> list[PlanRow]:
             -round(r.attainment, 9),
             -r.goodput_rps,
             r.colocated,
+            r.hybrid_threshold is not None,
+            r.hybrid_threshold or 0,
             r.prefill,
             r.chunk_tokens,
             r.max_num_seqs,
@@ -264,21 +300,30 @@ def rank(rows: Sequence[PlanRow]) -> list[PlanRow]:
     )
 
 
+def best_by_mode(rows: Sequence[PlanRow]) -> dict[str, PlanRow]:
+    """The best row (`rank`) of each mode present: colocated, disagg, hybrid."""
+    best: dict[str, PlanRow] = {}
+    for r in rank(rows):
+        best.setdefault(r.mode, r)
+    return best
+
+
 def table(rows: Sequence[PlanRow], slo_ttft_ms: float, slo_tpot_ms: float) -> str:
     """A Markdown table of `rows` (best first) for the CLI and reports."""
     searched = any(r.max_rate is not None for r in rows)
     head = (
-        "| mode | ratio P:D | threads/worker | chunk | max seqs | TTFT att. | TPOT att. | both | "
-        "goodput req/s |"
+        "| mode | ratio P:D | hybrid threshold | threads/worker | chunk | max seqs | TTFT att. | "
+        "TPOT att. | both | goodput req/s |"
     )
-    line = "|---|---|---|---|---|---|---|---|---|"
+    line = "|---|---|---|---|---|---|---|---|---|---|"
     if searched:
         head += " max rate req/s (predicted max goodput) |"
         line += "---|"
     out = [f"SLOs: TTFT {slo_ttft_ms:g} ms, TPOT {slo_tpot_ms:g} ms", "", head, line]
     for r in rows:
         row = (
-            f"| {r.mode} | {r.ratio} | {r.threads} | {r.chunk_label} | {r.max_num_seqs} | "
+            f"| {r.mode} | {r.ratio} | {r.threshold_label} | {r.threads} | {r.chunk_label} | "
+            f"{r.max_num_seqs} | "
             f"{r.ttft_attainment:.1%} | {r.tpot_attainment:.1%} | {r.attainment:.1%} | "
             f"{r.goodput_rps:.2f} |"
         )

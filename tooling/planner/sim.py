@@ -1,27 +1,34 @@
 """Discrete-event simulator of a pdserve cluster (the planner's and the controller's model).
 
 Pure Python, deterministic; runs in `pdserve plan`, `pdserve plan --validate`,
-`pdserve simulate` and the benchmarks. It mirrors the real system at the level of engine steps:
+`pdserve simulate` and the benchmarks. Every worker runs the engine's REAL scheduler
+(`model_runtime.scheduler.Scheduler` and its `BlockPool`, through `sim_engine.SimEngine`) on
+virtual time: admission, chunked prefill, preemption, block accounting and the prefix cache are
+the engine's own code. The simulator only decides *when*: a step's duration is the cost
+model's price of the batch the scheduler composed (`costs.CostModel.step_s`), and the router,
+the KV hand-offs and the shared CPU are modelled around it:
 
 - **router**: at most `max_inflight` requests run (FIFO queue beyond, `max_queued` long; a
-  request that finds it full fails at once). Disaggregated: each is
-  routed on arrival to a (prefill, decode) pair by the `router` (default `least_load`: the decode
-  worker with the fewest requests that has free KV blocks for prompt + output - 1 tokens, held
-  until the request ends — none has room: the request fails, like RESOURCE_EXHAUSTED — and the
-  prefill worker with the fewest queued prompt tokens). Colocated: the worker holding the
-  fewest requests; it admits the request once its blocks are free;
-- **prefill worker**: FIFO; one step takes chunks from the queue up to `chunk_tokens` tokens
-  and `max_num_seqs` requests (chunked prefill; `chunked=False`: a prompt runs whole in one step
-  or waits). Step time `cost.prefill_s(chunks)`. A request whose last chunk finished waits its
-  KV hand-off (`cost.transfer`, or the pair's link) and `cost.ttft_overhead` (router, RPCs):
-  then the client has its first token (TTFT) and the request joins its decode worker;
-- **decode worker**: continuous batching; a request joins the batch at the first step that
-  starts after its first token (at most `max_num_seqs` running); a step of batch B over total
-  context C takes `cost.decode_s(B, C)`; a request ends after output - 1 decode tokens;
-- **colocated worker** (Sarathi-style, as the engine's scheduler): each step runs one token
-  for every decoding request, then prompt chunks fill the rest of `chunk_tokens`;
-  `cost.mixed_s`. A finished prompt's first token reaches the client `cost.ttft_overhead`
-  later; the request decodes from the next step;
+  request that finds it full fails at once). Each request is routed on arrival by the router's
+  real policy code (`sim_routing`; `policy` names it, default `least_load`) on views read from
+  the workers' schedulers: colocated, to the worker it picks; disaggregated, to the (prefill,
+  decode) pair the `router` seam picks (default: the same policy). No pair or worker with
+  room: the request fails, as RESOURCE_EXHAUSTED;
+- **hybrid** (`ClusterSpec.hybrid_threshold`): after the pair is picked, `choose(uncached
+  prompt tokens on the decode worker, the prefill worker's queued prompt tokens, the decode
+  worker's)` (`sim_routing.Choose`, default `threshold_rule`) sends the request either
+  "local" — it enters the decode worker's scheduler as a new request and prefills there,
+  chunked inside its decode batches — or "remote", as below;
+- **remote path**: the decode worker reserves the request's blocks (`reserve_remote`, prompt +
+  output - 1 tokens; none free: it fails) and the prefill worker's scheduler runs the prompt
+  as a one-token request that keeps its blocks when it finishes (`hold_blocks`). When its
+  first token is sampled, the KV hand-off takes `transfer_s` (the router seam's, or
+  `handoff`), then the prefill worker frees its blocks, the decode worker's reservation is
+  RECEIVED and becomes a prefilled request (`admit_received`), and the client has its first
+  token `cost.ttft_overhead` after the sampling;
+- **steps**: a worker with work runs one engine step at a time: `schedule()`, the step's
+  price on the shared CPU, then `update()`. A request's first sampled token reaches the client
+  `cost.ttft_overhead` later (TTFT); TPOT is first token to last over output - 1 tokens;
 - **CPU sharing**: with `cores` set, every worker's step keeps `threads` cores busy, and the
   busy entities share the cores equally (processor sharing: each advances at
   min(1, cores / busy threads) of full speed). CPU spent beside the steps runs on "side"
@@ -30,14 +37,11 @@ Pure Python, deterministic; runs in `pdserve plan`, `pdserve plan --validate`,
   router + client ("host": `cost.host_request_s` per request, `cost.host_token_s` per token).
   With `cores=None` each worker has its own device and side work is not modelled.
 - **role switches** (`switch`): a worker drains — no new work, finishes what it holds — then
-  comes back in its new role `role_switch_s` later; past `drain_timeout_s` what it still holds
-  is aborted (those requests fail), as `SetRole` does.
-
-Time: the shared cores are `sim_cpu.SharedCpu` (virtual time); what a step holds and costs is
-`sim_steps.compose`.
+  comes back in its new role `role_switch_s` later with an empty cache; past
+  `drain_timeout_s` what it still holds is aborted (those requests fail), as `SetRole` does.
 
 `simulate(requests, spec, cost)` returns one `SimOutcome` per request (same order), with the
-client's TTFT and TPOT (first token to last, over output - 1 tokens), the goodput-bench way.
+client's TTFT and TPOT, the goodput-bench way.
 """
 
 from __future__ import annotations
@@ -49,10 +53,18 @@ from collections.abc import Callable, Sequence
 
 from tooling.planner.costs import CostModel
 from tooling.planner.sim_cpu import SharedCpu
-from tooling.planner.sim_routing import Pick, Router, least_load
-from tooling.planner.sim_steps import blocks, compose
+from tooling.planner.sim_engine import SimEngine, Step, blocks_for
+from tooling.planner.sim_routing import (
+    Choose,
+    Pick,
+    Router,
+    colocated_pick,
+    policy_router,
+    sim_policy,
+    threshold_rule,
+)
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
-from tooling.planner.sim_workers import Job, Worker
+from tooling.planner.sim_workers import Entity, Job, Route, Worker
 
 __all__ = [
     "ClusterSpec",
@@ -72,7 +84,9 @@ FIRST, TICK, FLIP, ABORT = 0, 1, 2, 3  # timer kinds
 class Sim:
     """The model of the module docstring. Workers keep their identity (`index`) across role
     switches. `run()` runs to the end; `run_until(t)` stops at `t` (and right after a role
-    flip, so a controller sees it when it happens); `on_tick(sim)` runs every `tick_s`."""
+    flip, so a controller sees it when it happens); `on_tick(sim)` runs every `tick_s`.
+    `on_step(worker, step)` (tests, tracing) sees every step the workers' schedulers compose,
+    when it starts."""
 
     def __init__(
         self,
@@ -81,40 +95,62 @@ class Sim:
         cost: CostModel,
         router: Router | None = None,
         drain_timeout_s: float = math.inf,
+        choose: Choose | None = None,
+        policy: str = "least_load",
     ) -> None:
         self.reqs, self.spec, self.cost = reqs, spec, cost
-        self.router: Router = router or least_load
+        self.now = 0.0
+        # the router's policy by name (`sim_policy`): colocated picks, and the pairs unless
+        # `router` is given
+        self.policy = sim_policy(policy, lambda: self.now)
+        self.router: Router = router or policy_router(self.policy)
+        threshold = spec.hybrid_threshold
+        self.choose: Choose | None = choose or (
+            None if threshold is None else threshold_rule(threshold)
+        )
         self.drain_timeout_s = drain_timeout_s
         self.out = [SimOutcome() for _ in reqs]
         kinds = ["prefill"] * spec.prefill + ["decode"] * spec.decode
         kinds += ["colocated"] * spec.colocated
         nodes = spec.nodes or ("",) * len(kinds)
         self.workers = [
-            Worker(k, i, spec.threads, nodes[i], free_blocks=spec.num_kv_blocks)
+            Worker(k, i, spec.threads, node=nodes[i], engine=self._engine())
             for i, k in enumerate(kinds)
         ]
-        self.host = Worker("host", -1)
-        self.sides = [Worker("side", w.index) for w in self.workers]
+        self.host = Entity("host", -1)
+        self.sides = [Entity("side", w.index) for w in self.workers]
         self.timers: list[tuple[float, int, int, object]] = []
         self.on_tick: Callable[[Sim], None] | None = None
         self.tick_s = 0.0
         self.on_end: Callable[[int, SimOutcome], None] | None = None
-        # KV hand-off delay, decided when the prompt's last chunk is done (default: the
+        self.on_step: Callable[[Worker, Step], None] | None = None
+        # KV hand-off delay, decided when the prompt's first token is sampled (default: the
         # router's `transfer_s`); `pairing.Links` models links that requests share
         self.handoff: Callable[[Sim, Job], float] | None = None
         self.flipped: list[Worker] = []  # flips since the caller last cleared it
         self.step_s = {"prefill": 0.0, "decode": 0.0, "colocated": 0.0}
+        self.routes = {r: 0 for r in Route}  # requests served each way
         self.tokens = 0  # generated tokens, first tokens included
         self.seq = 0
         self.inflight = 0
         self.router_q: deque[int] = deque()
-        self.now = 0.0
         self.cpu = SharedCpu(spec.cores)
         self.ready: set[Worker] = set(self.workers)
         self.aborted = 0  # drains that timed out
         self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, i))
         self.next_arrival = 0
         self.ticking = False
+
+    def _engine(self) -> SimEngine:
+        s = self.spec
+        return SimEngine(
+            s.num_kv_blocks,
+            s.block_size,
+            s.chunk_tokens,
+            s.max_num_seqs,
+            s.chunked,
+            s.prefix_caching,
+        )
 
     # ---- roles -----------------------------------------------------------------------------
 
@@ -142,7 +178,7 @@ class Sim:
 
     def _flip(self, w: Worker) -> None:
         w.kind, w.drain_to, w.flipping = w.drain_to, "", False
-        w.free_blocks = self.spec.num_kv_blocks
+        w.engine = self._engine()
         w.drains += 1  # an abort timer of this drain no longer applies
         self.flipped.append(w)
         self.ready.add(w)
@@ -152,9 +188,7 @@ class Sim:
         if not w.drain_to or w.flipping:
             return
         self.aborted += 1
-        victims = [j for j, _ in w.step or ()] + list(w.queue) + list(w.pre)
-        victims += [e[2] for e in w.dec.heap]
-        for job in victims:
+        for job in list(w.jobs.values()):
             self.fail(job)
         self.cpu.cancel(w)
         w.step = None
@@ -166,9 +200,6 @@ class Sim:
         """Queue CPU work beside the steps: on `worker`'s side threads, or the host's."""
         if self.spec.cores is not None and seconds > 0:
             self.cpu.busy(self.host if worker is None else self.sides[worker.index], seconds, 1.0)
-
-    def blocks(self, r: SimRequest) -> int:
-        return blocks(self.spec, r)
 
     # ---- router ----------------------------------------------------------------------------
 
@@ -183,34 +214,52 @@ class Sim:
 
     def route(self, i: int) -> None:
         r = self.reqs[i]
-        need = self.blocks(r)
         if self.spec.colocated:
-            ws = self.role("colocated")
-            if not ws:
+            w = colocated_pick(self.policy, self.spec, r, self.role("colocated"))
+            if w is None:
                 self._reject(i)
                 return
-            w = min(ws, key=lambda x: (x.held, x.index))
-            w.held += 1
-            job = Job(i, r, w)
-            self._admit()
-            w.queue.append(job)
-            self.ready.add(w)
+            self._start(Job(i, r, w, Route.COLOCATED))
             return
-        room = [w for w in self.role("decode") if w.free_blocks >= need]
-        pick = self.router(self, r, self.role("prefill"), room)
+        pick = self.router(self, r, self.role("prefill"), self.role("decode"))
         if pick is None:
             self._reject(i)
             return
         p, d, transfer_s = pick
-        d.free_blocks -= need
-        d.held += 1
-        job = Job(i, r, d, p, transfer_s=transfer_s)
-        self._admit()
-        p.queue.append(job)
-        p.qtokens += r.input_len
-        self.ready.add(p)
+        job = Job(i, r, d, Route.REMOTE, prefill=p, transfer_s=transfer_s)
+        if self.choose is not None:
+            prompt = job.prompt
+            uncached = r.input_len - d.eng.cached_tokens(prompt, job.seed)
+            if self.choose(uncached, p.eng.queued_tokens(), d.eng.queued_tokens()) == "local":
+                job = Job(i, r, d, Route.LOCAL)
+        self._start(job)
 
-    def _admit(self) -> None:
+    def _start(self, job: Job) -> None:
+        """Hand `job` to its worker(s)' schedulers; fails it when they cannot take it."""
+        r, d = job.req, job.decode
+        try:
+            if job.route is Route.REMOTE:
+                p = job.prefill
+                assert p is not None
+                need = blocks_for(r.input_len + r.output_len - 1, self.spec.block_size)
+                if not d.eng.reserve_remote(job.tid, need):
+                    self._reject(job.idx)  # the decode worker's Reserve: RESOURCE_EXHAUSTED
+                    return
+                d.jobs[job.rid] = job
+                p.eng.add(job.rid, job.prompt, 1, hold=True, seed=job.seed)
+                p.jobs[job.rid] = job
+                self.ready.add(p)
+            else:
+                d.eng.add(job.rid, job.prompt, r.output_len, hold=False, seed=job.seed)
+                d.jobs[job.rid] = job
+                self.ready.add(d)
+        except ValueError:  # can never run there (e.g. whole prompts above the budget)
+            for w in (job.prefill, d):
+                if w is not None and w.jobs.pop(job.rid, None) is not None:
+                    w.eng.drop(job.rid, job.tid)
+            self._reject(job.idx)
+            return
+        self.routes[job.route] += 1
         self.inflight += 1
         self.host_work(self.cost.host_request_s)
 
@@ -219,24 +268,20 @@ class Sim:
         if self.on_end is not None:
             self.on_end(i, self.out[i])
 
-    def end(self, job: Job, ok: bool) -> None:
-        """`job` ended (all tokens, or failed): free its blocks, admit from the router queue."""
+    def end(self, job: Job, ok: bool, t: float | None = None) -> None:
+        """`job` ended (all tokens, or failed) at `t` (default now): admit from the router
+        queue. Its workers' schedulers freed (or are told to free) its blocks."""
         if job.ended:
             return
         job.ended = True
-        d = job.decode
-        if self.spec.colocated:
-            if job.done >= job.req.input_len or job in d.pre:
-                d.free_blocks += self.blocks(job.req)
-        else:
-            d.free_blocks += self.blocks(job.req)
-        d.held -= 1
-        self.ready.add(d)
-        self._check_drained(d)
+        for w in (job.prefill, job.decode):
+            if w is not None and w.jobs.pop(job.rid, None) is not None:
+                self.ready.add(w)
+                self._check_drained(w)
         self.inflight -= 1
         o = self.out[job.idx]
         o.ok = ok
-        o.end_s = self.now
+        o.end_s = self.now if t is None else t
         if self.on_end is not None:
             self.on_end(job.idx, o)
         while self.router_q and self.inflight < self.spec.max_inflight:
@@ -245,61 +290,60 @@ class Sim:
     def fail(self, job: Job) -> None:
         """Abort `job` wherever it is (a drain that timed out)."""
         for w in (job.prefill, job.decode):
-            if w is None:
-                continue
-            if job in w.queue:
-                w.queue.remove(job)
-                if w.kind == "prefill":
-                    w.qtokens -= job.req.input_len - job.done
-            if job in w.pre:
-                w.pre.remove(job)
-            if any(e[2] is job for e in w.dec.heap):
-                w.dec.drop(job)
+            if w is not None and job.rid in w.jobs:
+                w.eng.drop(job.rid, job.tid)
         self.end(job, ok=False)
 
     # ---- steps -----------------------------------------------------------------------------
 
     def start_step(self, w: Worker) -> None:
-        planned = compose(self.spec, self.cost, w)
-        if planned is None:
+        step = w.eng.step()
+        if step is None:
             return
-        w.step, work = planned
+        b = step.batch
+        if w.kind == "prefill":
+            work = self.cost.prefill_s(b.chunks)
+        else:
+            work = self.cost.step_s(b.chunks, b.decode, b.context)
+        w.step = step
+        if self.on_step is not None:
+            self.on_step(w, step)
         self.step_s[w.kind] += work
         self.cpu.busy(w, work, w.threads)
 
     def finish_step(self, w: Worker) -> None:
-        step, w.step = w.step or [], None
-        if w.kind in ("decode", "colocated") and (w.kind == "decode" or w.dec.batch):
-            made = w.dec.batch
+        step, w.step = w.step, None
+        assert step is not None
+        made = 0
+        for prog in w.eng.finish(step):
+            job = w.jobs.get(prog.request_id)
+            if job is None or not prog.new_tokens:
+                continue
+            if w.kind == "prefill":
+                self._prefilled(w, job)
+                continue
+            first = job.first_s is None
+            made += prog.new_tokens - first  # a first token is counted by `_first`
+            if first:
+                self._first(job, self.now + max(0.0, self.cost.ttft_overhead(job.req.input_len)))
+            if prog.finished:
+                o = self.out[job.idx]
+                if job.req.output_len > 1 and job.first_s is not None:
+                    o.tpot_s = (self.now - job.first_s) / (job.req.output_len - 1)
+                self.end(job, ok=True, t=job.first_s if first else self.now)
+        if made:
             self.tokens += made
             self.host_work(self.cost.host_token_s * made)
             self.host_work(self.cost.decode_token_cpu_s * made, w)
-            for job in w.dec.step_done():
-                o = self.out[job.idx]
-                o.tpot_s = (self.now - job.first_s) / (job.req.output_len - 1)
-                self.end(job, ok=True)
-        for job, n in step:
-            job.done += n
-            if w.kind == "prefill":
-                w.qtokens -= n
-            if job.done < job.req.input_len:
-                continue
-            n_in = job.req.input_len
-            over = max(0.0, self.cost.ttft_overhead(n_in))
-            if w.kind == "prefill":
-                w.queue.remove(job)
-                self.host_work(self.cost.prefill_request_s, w)  # response + KV send
-                moved = job.transfer_s if self.handoff is None else self.handoff(self, job)
-                self.timer(self.now + max(0.0, moved) + over, FIRST, job)
-            else:
-                w.pre.remove(job)
-                if job.req.output_len == 1:
-                    self.timer(self.now + over, FIRST, job)
-                else:
-                    self._first(job, self.now + over)
-                    w.queue.appendleft(job)  # joins the batch at the next step
         self._check_drained(w)
         self.ready.add(w)
+
+    def _prefilled(self, p: Worker, job: Job) -> None:
+        """The prefill worker sampled `job`'s first token: its KV hand-off starts."""
+        self.host_work(self.cost.prefill_request_s, p)  # response + KV send
+        moved = job.transfer_s if self.handoff is None else self.handoff(self, job)
+        over = max(0.0, self.cost.ttft_overhead(job.req.input_len))
+        self.timer(self.now + max(0.0, moved) + over, FIRST, job)
 
     def _first(self, job: Job, t: float) -> None:
         """The client has `job`'s first token at `t` (set now; counted in `tokens`)."""
@@ -307,17 +351,24 @@ class Sim:
         self.tokens += 1
         self.host_work(self.cost.host_token_s)
         self.out[job.idx].ttft_s = t - job.req.arrival_s
-        if job.req.output_len == 1:
-            self.end(job, ok=True)
 
     def first_token(self, job: Job) -> None:
-        """Disaggregated: KV landed and the first token reached the client; decode it."""
+        """Remote path: the KV landed and the first token reached the client; the prefill
+        worker frees its blocks and the decode worker admits the request."""
         if job.ended:
             return
+        p, d = job.prefill, job.decode
+        assert p is not None
+        p.eng.release_held(job.rid)
+        p.jobs.pop(job.rid, None)
+        self.ready.add(p)
+        self._check_drained(p)
+        finished = d.eng.admit_received(job.tid, job.rid, job.prompt, job.req.output_len, job.seed)
         self._first(job, self.now)
-        if job.req.output_len > 1 and not self.spec.colocated:
-            job.decode.queue.append(job)
-            self.ready.add(job.decode)
+        if finished:
+            self.end(job, ok=True)
+        else:
+            self.ready.add(d)
 
     def timer(self, t: float, kind: int, payload: object) -> None:
         self.seq += 1
@@ -370,7 +421,7 @@ class Sim:
 
     def _events(self) -> None:
         for w in self.cpu.finished():
-            if w.kind in ("prefill", "decode", "colocated"):
+            if isinstance(w, Worker):
                 self.finish_step(w)
         while self.timers and self.timers[0][0] <= self.now:
             _, _, kind, payload = heapq.heappop(self.timers)
@@ -408,9 +459,11 @@ def simulate(
     spec: ClusterSpec,
     cost: CostModel,
     router: Router | None = None,
+    policy: str = "least_load",
 ) -> list[SimOutcome]:
-    """Run `requests` through the model of `spec` (module docstring); one outcome each."""
-    return Sim(requests, spec, cost, router).run()
+    """Run `requests` through the model of `spec` (module docstring); one outcome each.
+    `policy`: the router's policy by name (`router` overrides its pair choice)."""
+    return Sim(requests, spec, cost, router, policy=policy).run()
 
 
 def charged(requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel) -> dict[str, float]:

@@ -33,6 +33,7 @@ from router.ratio.config import RatioConfig
 from router.ratio.driver import DecisionRecord, RatioController
 from tooling.planner.costs import CostModel
 from tooling.planner.sim import Router, Sim
+from tooling.planner.sim_routing import Choose, address, view
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
 from tooling.planner.sim_workers import Job, Worker
 
@@ -50,28 +51,6 @@ class AdaptiveResult:
     def decisions(self) -> list[DecisionRecord]:
         """The change decisions (not their completions)."""
         return [r for r in self.records if r.event == "decision" and r.action != "hold"]
-
-
-def address(w: Worker) -> str:
-    return f"w{w.index}"
-
-
-def view(w: Worker, spec: ClusterSpec) -> WorkerView:
-    """A simulated worker as the router's pool shows it."""
-    role: Role = "prefill" if w.kind == "prefill" else "decode"
-    return WorkerView(
-        worker_id=address(w),
-        address=address(w),
-        role=role,
-        healthy=True,
-        draining=bool(w.drain_to),
-        num_waiting=len(w.queue),
-        num_running=w.dec.batch if w.kind == "decode" else len(w.step or ()),
-        waiting_tokens=w.qtokens if w.kind == "prefill" else 0,
-        free_blocks=w.free_blocks if w.kind == "decode" else spec.num_kv_blocks,
-        total_blocks=spec.num_kv_blocks,
-        block_size=spec.block_size,
-    )
 
 
 class SimPool:
@@ -120,6 +99,7 @@ async def run_adaptive(
     config: RatioConfig,
     router: Router | None = None,
     handoff: Callable[[Sim, Job], float] | None = None,
+    choose: Choose | None = None,
 ) -> AdaptiveResult:
     """`simulate_adaptive` on the running event loop."""
     if config.mode != "adaptive":
@@ -128,7 +108,7 @@ async def run_adaptive(
         )
     if spec.colocated:
         raise ValueError("the ratio controller runs on disaggregated clusters only")
-    sim = Sim(requests, spec, cost, router)
+    sim = Sim(requests, spec, cost, router, choose=choose)
     sim.handoff = handoff
     actuator = SimActuator(sim)
     ctrl = RatioController(
@@ -181,11 +161,13 @@ def simulate_adaptive(
     config: RatioConfig,
     router: Router | None = None,
     handoff: Callable[[Sim, Job], float] | None = None,
+    choose: Choose | None = None,
 ) -> AdaptiveResult:
     """Run `requests` on `spec` (its prefill:decode split is the starting ratio) with the
     controller of `config` (mode 'adaptive') switching roles (module docstring); `router` /
-    `handoff`: the simulator's routing and KV hand-off (defaults: least load, `cost`)."""
-    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff))
+    `handoff` / `choose`: the simulator's routing, KV hand-off and hybrid decision (defaults:
+    least load, `cost`, the spec's `hybrid_threshold` rule)."""
+    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff, choose))
 
 
 def records_json(res: AdaptiveResult) -> list[dict[str, Any]]:

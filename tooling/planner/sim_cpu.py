@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from tooling.planner.sim_workers import Worker
+from tooling.planner.sim_workers import Entity
 
 EPS = 1e-9
 
@@ -26,14 +26,14 @@ class SharedCpu:
         self.cores = cores
         self.vnow = 0.0
         self.demand = 0.0  # threads of the busy entities
-        self._heap: list[tuple[float, int, int, Worker]] = []  # (virtual end, seq, version, w)
+        self._heap: list[tuple[float, int, int, Entity]] = []  # (virtual end, seq, version, w)
         self._seq = 0
 
     def rate(self) -> float:
         c = self.cores
         return 1.0 if c is None or self.demand <= c else c / self.demand
 
-    def busy(self, w: Worker, work: float, threads: float) -> None:
+    def busy(self, w: Entity, work: float, threads: float) -> None:
         """`w` has `work` more seconds of full-speed work, on `threads` threads."""
         if not w.busy:
             w.busy, w.threads_busy = True, threads
@@ -45,7 +45,7 @@ class SharedCpu:
         self._seq += 1
         heapq.heappush(self._heap, (w.finish_v, self._seq, w.version, w))
 
-    def cancel(self, w: Worker) -> None:
+    def cancel(self, w: Entity) -> None:
         """`w`'s work is dropped (an aborted step)."""
         if w.busy:
             self.demand -= w.threads_busy
@@ -65,7 +65,7 @@ class SharedCpu:
         """`dt` real seconds pass at the current rate."""
         self.vnow += dt * self.rate()
 
-    def finished(self) -> list[Worker]:
+    def finished(self) -> list[Entity]:
         """The entities whose work is done at the current virtual time (now idle)."""
         out = []
         while self._heap:

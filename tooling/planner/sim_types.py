@@ -12,11 +12,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SimRequest:
-    """One request: arrival (s after t=0), prompt and output lengths (tokens, >= 1)."""
+    """One request: arrival (s after t=0), prompt and output lengths (tokens, >= 1).
+    `tokens`: its prompt's token ids, for prefix-cache hits between requests (empty: a prompt
+    that shares nothing with any other request's)."""
 
     arrival_s: float
     input_len: int
     output_len: int
+    tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tokens and len(self.tokens) != self.input_len:
+            raise ValueError(f"{len(self.tokens)} prompt tokens for input_len {self.input_len}")
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,10 @@ class ClusterSpec:
     `threads`: cores one worker's step keeps busy (CPU sharing only). `nodes`: the node label
     of each worker, in worker order (prefill first, then decode; empty = one node).
     `role_switch_s`: how long a drained worker takes to come back in its new role.
+    `hybrid_threshold` (disaggregated only): hybrid — a request whose uncached prompt is at most
+    this many tokens may prefill on its decode worker (the decision: `sim_routing.Choose`,
+    by default `threshold_rule`); None: every request goes through a prefill worker.
+    `prefix_caching`: the workers' block pools keep a prefix cache (the engine's default).
     `max_inflight` / `max_queued`: the router's admission limits (running; waiting beyond, and
     None = no bound): a request that finds the queue full fails at once (RESOURCE_EXHAUSTED).
     """
@@ -47,6 +58,8 @@ class ClusterSpec:
     threads: float = 1.0
     nodes: tuple[str, ...] = ()
     role_switch_s: float = 0.0
+    hybrid_threshold: int | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.colocated:
@@ -58,6 +71,11 @@ class ClusterSpec:
         elif self.prefill < 1 or self.decode < 1:
             raise ValueError(
                 f"need >= 1 prefill and decode worker, got {self.prefill}:{self.decode}"
+            )
+        if self.hybrid_threshold is not None and (self.colocated or self.hybrid_threshold < 0):
+            raise ValueError(
+                f"hybrid_threshold needs a disaggregated cluster and >= 0, got "
+                f"{self.hybrid_threshold} on {self.label}"
             )
         if self.cores is not None and self.cores <= 0:
             raise ValueError(f"cores must be > 0 or None, got {self.cores}")
@@ -77,12 +95,17 @@ class ClusterSpec:
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated else "disagg"
+        if self.colocated:
+            return "colocated"
+        return "disagg" if self.hybrid_threshold is None else "hybrid"
 
     @property
     def label(self) -> str:
-        """'3:5' (prefill:decode) or 'colocated x4'."""
-        return f"colocated x{self.colocated}" if self.colocated else f"{self.prefill}:{self.decode}"
+        """'3:5' (prefill:decode), '3:5 hybrid<=256' or 'colocated x4'."""
+        if self.colocated:
+            return f"colocated x{self.colocated}"
+        hybrid = "" if self.hybrid_threshold is None else f" hybrid<={self.hybrid_threshold}"
+        return f"{self.prefill}:{self.decode}{hybrid}"
 
 
 @dataclass

@@ -1,125 +1,98 @@
-"""The simulator's workers and jobs: per-worker state and the O(1) decode-batch bookkeeping.
+"""The simulator's workers and jobs. Pure; used by `sim.py` (the event loop), the CPU model and
+the routing seam.
 
-Pure; used only by `sim.py` (the event loop). A decode batch is not walked token by token:
-`Decoding` keeps the batch size, the sum of its contexts and each request's finishing step
-in a heap, so a step costs O(1) plus the requests that finish in it — the simulator then
-runs clusters of tens of workers over minutes of traffic in seconds.
+A worker's requests live in its real scheduler (`sim_engine.SimEngine`); what is kept here is
+only what the scheduler does not know: which simulated request an engine request id is, the
+step in progress, the worker's role and its drain, and its place on the shared CPU (`Entity`).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
+import enum
 from dataclasses import dataclass, field
 
+from tooling.planner.sim_engine import SimEngine, Step, prompt_tokens
 from tooling.planner.sim_types import SimRequest
 
 
-@dataclass(eq=False)
-class Job:
-    """One request inside the simulator. `decode` is the worker holding its KV blocks
-    (its decode worker, or its colocated worker)."""
+class Route(enum.Enum):
+    """How a request is served: on one colocated worker; on a disaggregated decode worker that
+    prefills it itself (LOCAL, hybrid); or through a prefill worker and a KV hand-off."""
 
-    idx: int
-    req: SimRequest
-    decode: Worker
-    prefill: Worker | None = None
-    done: int = 0  # prompt tokens prefilled
-    first_s: float = 0.0  # when the client got the first token
-    finish_step: int = 0  # the decode step count at which it has all its tokens
-    transfer_s: float = 0.0  # KV hand-off delay after the prefill (pair-dependent)
-    ended: bool = False
+    COLOCATED = "colocated"
+    LOCAL = "local"
+    REMOTE = "remote"
 
 
 @dataclass(eq=False)
-class Decoding:
-    """A continuous batch: `batch` requests holding `context` tokens in all; `steps` decode
-    steps completed so far. A request joining before step k (0-based count of completed steps)
-    with prompt n needs output - 1 steps: it finishes when `steps` reaches k + output - 1."""
-
-    batch: int = 0
-    context: int = 0
-    steps: int = 0
-    heap: list[tuple[int, int, Job]] = field(default_factory=list)
-    seq: int = 0
-
-    def join(self, job: Job) -> None:
-        """`job` decodes from the next step on (context: prompt + first token)."""
-        self.batch += 1
-        self.context += job.req.input_len + 1
-        job.finish_step = self.steps + job.req.output_len - 1
-        self.seq += 1
-        heapq.heappush(self.heap, (job.finish_step, self.seq, job))
-
-    def step_done(self) -> list[Job]:
-        """One step completed: every request gained a token; returns those now finished."""
-        self.steps += 1
-        self.context += self.batch
-        out = []
-        while self.heap and self.heap[0][0] <= self.steps:
-            _, _, job = heapq.heappop(self.heap)
-            out.append(job)
-            self.batch -= 1
-            self.context -= job.req.input_len + job.req.output_len
-        return out
-
-    def tokens_of(self, job: Job) -> int:
-        """Decode tokens `job` has produced so far."""
-        return self.steps - (job.finish_step - (job.req.output_len - 1))
-
-    def drop(self, job: Job) -> None:
-        """Remove `job` before it finished (an aborted drain)."""
-        made = self.tokens_of(job)
-        self.heap = [e for e in self.heap if e[2] is not job]
-        heapq.heapify(self.heap)
-        self.batch -= 1
-        self.context -= job.req.input_len + 1 + made
-
-
-@dataclass(eq=False)
-class Worker:
-    """One simulated worker. `kind`: prefill | decode | colocated (side entities: side | host).
-
-    prefill: `queue` FIFO of prompts (`qtokens` tokens still to prefill);
-    decode: `queue` of requests waiting to join `dec` (the running batch);
-    colocated: `queue` of routed requests not yet admitted, `pre` admitted and prefilling,
-    `dec` decoding. `held`: requests whose KV blocks it holds (decode, colocated).
-    """
+class Entity:
+    """Something that keeps threads busy on the shared CPU (`sim_cpu.SharedCpu`): a worker's
+    steps, a worker's side threads ("side") or the router + client ("host")."""
 
     kind: str
     index: int
     threads: float = 1.0
-    node: str = ""
-    queue: deque[Job] = field(default_factory=deque)
-    qtokens: int = 0
-    pre: list[Job] = field(default_factory=list)
-    dec: Decoding = field(default_factory=Decoding)
-    step: list[tuple[Job, int]] | None = None  # the step in progress: (job, prompt tokens)
-    free_blocks: int = 0
-    held: int = 0
-    drain_to: str = ""  # draining to switch to this role ("" = not draining)
-    flipping: bool = False  # drained; back in its new role after `role_switch_s`
-    finish_v: float = 0.0  # virtual time the step (or side work) in progress ends
+    finish_v: float = 0.0  # virtual time the work in progress ends
     version: int = 0  # heap entries of older versions are stale
-    drains: int = 0  # role switches begun (an abort timer names the one it is for)
     busy: bool = False
     threads_busy: float = 0.0  # threads the work in progress keeps busy
 
+
+@dataclass(eq=False)
+class Worker(Entity):
+    """One simulated worker. `kind`: prefill | decode | colocated. `engine`: its real
+    scheduler; `jobs`: the requests it holds anything for, by engine request id."""
+
+    node: str = ""
+    engine: SimEngine | None = None
+    step: Step | None = None  # the step in progress
+    jobs: dict[str, Job] = field(default_factory=dict)
+    drain_to: str = ""  # draining to switch to this role ("" = not draining)
+    flipping: bool = False  # drained; back in its new role after `role_switch_s`
+    drains: int = 0  # role switches begun (an abort timer names the one it is for)
+
     @property
-    def running(self) -> int:
-        return self.dec.batch + len(self.pre)
+    def eng(self) -> SimEngine:
+        assert self.engine is not None, self
+        return self.engine
 
     def idle(self) -> bool:
         """Holds nothing: may switch role."""
-        return (
-            self.step is None
-            and not self.queue
-            and not self.pre
-            and self.dec.batch == 0
-            and self.held == 0
-        )
+        return self.step is None and not self.jobs and not self.eng.busy()
 
     def has_work(self) -> bool:
-        if self.kind == "prefill":
-            return bool(self.queue)
-        return bool(self.queue or self.pre or self.dec.batch)
+        return self.eng.has_work()
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the simulator. `decode`: the worker that decodes it (its colocated
+    worker, or its decode worker); `prefill`: its prefill worker (REMOTE only). `rid`: its
+    engine request id (on every worker); `tid`: its KV transfer's id (REMOTE)."""
+
+    idx: int
+    req: SimRequest
+    decode: Worker
+    route: Route
+    prefill: Worker | None = None
+    first_s: float | None = None  # when the client got the first token
+    transfer_s: float = 0.0  # KV hand-off delay after the prefill (pair-dependent)
+    ended: bool = False
+
+    @property
+    def rid(self) -> str:
+        return f"r{self.idx}"
+
+    @property
+    def tid(self) -> str:
+        return f"t{self.idx}"
+
+    @property
+    def seed(self) -> int:
+        """> 0: the prompt is private (`sim_engine.prompt_tokens`); 0: its token ids are given."""
+        return 0 if self.req.tokens else self.idx + 1
+
+    @property
+    def prompt(self) -> list[int]:
+        r = self.req
+        return list(r.tokens) if r.tokens else prompt_tokens(self.seed, r.input_len)

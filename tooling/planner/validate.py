@@ -62,6 +62,7 @@ class RunCase:
     slo: SLO
     external_cores: float | None
     unloaded: dict[str, Any] | None = None  # the bench's own unloaded probe of this config
+    policy: str = "least_load"  # the router's policy in the bench's cluster
 
 
 @dataclass
@@ -133,6 +134,7 @@ def spec_of(cluster: dict[str, Any]) -> tuple[ClusterSpec, int]:
         num_kv_blocks=int(e["num_kv_blocks"]),
         block_size=int(e["block_size"]),
         chunked=bool(e["enable_chunked_prefill"]),
+        prefix_caching=bool(e.get("enable_prefix_caching", True)),
         max_inflight=int(r["max_inflight"]),
         max_queued=int(r["max_queued"]),
         threads=float(threads),
@@ -177,6 +179,7 @@ def load_cases(run_dir: str | Path) -> list[RunCase]:
                 slo=slo,
                 external_cores=cpu.get("external_cores"),
                 unloaded=(meta.get("unloaded") or {}).get(run.config),
+                policy=str(cluster["router"].get("policy", "least_load")),
             )
         )
     return out
@@ -251,7 +254,7 @@ def check_run(
     cost, scale = profile.cost(case.threads), None
     if anchor and case.unloaded:
         cost, scale = anchored_cost(cost, spec, case.unloaded)
-    outs = simulate(case.requests, spec, cost)
+    outs = simulate(case.requests, spec, cost, policy=case.policy)
     return RunCheck(
         source=case.source,
         config=case.config,

@@ -88,9 +88,24 @@ def phase_starts(phases: list[Phase]) -> list[tuple[float, str]]:
     return out
 
 
+GROUP_TOKEN = 1 << 40  # + prefix group: the token of a group's shared stream
+PRIVATE_TOKEN = 1 << 41  # + position: the token of one request's own part
+
+
 def to_sim(specs: list[RequestSpec]) -> list[SimRequest]:
-    """The simulator's requests (arrival, prompt, output) in the same order."""
-    return [SimRequest(s.arrival_s, s.input_len, s.output_len) for s in specs]
+    """The simulator's requests (arrival, prompt, output) in the same order. A request of a
+    prefix group gets token ids, so the simulated prefix caches hit as the engine's would:
+    its first `prefix_len` tokens (all, when None) are its group's stream, the rest its own;
+    other requests have private prompts (no token ids)."""
+    out = []
+    for i, s in enumerate(specs):
+        tokens: tuple[int, ...] = ()
+        if s.prefix_group is not None:
+            shared = s.input_len if s.prefix_len is None else s.prefix_len
+            own = s.input_len - shared
+            tokens = (GROUP_TOKEN + s.prefix_group,) * shared + (PRIVATE_TOKEN + i,) * own
+        out.append(SimRequest(s.arrival_s, s.input_len, s.output_len, tokens))
+    return out
 
 
 def parse_phases(text: str) -> list[Phase]:

@@ -1,0 +1,284 @@
+"""The simulator's one seam to the engine's real scheduler: a simulated worker's
+`model_runtime.scheduler.Scheduler` and `BlockPool`, driven without a model. Pure; used by
+`sim.Sim`.
+
+Every call the simulator makes into the scheduler goes through `SimEngine`, so a change of the
+scheduler's API is a change here only. What runs is the engine's own code: admission, chunked
+prefill, preemption by recompute, block accounting, the prefix cache of the block pool, the
+prefill worker's finished-but-holding-blocks requests (`hold_blocks` + `release`) and the
+decode worker's "receiving KV" reservations (`reserve_remote`, `remote_result`,
+`admit_remote`), exactly as `prefill_worker/prefill.py` and `decode_worker/decode.py` call them.
+The simulator supplies what a model would: one sampled token per item that samples (always
+`TOKEN`; requests ignore EOS, so they end by `max_tokens`).
+
+Requests are `LeanRequest`s: the engine's `Request` with the scheduler-facing state unchanged
+and three costs a model-less simulator need not pay (a cluster of tens of workers runs minutes of
+traffic): outputs carry no token tuples (`make_output`: the new tokens only), `all_token_ids`
+is kept as one list instead of concatenated per call, and a *private* prompt (no token ids
+given: `prompt_tokens`) gets unique block ids instead of BLAKE2b content hashes — it can share
+no block with another request either way, so the prefix cache registers, evicts and misses
+exactly as it would. Prompts with token ids hash as the engine does.
+
+`step()` returns the `SchedulerOutput` of the next engine step, already described as the cost
+model needs it (`Batch`: prompt chunks as (start, tokens), decode rows and their context);
+`finish(out)` applies it as the engine's `update` does, after the step's simulated duration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model_runtime.block_pool import BlockPool
+from model_runtime.request import Request, RequestOutput, RequestStatus
+from model_runtime.sampling_params import SamplingParams, TopLogprobs
+from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+TOKEN = 1  # what the simulated model samples
+MAX_MODEL_LEN = 1 << 30  # lengths are the planner's to check, not the simulator's
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's composition, as `costs.CostModel` prices it: prompt chunks (start position,
+    tokens) — re-prefills after a preemption included — and `decode` rows whose contexts sum
+    to `context` tokens."""
+
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    decode: int = 0
+    context: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """A scheduled engine step: the scheduler's own output and its composition."""
+
+    out: SchedulerOutput
+    batch: Batch
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What one step did for one request that sampled: `new_tokens`, and `finished`."""
+
+    request_id: str
+    new_tokens: int
+    finished: bool
+
+
+PRIVATE = 1 << 128  # private block ids lie above every 128-bit content hash
+
+
+@dataclass(eq=False)
+class LeanRequest(Request):
+    """The engine's `Request` without the costs a simulator need not pay (module docstring).
+    `private`: the prompt shares no block with any other request's (`prompt_tokens`)."""
+
+    private: bool = False
+    seed: int = 0
+    _all: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all
+
+    def append_token(
+        self, token_id: int, logprob: float = 0.0, top: TopLogprobs | None = None
+    ) -> bool:
+        self._all.append(token_id)
+        return super().append_token(token_id, logprob, top)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        if not self.private:
+            super().update_block_hashes(block_size)
+            return
+        full = len(self._all) // block_size
+        base = PRIVATE + (self.seed << 32)
+        self.block_hashes.extend(range(base + len(self.block_hashes), base + full))
+
+    def make_output(self) -> RequestOutput:
+        new = tuple(self.output_token_ids[self.num_reported_tokens :])
+        self.num_reported_tokens = self.num_output_tokens
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=(),
+            output_token_ids=(),
+            new_token_ids=new,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def _request(request_id: str, prompt: list[int], max_tokens: int, seed: int) -> LeanRequest:
+    """`seed` > 0: a private prompt (`prompt_tokens(seed, n)`)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return LeanRequest(request_id, prompt, params, arrival_time=0.0, private=seed > 0, seed=seed)
+
+
+def block_hashes(prompt: list[int], block_size: int) -> list[int]:
+    """The engine's hash chain of a prompt's full blocks (what the router looks up)."""
+    probe = _request("probe", prompt, 1, 0)
+    probe.update_block_hashes(block_size)
+    return probe.block_hashes
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """KV blocks that hold `tokens` tokens (a decode reservation: prompt + output - 1)."""
+    return -(-tokens // block_size)
+
+
+def prompt_tokens(seed: int, n: int) -> list[int]:
+    """A prompt of `n` tokens that shares no block with another seed's (no prefix hits)."""
+    return [seed] * n
+
+
+class SimEngine:
+    """One simulated worker's scheduler and block pool (module docstring)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        chunk_tokens: int,
+        max_num_seqs: int,
+        chunked: bool,
+        prefix_caching: bool = True,
+    ) -> None:
+        config = SchedulerConfig(
+            block_size=block_size,
+            max_num_batched_tokens=chunk_tokens,
+            max_num_seqs=min(max_num_seqs, chunk_tokens),
+            max_model_len=MAX_MODEL_LEN,
+            enable_chunked_prefill=chunked,
+        )
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(config, self.pool)
+
+    # ---- requests in ---------------------------------------------------------------------
+
+    def add(
+        self, request_id: str, prompt: list[int], max_tokens: int, hold: bool, seed: int = 0
+    ) -> None:
+        """Queue a request (`Engine.add_request`); `hold`: a prefill worker's request, which
+        finishes at its first token and keeps its blocks until `release_held`; `seed` > 0:
+        its prompt is private (`prompt_tokens(seed, n)`). ValueError when it can never run
+        (the scheduler's `add`)."""
+        request = _request(request_id, prompt, max_tokens, seed)
+        request.hold_blocks = hold
+        self.scheduler.add(request)
+
+    def reserve_remote(self, transfer_id: str, num_blocks: int) -> bool:
+        """Decode side of a hand-off: reserve blocks for incoming KV (False: too few free)."""
+        return self.scheduler.reserve_remote(transfer_id, num_blocks) is not None
+
+    def admit_received(
+        self, transfer_id: str, request_id: str, prompt: list[int], max_tokens: int, seed: int = 0
+    ) -> bool:
+        """The transfer landed: the reservation becomes RECEIVED and a prefilled request with
+        first token `TOKEN` takes its blocks over (`Engine.admit_received`). True when that
+        first token already ended the request."""
+        received = self.scheduler.remote_result(transfer_id, ok=True)
+        assert received, transfer_id
+        request = _request(request_id, prompt, max_tokens, seed)
+        request.status = RequestStatus.RUNNING
+        return self.scheduler.admit_remote(transfer_id, request, TOKEN) is not None
+
+    def release_held(self, request_id: str) -> None:
+        """The prefill worker's transfer is done: free the finished request's blocks."""
+        self.scheduler.release(request_id)
+
+    def drop(self, request_id: str, transfer_id: str = "") -> None:
+        """Give up whatever this worker holds for a request (an aborted drain): abort it if
+        unfinished, free its held blocks, abandon and fail its reservation."""
+        s = self.scheduler
+        if request_id in s.requests:
+            s.abort(request_id)
+        elif request_id in s.held:
+            s.release(request_id)
+        if transfer_id and s.remote_state(transfer_id) is not None:
+            s.abandon_remote(transfer_id)
+            if s.remote_state(transfer_id) is not None:
+                s.remote_result(transfer_id, ok=False)
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def step(self) -> Step | None:
+        """The next engine step (`Scheduler.schedule`), or None when it has nothing to run."""
+        out = self.scheduler.schedule()
+        if not out.items:
+            return None
+        chunks: list[tuple[int, int]] = []
+        decode = context = 0
+        for item in out.items:
+            request = self.scheduler.requests[item.request_id]
+            n = len(item.token_ids)
+            if n == 1 and item.start_pos >= request.num_prompt_tokens and item.samples:
+                decode += 1
+                context += item.start_pos + 1
+            else:
+                chunks.append((item.start_pos, n))
+        return Step(out, Batch(chunks, decode, context))
+
+    def finish(self, step: Step) -> list[Progress]:
+        """Apply a step's results (`Scheduler.update`), one `TOKEN` per sampling item; what
+        each request that sampled a token got (partial prompt chunks report nothing)."""
+        out = step.out
+        sampled = [TOKEN if item.samples else None for item in out.items]
+        return [
+            Progress(o.request_id, len(o.new_token_ids), o.finished)
+            for o in self.scheduler.update(out, sampled)
+        ]
+
+    # ---- what the router and the controller see -----------------------------------------
+
+    def busy(self) -> bool:
+        """Holds anything: requests, held blocks, reservations."""
+        s = self.scheduler
+        return bool(s.requests or s.held or s.remote)
+
+    def has_work(self) -> bool:
+        """Has requests a step could run (held blocks and reservations wait on transfers)."""
+        return bool(self.scheduler.requests)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting to be admitted, prefilled and waiting for a slot, and reservations."""
+        s = self.scheduler
+        return len(s.waiting) + len(s.ready) + len(s.remote)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens still to prefill (waiting requests and unfinished prefills)."""
+        return sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.scheduler.requests.values()
+            if not r.is_decoding and not r.is_finished
+        )
+
+    def matched_blocks(self, block_hashes: list[int]) -> int:
+        """Leading blocks of a hash chain this worker's prefix cache holds (what the router's
+        prefix index learns from its KV events)."""
+        return len(self.pool.lookup(block_hashes))
+
+    def cached_tokens(self, prompt: list[int], seed: int = 0) -> int:
+        """Prompt tokens this worker's prefix cache would give a new request (admission
+        reuses full blocks, never the one holding the last token)."""
+        bs = self.scheduler.config.block_size
+        probe = _request("probe", prompt, 1, seed)
+        probe.update_block_hashes(bs)
+        reusable = (len(prompt) - 1) // bs
+        return len(self.pool.lookup(probe.block_hashes[:reusable])) * bs
+
+    def check(self) -> None:
+        """The scheduler's own integrity check (tests)."""
+        self.scheduler.check_integrity()
