@@ -225,3 +225,37 @@ def test_prefix_aware_policy_sees_each_workers_cache_through_its_pool() -> None:
     for spec in (ClusterSpec(0, 0, colocated=2), ClusterSpec(2, 1)):
         assert set(workers_per_group("prefix_aware", spec)) == {1}
         assert max(workers_per_group("least_load", spec)) == 2
+
+
+def test_the_simulated_path_decision_is_the_routers_rule() -> None:
+    """`hybrid_rule` is `router.hybrid.choose_prefill_path`: the load rules apply too, and a
+    bench cluster's `[router.hybrid]` threshold reaches the simulated cluster."""
+    from router.hybrid import HybridConfig
+    from tooling.planner.sim_routing import hybrid_rule, threshold_rule
+    from tooling.planner.validate import spec_of
+
+    rule = hybrid_rule(
+        HybridConfig(
+            local_prefill_max_tokens=64, prefill_queue_max_tokens=1000, decode_queue_max_tokens=500
+        )
+    )
+    assert rule(64, 0, 0) == "local" and rule(65, 0, 0) == "remote"
+    assert rule(400, 1001, 0) == "local"  # the prefill worker is busy
+    assert rule(64, 0, 437) == "remote"  # the decode worker is busy
+    assert threshold_rule(0)(1, 0, 0) == "remote"
+    cluster = {
+        "mode": "disagg",
+        "torch_threads": 1,
+        "workers": {"prefill": 1, "decode": 1, "colocated": 0},
+        "engine": {
+            "max_num_batched_tokens": 256,
+            "max_num_seqs": 8,
+            "num_kv_blocks": 64,
+            "block_size": 16,
+            "enable_chunked_prefill": True,
+        },
+        "router": {"max_inflight": 8, "max_queued": 8, "hybrid": {"local_prefill_max_tokens": 96}},
+    }
+    assert spec_of(cluster)[0].hybrid_threshold == 96
+    cluster["router"] = {"max_inflight": 8, "max_queued": 8}
+    assert spec_of(cluster)[0].hybrid_threshold is None

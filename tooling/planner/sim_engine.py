@@ -5,7 +5,8 @@
 Every call the simulator makes into the scheduler goes through `SimEngine`, so a change of the
 scheduler's API is a change here only. What runs is the engine's own code: admission, chunked
 prefill, preemption by recompute, block accounting, the prefix cache of the block pool, the
-prefill worker's finished-but-holding-blocks requests (`hold_blocks` + `release`) and the
+prefill worker's "sending KV" state (`open_send` in the step that samples the first token,
+`send_result` when the simulated transfer lands) and the
 decode worker's "receiving KV" reservations (`reserve_remote`, `remote_result`,
 `admit_remote`), exactly as `prefill_worker/prefill.py` and `decode_worker/decode.py` call them.
 The simulator supplies what a model would: one sampled token per item that samples (always
@@ -125,6 +126,11 @@ def block_hashes(prompt: list[int], block_size: int) -> list[int]:
     return probe.block_hashes
 
 
+def _send_id(request_id: str) -> str:
+    """The transfer id of a prefill request's (simulated) send."""
+    return f"send:{request_id}"
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     """KV blocks that hold `tokens` tokens (a decode reservation: prompt + output - 1)."""
     return -(-tokens // block_size)
@@ -156,6 +162,9 @@ class SimEngine:
         )
         self.pool = BlockPool(num_blocks, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
+        # Prefill requests whose KV goes to a decode worker: they open a send in the step that
+        # samples their first token, as `PrefillRole.before_forward` does.
+        self._senders: set[str] = set()
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -163,12 +172,12 @@ class SimEngine:
         self, request_id: str, prompt: list[int], max_tokens: int, hold: bool, seed: int = 0
     ) -> None:
         """Queue a request (`Engine.add_request`); `hold`: a prefill worker's request, which
-        finishes at its first token and keeps its blocks until `release_held`; `seed` > 0:
-        its prompt is private (`prompt_tokens(seed, n)`). ValueError when it can never run
-        (the scheduler's `add`)."""
-        request = _request(request_id, prompt, max_tokens, seed)
-        request.hold_blocks = hold
-        self.scheduler.add(request)
+        opens a send (`_send_id`) in the step that samples its first token and so keeps its
+        blocks until `release_held`; `seed` > 0: its prompt is private
+        (`prompt_tokens(seed, n)`). ValueError when it can never run (the scheduler's `add`)."""
+        self.scheduler.add(_request(request_id, prompt, max_tokens, seed))
+        if hold:
+            self._senders.add(request_id)
 
     def reserve_remote(self, transfer_id: str, num_blocks: int) -> bool:
         """Decode side of a hand-off: reserve blocks for incoming KV (False: too few free)."""
@@ -187,17 +196,20 @@ class SimEngine:
         return self.scheduler.admit_remote(transfer_id, request, TOKEN) is not None
 
     def release_held(self, request_id: str) -> None:
-        """The prefill worker's transfer is done: free the finished request's blocks."""
-        self.scheduler.release(request_id)
+        """The prefill worker's transfer is done: free the finished request's blocks (the
+        send's result)."""
+        self.scheduler.send_result(_send_id(request_id))
 
     def drop(self, request_id: str, transfer_id: str = "") -> None:
         """Give up whatever this worker holds for a request (an aborted drain): abort it if
         unfinished, free its held blocks, abandon and fail its reservation."""
         s = self.scheduler
+        self._senders.discard(request_id)
         if request_id in s.requests:
-            s.abort(request_id)
-        elif request_id in s.held:
-            s.release(request_id)
+            s.abort(request_id)  # an open send keeps the blocks, ABANDONED
+        send = _send_id(request_id)
+        if s.send_state(send) is not None:
+            s.send_result(send)  # the simulated transport stops at once
         if transfer_id and s.remote_state(transfer_id) is not None:
             s.abandon_remote(transfer_id)
             if s.remote_state(transfer_id) is not None:
@@ -214,6 +226,9 @@ class SimEngine:
         decode = context = 0
         for item in out.items:
             request = self.scheduler.requests[item.request_id]
+            if item.samples and item.request_id in self._senders:
+                self._senders.discard(item.request_id)
+                self.scheduler.open_send(item.request_id, _send_id(item.request_id))
             n = len(item.token_ids)
             if n == 1 and item.start_pos >= request.num_prompt_tokens and item.samples:
                 decode += 1
@@ -237,7 +252,7 @@ class SimEngine:
     def busy(self) -> bool:
         """Holds anything: requests, held blocks, reservations."""
         s = self.scheduler
-        return bool(s.requests or s.held or s.remote)
+        return bool(s.requests or s.sending or s.remote)
 
     def has_work(self) -> bool:
         """Has requests a step could run (held blocks and reservations wait on transfers)."""

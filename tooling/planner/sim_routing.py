@@ -11,8 +11,9 @@ workers, and the hybrid path decision. Pure; used by `sim.Sim`, `sim_adaptive` a
   prefix index would answer, how many leading blocks each candidate's pool holds; a private
   prompt (no token ids) has no chain to look up, so such a policy routes it by load;
 - `colocated_pick`: the same policy's colocated choice;
-- `Choose`: the hybrid decision, one pure function of three numbers; `threshold_rule` is the
-  default (local when the uncached prompt is at most the threshold).
+- `Choose`: the hybrid decision, one pure function of three numbers; `hybrid_rule(config)` is
+  the router's own `router.hybrid.choose_prefill_path` under a `[router.hybrid]` config, and
+  `threshold_rule(t)` that rule with only the threshold set (the default).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
+from router.hybrid import HybridConfig, choose_prefill_path
 from router.policies import make_policy
 from router.policy import RouteRequest, RoutingPolicy, WorkerView
 from router.prefix_index.base import PrefixMatch
@@ -57,15 +59,30 @@ the decode worker, chunked inside its decode batches) or "remote" (through the p
 `*_queued_tokens`: prompt tokens still to prefill on the chosen prefill / decode worker."""
 
 
-def threshold_rule(threshold: int) -> Choose:
-    """Local when the uncached prompt is at most `threshold` tokens (llm-d's rule)."""
+def hybrid_rule(config: HybridConfig) -> Choose:
+    """The router's path decision (`router.hybrid.choose_prefill_path`) under `config`; the
+    simulator has already subtracted the decode worker's cached prefix, and its prefix cache
+    on the prefill side does not change the path."""
 
     def choose(
         uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int
     ) -> Decision:
-        return "local" if uncached_tokens <= threshold else "remote"
+        return choose_prefill_path(
+            config,
+            prompt_tokens=max(1, uncached_tokens),
+            cached_on_decode=0,
+            cached_on_prefill=0,
+            prefill_queued_tokens=prefill_queued_tokens,
+            decode_queued_tokens=decode_queued_tokens,
+        ).path
 
     return choose
+
+
+def threshold_rule(threshold: int) -> Choose:
+    """Local when the uncached prompt is at most `threshold` tokens (llm-d's rule): the
+    router's rule with only `local_prefill_max_tokens` set (0: never local)."""
+    return hybrid_rule(HybridConfig(local_prefill_max_tokens=threshold))
 
 
 def address(w: Worker) -> str:

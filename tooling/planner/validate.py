@@ -138,6 +138,7 @@ def spec_of(cluster: dict[str, Any]) -> tuple[ClusterSpec, int]:
         max_inflight=int(r["max_inflight"]),
         max_queued=int(r["max_queued"]),
         threads=float(threads),
+        hybrid_threshold=int(r.get("hybrid", {}).get("local_prefill_max_tokens", 0)) or None,
     )
     return spec, threads
 
