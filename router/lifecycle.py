@@ -163,6 +163,11 @@ class RequestLifecycle:
         that must not hold the event loop); its exception propagates."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn)
 
+    @property
+    def policy(self) -> RoutingPolicy:
+        """The routing policy every request's placement asks (read-only)."""
+        return self._policy
+
     def close(self) -> None:
         """Stop the tokenizer threads (after the edges stopped taking requests)."""
         self._tokenize.shutdown(wait=False, cancel_futures=True)

@@ -159,7 +159,7 @@ def test_a_failing_outcome_hook_never_fails_a_request(tiny_model_dir: Path) -> N
                 seen.append((*args, kw))
                 raise RuntimeError("observer bug")
 
-            ratio_of(c).observe = boom  # type: ignore[method-assign,assignment]
+            ratio_of(c).observe = boom  # type: ignore[method-assign]
             responses = await c.generate(request(0))
             assert responses[-1].final.usage.completion_tokens == 4
             assert len(seen) == 1
