@@ -240,6 +240,12 @@ class ClusterConfig(_Frozen):
                 "router.hybrid.local_prefill_max_tokens > 0 lets decode workers prefill; it "
                 f"needs mode 'disagg', got mode={self.mode!r}"
             )
+        if self.router.hybrid.adaptive and not self.ratio.enabled:
+            raise ValueError(
+                "router.hybrid.max_local_prefill_max_tokens > 0 asks the ratio controller to "
+                "move the threshold; it needs [ratio] mode 'adaptive' or 'advisory', got "
+                "'fixed' (set max_local_prefill_max_tokens = 0 for a fixed threshold)"
+            )
         self.security.check_bind(self.router.host, "router.host")
         r = self.ray
         if r.address and r.num_cpus is not None:

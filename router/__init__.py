@@ -29,7 +29,8 @@ Module map:
                 their failures are classified (retryable, migratable, final)
 - `client_stream` what the client sees: tokens -> text deltas (+ logprobs), the final info
 - `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
-                driver task, the `SetRole` actuator); fed by `server`'s outcome hook
+                hybrid threshold's control, the driver task, the `SetRole` actuator); fed by
+                `server`'s outcome hook
 - `auth`        the public API's TLS port, bearer-token interceptor and token-file watcher,
                 and the HTTP front's rules
 - `server`      the `Inference` gRPC servicer (a thin edge over `lifecycle`)

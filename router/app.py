@@ -44,6 +44,7 @@ from model_runtime.tokenizer import Tokenizer
 from router.auth import PublicAuth
 from router.config import RouterConfig
 from router.http.server import HttpFront, start_http_front
+from router.hybrid import LiveThreshold
 from router.indexer import Indexers, KVEventSource
 from router.kv_source import GrpcKVEventSource
 from router.lifecycle import RequestLifecycle
@@ -250,10 +251,19 @@ async def start_router(
     decode_indexed = config.decode_addrs if config.hybrid.enabled else ()
     for addr in (*config.prefill_addrs, *config.colocated_addrs, *decode_indexed):
         indexers.add(addr, sources(addr))
-    ratio = make_ratio_controller(config, pool, indexers, sources)
+    # The live hybrid threshold: the request path reads it, only the ratio controller sets it.
+    threshold = LiveThreshold(config.hybrid) if config.hybrid.enabled else None
+    ratio = make_ratio_controller(config, pool, indexers, sources, threshold)
     policy = make_policy(config.policy, config.prefix_routing, pair_scoring(config, model))
-    lifecycle = RequestLifecycle(config, tokenizer, limits, pool, policy, prefix_index, ratio)
-    metrics = RouterMetrics(config.served_model_name, lifecycle.admission, pool.views)
+    lifecycle = RequestLifecycle(
+        config, tokenizer, limits, pool, policy, prefix_index, ratio, threshold=threshold
+    )
+    metrics = RouterMetrics(
+        config.served_model_name,
+        lifecycle.admission,
+        pool.views,
+        threshold=None if threshold is None else (lambda: threshold.value),
+    )
     lifecycle.recorder = metrics
     prefix_index.observer = metrics.observe_prefix_lookup
     if ratio is not None:
@@ -333,15 +343,18 @@ def make_ratio_controller(
     pool: WorkerPool,
     indexers: Indexers,
     sources: Callable[[str], KVEventSource],
+    threshold: LiveThreshold | None = None,
 ) -> RatioController | None:
     """The (not yet started) ratio controller for `config.ratio`: None in mode 'fixed';
     'advisory' without an actuator; 'adaptive' with a `PoolActuator` whose `on_role_change`
     adds an indexer for a worker that became prefill/colocated (or decode, in a hybrid cluster)
-    and removes the indexer of one that became anything else."""
+    and removes the indexer of one that became anything else. With `[router.hybrid]`'s bounds
+    set (`HybridConfig.adaptive`) it also moves `threshold`, the router's live one."""
     if not config.ratio.enabled:
         return None
+    moved = threshold if config.hybrid.adaptive else None
     if config.ratio.mode == "advisory":
-        return RatioController(config.ratio, pool)
+        return RatioController(config.ratio, pool, threshold=moved)
 
     indexed: tuple[Role, ...] = ("prefill", "colocated")
     if config.hybrid.enabled:
@@ -353,4 +366,5 @@ def make_ratio_controller(
         else:
             await indexers.remove(address)
 
-    return RatioController(config.ratio, pool, PoolActuator(pool, on_role_change=on_role_change))
+    actuator = PoolActuator(pool, on_role_change=on_role_change)
+    return RatioController(config.ratio, pool, actuator, threshold=moved)

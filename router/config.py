@@ -210,6 +210,12 @@ class RouterConfig(RouterSettings):
                 "hybrid.local_prefill_max_tokens > 0 lets decode workers prefill; it needs "
                 f"mode 'disagg', got mode={self.mode!r}"
             )
+        if self.hybrid.adaptive and not self.ratio.enabled:
+            raise ValueError(
+                "hybrid.max_local_prefill_max_tokens > 0 asks the ratio controller to move the "
+                "threshold; it needs ratio.mode 'adaptive' or 'advisory', got 'fixed' (set "
+                "max_local_prefill_max_tokens = 0 for a fixed threshold)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -193,6 +193,8 @@ class RequestRun:
                 choice = self._prefill_path(spec, decision, prefix)
                 leg.report.prefill_path, leg.report.path_reason = choice.path, choice.reason
                 if choice.path == "local":  # Generate on D: it prefills, then decodes
+                    # the prompt's blocks land on D: the policy's cache credit goes there
+                    self.policy.prefilled_elsewhere(self.request_id, decision.decode)
                     cached = len(spec.prompt) - choice.uncached_tokens
                     return leg, await leg.start_colocated(decision.decode, cached)
                 chunks = await leg.reserve_and_prefill(

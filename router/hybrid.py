@@ -22,6 +22,11 @@ load_tokens` of the worker's view):
    longer for P than it costs D);
 5. otherwise remote, ``long_prompt``.
 
+The threshold can move online: with `max_local_prefill_max_tokens` set and the ratio
+controller on, the controller (`router.ratio.threshold`) moves it between the bounds; the live
+value has one owner, a `LiveThreshold`, which the request path reads once per request and only
+the controller's driver sets.
+
 Why short prompts stay local: their KV move, the Reserve round trip and the second hop cost
 about as much as their prefill, while a long prompt's prefill inside D's batches raises every
 decoding request's TPOT; long ones go to P, which is what disaggregation is for.
@@ -33,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.prefix_index.base import PrefixMatch
 
@@ -72,9 +77,87 @@ class HybridConfig(BaseModel):
         "prompt's uncached ones would exceed this; 0 = no limit.",
     )
 
+    min_local_prefill_max_tokens: int = Field(
+        default=1,
+        ge=1,
+        description="Online threshold control: the least the ratio controller lowers "
+        "local_prefill_max_tokens to (it never turns the local path off).",
+    )
+    max_local_prefill_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Online threshold control: the most the ratio controller raises "
+        "local_prefill_max_tokens to; 0 = the threshold stays fixed. Moves only when "
+        "`[router.ratio]` mode is 'adaptive' (or 'advisory': recorded, not applied), with the "
+        "ratio controller's interval, cooldown, hysteresis and revert rules.",
+    )
+    threshold_step: float = Field(
+        default=2.0,
+        gt=1.0,
+        description="Online threshold control: a raise multiplies the threshold by this, a "
+        "lower divides it (at least one token either way), clamped to the bounds.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> HybridConfig:
+        if self.max_local_prefill_max_tokens and not (
+            self.enabled
+            and self.min_local_prefill_max_tokens
+            <= self.local_prefill_max_tokens
+            <= self.max_local_prefill_max_tokens
+        ):
+            raise ValueError(
+                "online threshold control needs min_local_prefill_max_tokens <= "
+                "local_prefill_max_tokens <= max_local_prefill_max_tokens and the threshold on "
+                f"(> 0); got {self.min_local_prefill_max_tokens} <= "
+                f"{self.local_prefill_max_tokens} <= {self.max_local_prefill_max_tokens}"
+            )
+        return self
+
     @property
     def enabled(self) -> bool:
         return self.local_prefill_max_tokens > 0
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the threshold may move online (bounds set; the ratio controller moves it)."""
+        return self.enabled and self.max_local_prefill_max_tokens > 0
+
+
+class LiveThreshold:
+    """The router's current `local_prefill_max_tokens` — its one owner. The request path reads
+    `config()` once per request (a leg placed later in the same request uses that value too);
+    only the ratio controller's driver calls `set`, inside the configured bounds."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        assert config.enabled, "a live threshold needs hybrid on"
+        self._base = config
+        self._config = config
+        self.changes = 0  # how many times `set` changed the value
+
+    @property
+    def value(self) -> int:
+        return self._config.local_prefill_max_tokens
+
+    @property
+    def bounds(self) -> HybridConfig:
+        """The configured section (bounds, step, the start value)."""
+        return self._base
+
+    def config(self) -> HybridConfig:
+        """The section with the live threshold."""
+        return self._config
+
+    def set(self, tokens: int) -> None:
+        """The controller's new threshold (an assert guards the bounds: the core clamps)."""
+        b = self._base
+        assert b.min_local_prefill_max_tokens <= tokens <= b.max_local_prefill_max_tokens, (
+            tokens,
+            b,
+        )
+        if tokens != self.value:
+            self.changes += 1
+        self._config = b.model_copy(update={"local_prefill_max_tokens": tokens})
 
 
 @dataclass(frozen=True)

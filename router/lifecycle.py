@@ -28,10 +28,10 @@ task, so it still runs when the caller itself was cancelled.
 Outcome hooks: every request that passed validation and ended with a status — OK or an error,
 a full queue and a passed deadline included; not a client cancel — is reported once to the
 optional `OutcomeObserver` (the ratio controller) with its TTFT, TPOT and end-to-end time as the
-router saw them (`request_outcome`). Every request that reached `run`, whatever its end, is
-reported once to the optional `RequestRecorder` (the router's Prometheus metrics) as a
-`RequestRecord`. Both hooks run before the status goes out; they are synchronous, and an
-exception one raises is logged, never sent to the client.
+router saw them (`request_outcome`) and its prefill path (hybrid). Every request that reached
+`run`, whatever its end, is reported once to the optional `RequestRecorder` (the router's
+Prometheus metrics) as a `RequestRecord`. Both hooks run before the status goes out; they are
+synchronous, and an exception one raises is logged, never sent to the client.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from router.client_stream import ClientStream, FinalFacts, Send
 from router.config import RouterConfig
 from router.errors import InvalidRequest, RouterError
 from router.flow import RequestRun
+from router.hybrid import LiveThreshold
 from router.policy import RoutingPolicy
 from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex
@@ -76,7 +77,12 @@ class OutcomeObserver(Protocol):
     must be cheap and non-blocking: it runs on the request's task."""
 
     def observe(
-        self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float | None = None
+        self,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        ok: bool,
+        e2e_s: float | None = None,
+        path: str = "",
     ) -> None: ...
 
 
@@ -130,8 +136,15 @@ class RequestLifecycle:
         prefix_index: GuardedPrefixIndex | None = None,
         observer: OutcomeObserver | None = None,
         recorder: RequestRecorder | None = None,
+        threshold: LiveThreshold | None = None,
     ) -> None:
+        """`threshold`: the live hybrid threshold, read once per request (None: one of its own
+        at `config.hybrid`'s value when hybrid is on; the ratio controller passes the one it
+        moves)."""
         self.config = config
+        if threshold is None and config.hybrid.enabled:
+            threshold = LiveThreshold(config.hybrid)
+        self.threshold = threshold
         self.tokenizer = tokenizer
         self.limits = limits
         self._pool = pool
@@ -149,6 +162,11 @@ class RequestLifecycle:
         """`fn()` on the tokenizer threads (rendering and tokenizing a chat request: CPU work
         that must not hold the event loop); its exception propagates."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn)
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        """The routing policy every request's placement asks (read-only)."""
+        return self._policy
 
     def close(self) -> None:
         """Stop the tokenizer threads (after the edges stopped taking requests)."""
@@ -259,7 +277,7 @@ class RequestLifecycle:
             max_migrations=self.config.max_migrations,
             stall_timeout_s=self.config.stall_timeout_s,
             prefix_index=self._prefix_index,
-            hybrid=self.config.hybrid if self.config.hybrid.enabled else None,
+            hybrid=None if self.threshold is None else self.threshold.config(),
         )
         self._in_flight_ids.add(request_id)
         error: RouterError | None = None
@@ -303,13 +321,16 @@ class RequestLifecycle:
     def _report(self, run: RequestRun, ok: bool, e2e_s: float) -> None:
         """Tell the observer how `run` ended; never raises (a failing hook is logged)."""
         if self._observer is not None:
-            self._observe(*request_outcome(run, e2e_s), ok, e2e_s)
+            path = run.client.facts.prefill_path
+            self._observe(*request_outcome(run, e2e_s), ok, e2e_s, path)
 
-    def _observe(self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float) -> None:
+    def _observe(
+        self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float, path: str = ""
+    ) -> None:
         if self._observer is None:
             return
         try:
-            self._observer.observe(ttft_s, tpot_s, ok, e2e_s)
+            self._observer.observe(ttft_s, tpot_s, ok, e2e_s, path=path)
         except Exception:
             log.exception("outcome observer failed")
 

@@ -20,6 +20,8 @@ routers can share a test process). What is counted where:
   `observe_prefix_lookup`, from the guarded prefix index on the request path;
 - `ratio_decisions_total{action}`: `observe_ratio_decision`, every ratio-controller decision
   (`hold` included).
+- gauge `hybrid_local_prefill_max_tokens`: the live hybrid threshold (`router.hybrid.
+  LiveThreshold`, which the ratio controller may move), read at scrape time; only with hybrid on;
 - `prefill_path_total{path,reason}`: `record`, once per request that reached a worker in
   mode 'disagg': where its prompt was prefilled (``remote``: a prefill worker; ``local``: its
   decode worker, `[router.hybrid]`) and why (`router.hybrid.choose_prefill_path`'s reason).
@@ -93,18 +95,23 @@ FAILURE_STATUSES = (
     "INTERNAL",
 )
 LOOKUP_FAILURE_REASONS = ("skipped", "timeout", "error")
-RATIO_ACTIONS = ("hold", "switch", "add", "remove")
+RATIO_ACTIONS = ("hold", "switch", "add", "remove", "threshold")
 
 
 class _LiveState(Collector):
-    """Gauges read at scrape time: admission queue and worker counts."""
+    """Gauges read at scrape time: admission queue, worker counts, the hybrid threshold."""
 
     def __init__(
-        self, model: str, admission: Admission, views: Callable[[], Iterable[WorkerView]]
+        self,
+        model: str,
+        admission: Admission,
+        views: Callable[[], Iterable[WorkerView]],
+        threshold: Callable[[], int] | None = None,
     ) -> None:
         self._model = model
         self._admission = admission
         self._views = views
+        self._threshold = threshold
 
     def collect(self) -> Iterable[Metric]:
         m = [self._model]
@@ -132,7 +139,16 @@ class _LiveState(Collector):
             counts[(v.role, state)] = counts.get((v.role, state), 0) + 1
         for (role, state), n in counts.items():
             workers.add_metric([*m, role, state], n)
-        return [running, waiting, workers]
+        if self._threshold is None:
+            return [running, waiting, workers]
+        threshold = GaugeMetricFamily(
+            P + "hybrid_local_prefill_max_tokens",
+            "The live hybrid threshold: prompts with at most this many uncached tokens prefill "
+            "on their decode worker (the ratio controller may move it).",
+            labels=["model_name"],
+        )
+        threshold.add_metric(m, self._threshold())
+        return [running, waiting, workers, threshold]
 
 
 class RouterMetrics:
@@ -140,8 +156,13 @@ class RouterMetrics:
     block; `exposition()` renders the registry."""
 
     def __init__(
-        self, model: str, admission: Admission, views: Callable[[], Iterable[WorkerView]]
+        self,
+        model: str,
+        admission: Admission,
+        views: Callable[[], Iterable[WorkerView]],
+        threshold: Callable[[], int] | None = None,
     ) -> None:
+        """`threshold`: reads the live hybrid threshold (None: hybrid off, no gauge)."""
         self.registry = CollectorRegistry()
         self._model = model
         r, lm = self.registry, ["model_name"]
@@ -214,7 +235,7 @@ class RouterMetrics:
             [*lm, "path", "reason"],
             registry=r,
         )
-        r.register(_LiveState(model, admission, views))
+        r.register(_LiveState(model, admission, views, threshold))
         self._init_series()
 
     def _init_series(self) -> None:

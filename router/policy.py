@@ -74,6 +74,13 @@ class RoutingPolicy(Protocol):
         decode_views: Sequence[WorkerView],
     ) -> RoutingDecision | None: ...
 
+    def prefilled_elsewhere(self, request_id: str, worker: WorkerView) -> None:
+        """Called right after `choose` answered for `request_id` (no other `choose` between)
+        when the router prefills it on `worker` instead of the decision's prefill worker
+        (hybrid local path: the decode worker). A policy that credited the prefill worker
+        with the prompt's blocks moves that credit to `worker`; others do nothing."""
+        ...
+
 
 class RoundRobinPolicy:
     """Next usable worker in address order, per role; ignores load and free blocks."""
@@ -107,6 +114,9 @@ class RoundRobinPolicy:
         decode = self._pick("decode", decode_views)
         assert prefill is not None and decode is not None
         return RoutingDecision(prefill=prefill, decode=decode)
+
+    def prefilled_elsewhere(self, request_id: str, worker: WorkerView) -> None:
+        """Nothing to move: no cache credit."""
 
 
 def _prefill_load(view: WorkerView, request: RouteRequest) -> int:
@@ -165,6 +175,9 @@ class LeastLoadPolicy:
         if pair is None:
             return None
         return RoutingDecision(prefill=pair[0].view, decode=pair[1])
+
+    def prefilled_elsewhere(self, request_id: str, worker: WorkerView) -> None:
+        """Nothing to move: no cache credit."""
 
 
 def with_room(request: RouteRequest, views: Sequence[WorkerView]) -> list[WorkerView]:

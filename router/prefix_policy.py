@@ -30,7 +30,9 @@ filling the first), then the address — deterministic for a given sequence of c
 
 Pending credit: the chosen worker is credited at once with the request's whole chain for
 `pending_ttl_s`, so a burst of same-prefix requests follows the first before its blocks are
-published (and spreads to a second worker only when the balance or the score says so).
+published (and spreads to a second worker only when the balance or the score says so). When
+the router then prefills the request on its decode worker instead (hybrid local path), it
+calls `prefilled_elsewhere` and the credit moves to the decode worker, where the blocks are.
 
 With `prefix_matches` None (index down / slow / breaker open) the policy routes by load only.
 Decode choice: room for prompt + max_tokens, then least busy — scored together with the prefill
@@ -93,17 +95,34 @@ class PendingPrefixes:
         self._max = max_blocks
         self._by_worker: dict[str, OrderedDict[BlockHash, float]] = {}
 
-    def add(self, worker_id: str, block_hashes: Sequence[BlockHash], now: float) -> None:
-        """Credit `worker_id` with `block_hashes` until `now + ttl_s`."""
+    def add(
+        self, worker_id: str, block_hashes: Sequence[BlockHash], now: float
+    ) -> tuple[BlockHash, ...]:
+        """Credit `worker_id` with `block_hashes` until `now + ttl_s`; returns the hashes it was
+        not credited with before (what `retract` undoes)."""
         if not block_hashes:
-            return
+            return ()
         table = self._by_worker.setdefault(worker_id, OrderedDict())
         expiry = now + self._ttl_s
+        new = tuple(h for h in block_hashes if h not in table)
         for h in block_hashes:
             table[h] = expiry
             table.move_to_end(h)
         while len(table) > self._max:
             table.popitem(last=False)
+        return new
+
+    def retract(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Drop `worker_id`'s credit for `block_hashes` (those it holds; others are ignored)."""
+        table = self._by_worker.get(worker_id)
+        if table is None:
+            return
+        for h in block_hashes:
+            table.pop(h, None)
+
+    def credited(self, worker_id: str) -> int:
+        """How many hashes `worker_id` is credited with (expired ones until the next lookup)."""
+        return len(self._by_worker.get(worker_id, ()))
 
     def leading(self, worker_id: str, block_hashes: Sequence[BlockHash], now: float) -> int:
         """How many leading hashes of the chain are credited to `worker_id` at `now`."""
@@ -144,6 +163,8 @@ class PrefixAwarePolicy:
         self.pending = PendingPrefixes(self.config.pending_ttl_s, self.config.max_pending_blocks)
         self._picks = 0
         self._last_pick: dict[str, int] = {}  # address -> `_picks` when last chosen
+        # the last `choose`'s credit: (request id, worker id, hashes new to it, the chain)
+        self._credit: tuple[str, str, tuple[BlockHash, ...], tuple[BlockHash, ...]] | None = None
 
     def cached_tokens(self, request: RouteRequest, view: WorkerView, now: float) -> int:
         """Prompt tokens `view` is expected to hold for `request` (0 when the index is unknown)."""
@@ -180,12 +201,26 @@ class PrefixAwarePolicy:
             assert pair is not None  # both sides have candidates
             best, decode = pair
         chosen, cached = best.view, best.cached
-        self.pending.add(chosen.worker_id, request.block_hashes, now)
+        new = self.pending.add(chosen.worker_id, request.block_hashes, now)
+        self._credit = (request.request_id, chosen.worker_id, new, request.block_hashes)
         self._picks += 1
         self._last_pick[chosen.address] = self._picks
         if decode is None:
             return RoutingDecision(colocated=chosen, cached_tokens=cached)
         return RoutingDecision(prefill=chosen, decode=decode, cached_tokens=cached)
+
+    def prefilled_elsewhere(self, request_id: str, worker: WorkerView) -> None:
+        """The router prefills `request_id` on `worker` (hybrid local path: its decode worker),
+        not on the prefill worker `choose` credited: that credit moves to `worker` (hashes the
+        prefill worker was already credited with before stay; its blocks may be there)."""
+        assert self._credit is not None and self._credit[0] == request_id, (
+            request_id,
+            self._credit,
+        )
+        _, credited, new, chain = self._credit
+        self._credit = None
+        self.pending.retract(credited, new)
+        self.pending.add(worker.worker_id, chain, self._clock())
 
     def _score_prefills(
         self, request: RouteRequest, candidates: list[WorkerView], now: float

@@ -3,6 +3,7 @@
 - `config.RatioConfig` — the ``[ratio]`` section (mode, SLOs, bounds, window, cooldown, ...);
 - `metrics` — request outcomes + worker samples -> `MetricsWindow`;
 - `controller.decide` — the pure core: window + state -> `Decision` with its reason;
+- `threshold.decide_with_threshold` — the same core that also moves the hybrid threshold;
 - `driver.RatioController` — the async loop, `observe(...)` hook and the JSONL decision log;
 - `actuator` — the `Actuator` seam (`PoolActuator`: Worker.SetRole);
 """

@@ -23,6 +23,10 @@ after the last change completed*; it acts when both-SLO attainment is below
 `attainment_target - hysteresis` and at least `min_requests` requests finished, never within
 `cooldown_s` of the previous change, and never outside the bounds. The controller only moves
 workers between roles; adding and removing workers is the launcher's (Ray autoscaler's) job.
+In a hybrid cluster whose `[router.hybrid]` sets `max_local_prefill_max_tokens`, it also moves
+the local-prefill threshold (`router.ratio.threshold`), by these same interval, cooldown,
+hysteresis, evidence and revert/tabu settings; the threshold's bounds and step are
+`[router.hybrid]` keys (`router.hybrid.HybridConfig`).
 The keys of the scaling that was never built (``allow_scale_out``, ``allow_scale_in``,
 ``scale_in_load``, ``max_workers``) still load, with one warning each per process;
 ``allow_scale_out = true`` or ``allow_scale_in = true`` is refused.
@@ -106,7 +110,8 @@ class RatioConfig(BaseModel):
     interval_s: float = Field(
         default=2.0,
         gt=0,
-        description="Evaluation period; at most one change is started per interval.",
+        description="Evaluation period; at most one change (a role switch or, in a hybrid "
+        "cluster, a threshold move) is started per interval.",
     )
     cooldown_s: float = Field(
         default=10.0,
@@ -130,7 +135,8 @@ class RatioConfig(BaseModel):
         default=True,
         description="Switch a worker back when its switch lowered attainment by more than "
         "hysteresis (judged on the first min_requests requests after it), and bar that "
-        "direction for tabu_s.",
+        "direction for tabu_s; a hybrid threshold move likewise (a raise judged by TPOT, a "
+        "lower by TTFT attainment).",
     )
     tabu_s: float = Field(
         default=60.0, ge=0, description="How long a reverted direction is not tried again."

@@ -34,7 +34,10 @@ The rules, in order (the first that applies wins):
 5. otherwise hold ("meets target" / "inside the dead band" / "too few requests").
 
 The controller only moves workers between roles; adding and removing workers is left to the
-launcher (the Ray autoscaler), not decided here.
+launcher (the Ray autoscaler), not decided here. In a hybrid cluster with online threshold
+control, `router.ratio.threshold.decide_with_threshold` wraps this function: the same state,
+gate and rules also move `local_prefill_max_tokens` (a `threshold` decision); rule 2 here
+judges only role switches, a threshold change is judged there.
 """
 
 from __future__ import annotations
@@ -44,23 +47,25 @@ from typing import Literal
 
 from router.ratio.config import RatioConfig
 from router.ratio.evidence import (
+    attainment_text,
     bottleneck,
     dropped,
     phase_attainment,
     queued,
+    shortfall,
     waits_for,
-    wilson_upper,
 )
 from router.ratio.metrics import MetricsWindow, WorkerLoad
 
-Action = Literal["hold", "switch"]
+Action = Literal["hold", "switch", "threshold"]
 Phase = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
 class Decision:
     """What to do now. `switch`: `address` (and `also`) move `from_role` -> `to_role`;
-    `hold`: nothing."""
+    `threshold`: the hybrid local-prefill threshold goes `threshold_from` -> `threshold_to`
+    (`router.ratio.threshold`); `hold`: nothing."""
 
     action: Action
     reason: str
@@ -69,6 +74,8 @@ class Decision:
     to_role: Phase | None = None
     revert: bool = False  # undoes the previous change (which made attainment worse)
     also: tuple[str, ...] = ()  # switch: further workers moved with `address`, the same way
+    threshold_from: int | None = None  # threshold: the live value before
+    threshold_to: int | None = None  # threshold: the value it is set to
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -77,9 +84,18 @@ class Decision:
 
     def __post_init__(self) -> None:
         assert not self.also or self.action == "switch", f"only a switch moves several: {self}"
-        need = {"hold": (False, False, False), "switch": (True, True, True)}[self.action]
-        have = (self.address is not None, self.from_role is not None, self.to_role is not None)
+        roles = self.action == "switch"
+        moves = self.action == "threshold"
+        need = (roles, roles, roles, moves, moves)
+        have = (
+            self.address is not None,
+            self.from_role is not None,
+            self.to_role is not None,
+            self.threshold_from is not None,
+            self.threshold_to is not None,
+        )
         assert have == need, f"inconsistent decision {self}"
+        assert not moves or self.threshold_from != self.threshold_to, f"no move: {self}"
 
 
 @dataclass
@@ -106,13 +122,13 @@ class ControllerState:
 
     def end(self, now: float, ok: bool = True) -> None:
         """The pending change completed (`ok`) or failed at `now`: the cooldown starts. A
-        completed switch that is not itself a revert waits to be judged."""
+        completed switch or threshold move that is not itself a revert waits to be judged."""
         assert self.pending is not None, "no change pending"
         done = self.pending
         self.pending = None
         self.last_change_end = now
         self.changes += 1
-        judge = ok and done.action == "switch" and not done.revert and self.before is not None
+        judge = ok and done.action != "hold" and not done.revert and self.before is not None
         self.last = done if judge else None
         fed = ok and done.action == "switch" and not done.revert and done.to_role is not None
         self.streak = (done.to_role, len(done.addresses)) if fed and done.to_role else None
@@ -172,10 +188,13 @@ def step_size(
     return size, (why if size > 1 else "")
 
 
-def _gate(window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig) -> str:
-    """Rule 1: why no change may start now ('' when one may)."""
+def gate(window: MetricsWindow, state: ControllerState, now: float, config: RatioConfig) -> str:
+    """Rule 1: why no change may start now ('' when one may). Role switches and threshold
+    moves share it: at most one change of either kind per interval and cooldown."""
     if state.pending is not None:
         p = state.pending
+        if p.action == "threshold":
+            return f"change in progress: threshold {p.threshold_from} -> {p.threshold_to}"
         return f"change in progress: {p.action} {p.address or ''} -> {p.to_role or ''}".strip()
     if state.last_change_start is not None and now - state.last_change_start < config.interval_s:
         return f"a change started {now - state.last_change_start:.1f}s ago (< interval_s)"
@@ -194,27 +213,17 @@ def decide(
     """The decision for `window` at `now` (see the module docstring for the rules). Reads
     `state`; its only writes are rule 2's bookkeeping: the last switch is marked judged
     (`state.last = None`) and a reverted direction is barred (`state.tabu`)."""
-    gate = _gate(window, state, now, config)
-    if gate:
-        return _hold(gate)
-    target, band = config.attainment_target, config.hysteresis
-    att = f"attainment {window.attainment:.0%} of {window.requests} requests"
+    why_not = gate(window, state, now, config)
+    if why_not:
+        return _hold(why_not)
+    att = attainment_text(window)
     judged = _judge(window, state, now, config, att)
     if judged is not None:
         return judged
-    if window.attainment < target - band:
-        if window.requests < config.min_requests:
-            return _hold(f"{att}: fewer than min_requests={config.min_requests}")
-        upper = wilson_upper(window.attainment, window.requests, config.evidence_z)
-        if upper >= target - band:
-            return _hold(
-                f"{att} below target, but within sampling noise of the band (upper bound "
-                f"{upper:.0%} at z={config.evidence_z:g}): wait for more requests"
-            )
-        return _grow(window, state, now, config, att)
-    if window.attainment >= target:
-        return _hold(f"{att} meets target {target:.0%}")
-    return _hold(f"{att} inside the dead band {target - band:.0%}..{target:.0%}")
+    why_not = shortfall(window, config)
+    if why_not:
+        return _hold(why_not)
+    return _grow(window, state, now, config, att)
 
 
 def _judge(
@@ -223,7 +232,9 @@ def _judge(
     """Rule 2: a revert of the last switch when it made attainment worse, else None (and the
     switch counts as judged once enough requests finished after it)."""
     last, before = state.last, state.before
-    if last is None or before is None or window.requests < config.min_requests:
+    if last is None or last.action != "switch":
+        return None  # a threshold move is judged by `router.ratio.threshold`
+    if before is None or window.requests < config.min_requests:
         return None
     if state.last_change_end is not None and now - state.last_change_end < config.window_s:
         return None  # judge on a full window after the change

@@ -10,6 +10,11 @@ the pure core (`controller.decide`) and records the answer:
 - `advisory`: the change is recorded with ``applied = false`` and nothing happens; the state
   still counts it as a change, so the cooldown spaces advice out as it would space changes.
 
+In a hybrid cluster with online threshold control (`threshold`, a `router.hybrid.
+LiveThreshold`), the core is `threshold.decide_with_threshold`, and a `threshold` decision is
+applied at once in `evaluate` (`LiveThreshold.set`: the next request reads it; a `done` record
+follows at once). The driver is the only writer of the live threshold.
+
 The request path feeds outcomes with `observe(ttft_s, tpot_s, ok)` (sync, O(1), safe to call
 from any coroutine of the loop). Records go to `records` (the last 1000), the log, and — when
 `config.decisions_path` is set — one JSON line each, appended and flushed at once.
@@ -27,11 +32,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
+from router.hybrid import LiveThreshold
 from router.policy import WorkerView
 from router.ratio.actuator import ActuationError, Actuator
 from router.ratio.config import RatioConfig
 from router.ratio.controller import ControllerState, Decision, decide
 from router.ratio.metrics import MetricsAggregator, MetricsWindow, samples_from_views
+from router.ratio.threshold import decide_with_threshold
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,9 @@ class DecisionRecord:
     from_role: str | None = None
     to_role: str | None = None
     also: tuple[str, ...] = ()  # further workers the same switch moves
+    threshold_from: int | None = None  # a threshold move: the hybrid threshold before
+    threshold_to: int | None = None  # ... and after
+    local_prefill_max_tokens: int | None = None  # the live threshold now (None: not controlled)
     applied: bool = False
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -84,7 +94,14 @@ class RatioController:
         actuator: Actuator | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        threshold: LiveThreshold | None = None,
     ) -> None:
+        """`threshold`: the router's live hybrid threshold, moved by this controller (its
+        bounds must be set: `HybridConfig.adaptive`); None: roles only."""
+        if threshold is not None and not threshold.bounds.adaptive:
+            raise ValueError(
+                "hybrid threshold control needs max_local_prefill_max_tokens > 0 ([router.hybrid])"
+            )
         if not config.enabled:
             raise ValueError("ratio.mode is 'fixed': there is no controller to run")
         if config.mode == "adaptive" and actuator is None:
@@ -98,6 +115,7 @@ class RatioController:
         self._wall = wall_clock
         self._t0 = clock()
         self._agg = MetricsAggregator(config.window_s, config.slo_ttft_s, config.slo_tpot_s)
+        self.threshold = threshold
         self._seq = 0
         self._next_eval: float | None = None  # when `tick` evaluates next
         self._task: asyncio.Task[None] | None = None
@@ -108,12 +126,18 @@ class RatioController:
     # ---- inputs ----------------------------------------------------------------------------
 
     def observe(
-        self, ttft_s: float | None, tpot_s: float | None, ok: bool, e2e_s: float | None = None
+        self,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        ok: bool,
+        e2e_s: float | None = None,
+        path: str = "",
     ) -> None:
         """One request ended now: its TTFT and TPOT in seconds (None when not measured),
-        whether it succeeded (status OK with every token), and how long it took in all (None:
-        unknown — it then never counts in a window after a change)."""
-        self._agg.observe(self._clock(), ttft_s, tpot_s, ok, e2e_s)
+        whether it succeeded (status OK with every token), how long it took in all (None:
+        unknown — it then never counts in a window after a change), and where it was
+        prefilled (hybrid: 'local' / 'remote'; '' otherwise)."""
+        self._agg.observe(self._clock(), ttft_s, tpot_s, ok, e2e_s, path)
 
     def sample(self) -> None:
         """Take one worker-load sample from the pool now."""
@@ -131,7 +155,13 @@ class RatioController:
         Returns the record (None for an unrecorded hold)."""
         now = self._clock()
         window = self.window()
-        decision = decide(window, self.state, now, self.config)
+        if self.threshold is None:
+            decision = decide(window, self.state, now, self.config)
+        else:
+            live = self.threshold
+            decision = decide_with_threshold(
+                window, self.state, now, self.config, live.bounds, live.value
+            )
         if decision.action == "hold":
             if not self.config.record_holds:
                 return None
@@ -142,6 +172,9 @@ class RatioController:
         if not adaptive:
             self.state.end(now, ok=False)  # nothing changed: nothing to judge
             return rec
+        if decision.action == "threshold":
+            self._move_threshold(decision, rec, window)
+            return rec
         self._change = asyncio.create_task(self._apply(decision, rec), name="ratio-change")
         return rec
 
@@ -149,6 +182,14 @@ class RatioController:
         """Wait until no change is running (tests, shutdown)."""
         if self._change is not None:
             await asyncio.shield(self._change)
+
+    def _move_threshold(self, d: Decision, rec: DecisionRecord, window: MetricsWindow) -> None:
+        """Apply a `threshold` decision now: nothing drains, the next request reads it."""
+        assert self.threshold is not None and d.threshold_to is not None, d
+        self.threshold.set(d.threshold_to)
+        end = self._clock()
+        self.state.end(end, ok=True)
+        self._record("done", d, window, applied=True, decision_seq=rec.seq, duration_s=0.0)
 
     async def _apply(self, d: Decision, rec: DecisionRecord) -> None:
         assert self._actuator is not None
@@ -214,6 +255,9 @@ class RatioController:
             from_role=d.from_role,
             to_role=d.to_role,
             also=d.also,
+            threshold_from=d.threshold_from,
+            threshold_to=d.threshold_to,
+            local_prefill_max_tokens=None if self.threshold is None else self.threshold.value,
             applied=applied,
             prefill_workers=window.prefill_workers,
             decode_workers=window.decode_workers,

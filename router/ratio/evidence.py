@@ -3,6 +3,7 @@ Router process; pure functions of a `MetricsWindow` and the config (no I/O, no c
 
 - `wilson_upper` / `dropped`: how much a share of few requests can be trusted;
 - `phase_attainment`: the attainment of the SLO a role answers for;
+- `shortfall`: whether attainment is short of the band by more than sampling noise (rule 3);
 - `queued` / `waits_for` / `bottleneck`: which role requests wait for, and why (rule 3 of
   `router.ratio.controller`).
 """
@@ -39,6 +40,33 @@ def dropped(before: float, n_before: int, after: float, n_after: int, band: floa
     pooled = (before * n_before + after * n_after) / (n_before + n_after)
     se = math.sqrt(pooled * (1 - pooled) * (1 / n_before + 1 / n_after))
     return diff > 1.96 * se
+
+
+def attainment_text(window: MetricsWindow) -> str:
+    """'attainment 80% of 10 requests': how every decision's reason starts."""
+    return f"attainment {window.attainment:.0%} of {window.requests} requests"
+
+
+def shortfall(window: MetricsWindow, config: RatioConfig) -> str:
+    """'' when the window's both-SLO attainment is below `attainment_target - hysteresis` with
+    at least `min_requests` requests and beyond sampling noise (the upper end of its Wilson
+    interval at `evidence_z` is below the band too); else why not, as a hold reason (meets
+    target / inside the dead band / too few requests / within noise)."""
+    target, band = config.attainment_target, config.hysteresis
+    att = attainment_text(window)
+    if window.attainment < target - band:
+        if window.requests < config.min_requests:
+            return f"{att}: fewer than min_requests={config.min_requests}"
+        upper = wilson_upper(window.attainment, window.requests, config.evidence_z)
+        if upper >= target - band:
+            return (
+                f"{att} below target, but within sampling noise of the band (upper bound "
+                f"{upper:.0%} at z={config.evidence_z:g}): wait for more requests"
+            )
+        return ""
+    if window.attainment >= target:
+        return f"{att} meets target {target:.0%}"
+    return f"{att} inside the dead band {target - band:.0%}..{target:.0%}"
 
 
 def phase_attainment(window: MetricsWindow, role: Phase) -> float:

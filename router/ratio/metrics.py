@@ -37,6 +37,7 @@ class RequestOutcome:
     tpot_s: float | None
     ok: bool
     start: float = -math.inf  # when it started (-inf: unknown, counted as "before anything")
+    path: str = ""  # hybrid: "local" | "remote" (`router.hybrid`); "" colocated or unknown
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class MetricsWindow:
     # a request shed or failed before it tells nothing about decode
     tpot_reached_attainment: float | None = None
     prefill_waiting: float = 0.0  # mean requests waiting per prefill worker
+    local_requests: int = 0  # requests prefilled on their decode worker (hybrid local path)
 
     @property
     def decode_waiting(self) -> float:
@@ -186,11 +188,13 @@ class MetricsAggregator:
         tpot_s: float | None,
         ok: bool,
         e2e_s: float | None = None,
+        path: str = "",
     ) -> None:
         """Record one request that finished at `t` after `e2e_s` seconds (None: unknown; it
-        then counts as started before any change). Call in finish order."""
+        then counts as started before any change), prefilled on `path` (hybrid: 'local' /
+        'remote'). Call in finish order."""
         start = t - e2e_s if e2e_s is not None else -math.inf
-        self._outcomes.append(RequestOutcome(t, ttft_s, tpot_s, ok, start))
+        self._outcomes.append(RequestOutcome(t, ttft_s, tpot_s, ok, start, path))
 
     def add_samples(self, t: float, samples: list[WorkerSample]) -> None:
         """Record one sample tick (every worker's sample at time `t`)."""
@@ -247,6 +251,7 @@ class MetricsAggregator:
             workers=tuple(loads),
             tpot_reached_attainment=sum(reached) / len(reached) if reached else 1.0,
             prefill_waiting=_mean([w.num_waiting for w in pre]),
+            local_requests=sum(o.path == "local" for o in outs),
         )
 
 

@@ -15,6 +15,7 @@ import grpc
 
 from proto.pdserve.v1 import inference_pb2 as ipb
 from router.hybrid import HybridConfig
+from router.prefix_policy import PrefixAwarePolicy
 from tests.fakes.cluster import FakeCluster, fake_cluster, wait_until
 from tests.fakes.fake_worker import FakeWorker
 
@@ -126,6 +127,26 @@ def test_a_refused_local_generate_is_retried_on_another_decode_worker(
                 assert got.prefill_path == "local"
                 assert got.decode_worker == worker_id(c.decode[1])
             assert c.decode[1].calls["Generate"] == 4
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
+def test_a_local_request_credits_its_prefix_to_the_decode_worker(tiny_model_dir: Path) -> None:
+    """The prefix-aware policy picks (P, D) and credits P with the prompt's blocks; the request
+    then prefills on D (local path), so the credit must follow it to D (`prefilled_elsewhere`)
+    — else same-prefix requests would be steered to P, which never saw the prompt."""
+
+    async def scenario() -> None:
+        hybrid = HybridConfig(local_prefill_max_tokens=64)
+        async with fake_cluster(tiny_model_dir, hybrid=hybrid) as c:
+            policy = c.router.service.lifecycle.policy
+            assert isinstance(policy, PrefixAwarePolicy)
+            p, d = c.prefill[0], c.decode[0]
+            got = final(await c.generate(req("a")))  # 30 tokens: one full block of 16
+            assert (got.prefill_path, got.prefill_path_reason) == ("local", "short_prompt")
+            assert policy.pending.credited(worker_id(p)) == 0
+            assert policy.pending.credited(worker_id(d)) == 1
             await c.assert_no_leaks()
 
     asyncio.run(scenario())

@@ -155,15 +155,16 @@ def test_a_failing_outcome_hook_never_fails_a_request(tiny_model_dir: Path) -> N
         async with fake_cluster(tiny_model_dir, n_decode=2, ratio=ratio) as c:
             seen: list[tuple[Any, ...]] = []
 
-            def boom(*args: Any) -> None:
-                seen.append(args)
+            def boom(*args: Any, **kw: Any) -> None:
+                seen.append((*args, kw))
                 raise RuntimeError("observer bug")
 
-            ratio_of(c).observe = boom  # type: ignore[method-assign,assignment]
+            ratio_of(c).observe = boom  # type: ignore[method-assign]
             responses = await c.generate(request(0))
             assert responses[-1].final.usage.completion_tokens == 4
             assert len(seen) == 1
-            ttft_s, tpot_s, ok, e2e_s = seen[0]
+            ttft_s, tpot_s, ok, e2e_s, kw = seen[0]
+            assert kw == {"path": "remote"}  # hybrid off: every request through a prefill worker
             assert ok and 0 < ttft_s <= e2e_s and tpot_s is not None and tpot_s >= 0
 
     asyncio.run(scenario())

@@ -340,3 +340,20 @@ def test_router_hybrid_section_reaches_the_router_config() -> None:
             None,
             {"model": "m", "mode": "colocated", "router.hybrid.local_prefill_max_tokens": 8},
         )
+
+
+def test_router_hybrid_threshold_bounds_reach_the_router_and_need_a_controller() -> None:
+    """`[router.hybrid] max_local_prefill_max_tokens` (online threshold control, issue 31)
+    reaches RouterConfig with the section; without a `[ratio]` controller it is refused at
+    load time, naming both keys."""
+    keys = {
+        "model": "m",
+        "router.hybrid.local_prefill_max_tokens": 64,
+        "router.hybrid.max_local_prefill_max_tokens": 256,
+    }
+    with pytest.raises(ValueError, match=r"max_local_prefill_max_tokens > 0 .* \[ratio\] mode"):
+        load_cluster_config(None, keys)
+    ratio = {"ratio.mode": "advisory", "ratio.slo_ttft_ms": 500, "ratio.slo_tpot_ms": 50}
+    c = load_cluster_config(None, {**keys, **ratio})
+    rc = c.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
+    assert rc.hybrid.adaptive and rc.hybrid.max_local_prefill_max_tokens == 256

@@ -280,3 +280,23 @@ def test_cold_prefixes_spread_over_idle_workers() -> None:
         assert decision is not None and decision.prefill is not None
         picks.append(decision.prefill.address)
     assert picks == ["p1", "p2", "p1", "p2"]
+
+
+def test_a_local_prefill_moves_the_pending_credit_to_the_decode_worker() -> None:
+    """Hybrid local path: the prompt's blocks land on the decode worker, so the prefill worker
+    the policy picked must not keep the credit (a same-prefix request would follow it there
+    for nothing); hashes it was credited with before stay."""
+    clock = Clock()
+    policy = PrefixAwarePolicy(PrefixRoutingConfig(), clock=clock)
+    first = policy.choose(replace(REQ, request_id="a"), [view("p1")], D)
+    assert first is not None and first.prefill is not None and first.decode is not None
+    assert policy.pending.leading("p1", CHAIN, clock.t) == 35
+    longer = replace(REQ, request_id="b", block_hashes=(*CHAIN, 99))
+    second = policy.choose(longer, [view("p1")], D)
+    assert second is not None and second.decode is not None
+    policy.prefilled_elsewhere("b", second.decode)
+    assert policy.pending.leading("p1", (*CHAIN, 99), clock.t) == 35  # "a"'s credit stays
+    assert policy.pending.credited("p1") == 35  # block 99 (only "b"'s) left it
+    assert policy.pending.leading("d1", (*CHAIN, 99), clock.t) == 36
+    with pytest.raises(AssertionError):  # only right after the choice it corrects
+        policy.prefilled_elsewhere("b", second.decode)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from router.hybrid import HybridConfig, LiveThreshold
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from router.ratio.metrics import MetricsAggregator, samples_from_views
@@ -191,3 +192,44 @@ def test_fixed_mode_and_missing_actuator_are_refused() -> None:
         RatioController(RatioConfig(), pool)
     with pytest.raises(ValueError, match="actuator"):
         RatioController(cfg(), pool, None)
+
+
+def test_a_threshold_move_is_applied_logged_and_reverted_when_worse(tmp_path: Path) -> None:
+    asyncio.run(_test_a_threshold_move_is_applied_logged_and_reverted_when_worse(tmp_path))
+
+
+async def _test_a_threshold_move_is_applied_logged_and_reverted_when_worse(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    pool = FakePool({"p:1": "prefill", "d:1": "decode"})
+    act = FakeActuator(pool)
+    live = LiveThreshold(
+        HybridConfig(local_prefill_max_tokens=64, max_local_prefill_max_tokens=256)
+    )
+    c = RatioController(
+        cfg(tmp_path, min_requests=10), pool, act, clock=clock, wall_clock=clock, threshold=live
+    )
+    seen: list[str] = []
+    c.on_decision = seen.append
+    pool.set_load("p:1", num_running=1, num_waiting=4, waiting_tokens=400)  # a prefill queue
+    c.sample()
+    for _ in range(10):  # TTFT misses, TPOT met: prefill is the bottleneck, decode has slack
+        c.observe(ttft_s=2.0, tpot_s=0.01, ok=True, e2e_s=2.1, path="remote")
+    rec = await c.evaluate()
+    assert rec is not None and (rec.action, rec.applied) == ("threshold", True)
+    assert (rec.threshold_from, rec.threshold_to, live.value) == (64, 128, 128)
+    assert act.calls == [] and seen == ["threshold"]  # no role moved
+    done = c.records[-1]
+    assert (done.event, done.decision_seq, done.local_prefill_max_tokens) == ("done", rec.seq, 128)
+    logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["threshold_to"]) for r in logged] == [("decision", 128), ("done", 128)]
+    # a full window later, local prefills cost decode its TPOT: the raise is undone
+    pool.set_load("p:1")
+    clock.t += 11.0
+    c.sample()
+    for _ in range(10):
+        c.observe(ttft_s=0.1, tpot_s=0.2, ok=True, e2e_s=1.0, path="local")
+    back = await c.evaluate()
+    assert back is not None and back.action == "threshold" and "revert" in back.reason
+    assert (back.threshold_from, back.threshold_to, live.value) == (128, 64, 64)
