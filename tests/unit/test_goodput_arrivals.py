@@ -101,3 +101,12 @@ def test_fixed_output_len() -> None:
     specs = make_requests("summarize", 30, 1.0, context=512, seed=0, output_len=24)
     assert {s.output_len for s in specs} == {24}
     assert all(s.input_len + 24 <= 511 for s in specs)
+
+
+def test_mixed_draws_chat_turns_and_summarization_prompts_together() -> None:
+    L = 2048
+    specs = make_requests("mixed", 400, 1.0, context=L, seed=3)
+    long = [s for s in specs if s.input_len >= 0.6 * L]
+    assert 0.2 < len(long) / len(specs) < 0.4  # MIXED_SUMMARIZE_SHARE = 0.3
+    short = [s for s in specs if s.input_len < 0.6 * L]
+    assert np.median([s.input_len for s in short]) < L / 4

@@ -79,6 +79,16 @@ def _summarize(rng: np.random.Generator, n: int, L: int) -> Lengths:
     return rows
 
 
+MIXED_SUMMARIZE_SHARE = 0.3
+"""`mixed`: the share of requests that are long summarization prompts; the rest are chat turns."""
+
+
+def _mixed(rng: np.random.Generator, n: int, L: int) -> Lengths:
+    chat, summarize = _chat(rng, n, L), _summarize(rng, n, L)
+    long = rng.random(n) < MIXED_SUMMARIZE_SHARE
+    return [summarize[i] if long[i] else chat[i] for i in range(n)]
+
+
 def _prefix(rng: np.random.Generator, n: int, L: int) -> Lengths:
     groups = max(2, n // 16)
     shared = max(1, L // 4)
@@ -132,6 +142,11 @@ WORKLOADS: dict[str, Workload] = {
         Workload("chat", "short prompts, medium outputs (log-normal)", _chat),
         Workload("code", "medium prompts, short outputs", _code),
         Workload("summarize", "near-context prompts, short outputs", _summarize),
+        Workload(
+            "mixed",
+            "chat turns and summarization prompts (30 %) arriving together",
+            _mixed,
+        ),
         Workload("prefix", "groups sharing a long prefix (system prompts)", _prefix),
         Workload("multiturn", "conversations whose next turn extends the last", _multiturn),
     )
