@@ -73,7 +73,9 @@ class ModelRunner:
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         # Steps whose every row is one new token run as one C call where the model allows
-        # (`kernels.decode_step`); `decode_path` says which path they take.
+        # (`kernels.decode_step`: panel-packed weights, `Linear.panel_weight`); prefill and
+        # mixed steps run the torch modules (oneDNN or panel GEMMs, `linear_kernel`).
+        # `decode_path` says which path decode steps take.
         self.fused_unsupported = FusedDecode.unsupported(model, kv_cache, decode_isa)
         self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
         self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
@@ -107,7 +109,8 @@ class ModelRunner:
         """Load config and weights from an HF folder and allocate `num_blocks` KV blocks.
 
         `linear_kernel` picks the GEMM behind every weight matmul (`model_runtime.linear`):
-        'auto' packs weights for oneDNN on CPU where the build supports it.
+        'auto' packs weights for oneDNN on CPU where the build supports it, with a panel copy
+        for the fused decode step where that kernel builds (AVX2-only CPUs: panels only).
         """
         config = ModelConfig.from_model_dir(model_dir)
         device = torch.device(device)
