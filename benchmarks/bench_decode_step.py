@@ -274,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also time 'auto' (its default decode path) and 'onednn' (torch path), where "
         "the host has oneDNN",
     )
+    ap.add_argument(
+        "--no-torch-path",
+        action="store_true",
+        help="skip the avx2 weights' torch-path variant (the step before the fused C step)",
+    )
     ap.add_argument("--out", default="runs/bench/decode_step.json")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -300,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"{key}: kernel {e.runner.linear_kernel}, decode path {e.runner.decode_path}")
     # variant key: (model, dtype, engine label, decode path)
     variants = [(*k, "fused") for k in engines if k[2] == "avx2"]
-    variants += [(*k, "torch") for k in engines if k[2] != "auto"]
+    variants += [
+        (*k, "torch")
+        for k in engines
+        if k[2] == "onednn" or (k[2] == "avx2" and not args.no_torch_path)
+    ]
     variants += [(*k, e.runner.decode_path) for k, e in engines.items() if k[2] == "auto"]
     best: dict[tuple[str, str, str, str, int, int], float] = {}
     bandwidth: dict[int, MachineInfo] = {}
@@ -377,7 +386,7 @@ def summarize(
             "bandwidth_gbs": bw / 1e9,
             "floor_ms": floor_ms,
             "fused_ms": sec * 1e3,
-            "torch_ms": best[(name, dtype, kernel, "torch", t, b)] * 1e3,
+            "torch_ms": best.get((name, dtype, kernel, "torch", t, b), math.nan) * 1e3,
         }
         for (n2, d2, k2, _p2, t2, b2), s2 in best.items():
             if (n2, d2, t2, b2) == (name, dtype, t, b) and k2 != "avx2":
