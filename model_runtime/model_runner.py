@@ -19,7 +19,7 @@ from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
 from model_runtime.kernels.decode_step import FusedDecode
 from model_runtime.kv_cache import KVCache
-from model_runtime.linear import LinearKernel, pack_linears
+from model_runtime.linear import Linear, LinearKernel, pack_linears
 from model_runtime.model import LlamaModel
 from model_runtime.weights import load_model
 
@@ -78,6 +78,10 @@ class ModelRunner:
         # `decode_path` says which path decode steps take.
         self.fused_unsupported = FusedDecode.unsupported(model, kv_cache, decode_isa)
         self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
+        if self._fused is None:  # a panel copy kept for the fused step is of no use: free it
+            for layer in model.modules():
+                if isinstance(layer, Linear):
+                    layer.panels = None
         self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
 
     @property

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from model_runtime.kernels import build, decode_step
-from model_runtime.linear import keeps_panels, resolve_linear_kernel
+from model_runtime.linear import Linear, keeps_panels, resolve_linear_kernel
 from model_runtime.model_runner import ModelRunner, StepInput
 
 pytestmark = pytest.mark.skipif(
@@ -185,3 +185,21 @@ def test_auto_fuses_decode_steps_and_keeps_onednn_for_prefill(
         tokens = ref_tokens[-1]
     if dtype == "float32":
         assert auto_tokens == ref_tokens
+
+
+def test_a_model_the_fused_step_cannot_take_frees_the_panel_copy(tiny_model_dir: Path) -> None:
+    """'auto' keeps panels beside oneDNN only for the fused step; where the step cannot take
+    the model (here: an o_proj bias), the runner frees them and decodes on the torch path."""
+    cpu = torch.device("cpu")
+    if not keeps_panels(
+        "auto", resolve_linear_kernel("auto", cpu, torch.float32), cpu, torch.float32
+    ):
+        pytest.skip("'auto' keeps no panel copy on this host")
+    loaded = ModelRunner.from_model_dir(tiny_model_dir, 8, BLOCK)
+    o_proj = decode_step.decoder_layers(loaded.model)[0].self_attn.o_proj
+    assert o_proj.panels is not None
+    o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
+    runner = ModelRunner(loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "onednn")
+    assert runner.decode_path == "torch" and "bias" in runner.fused_unsupported
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.panels is None and m.packed is not None for m in linears)
