@@ -206,7 +206,9 @@ def keeps_panels(
 ) -> bool:
     """Whether `pack_linears` keeps a panel copy beside the `resolved` packing: only for
     'auto' resolved to oneDNN where the `avx2` kernel runs (see the module doc: decode steps
-    then run fused on the panels, prefill on oneDNN). A named kernel keeps one copy."""
+    then run fused on the panels, prefill on oneDNN). A named kernel keeps one copy. Where the
+    fused step cannot take the model after all (`FusedDecode.unsupported`), `ModelRunner`
+    frees the copy."""
     return kernel == "auto" and resolved == "onednn" and not avx2_unsupported(device, dtype)
 
 
