@@ -191,6 +191,12 @@ class ModelRunner:
         """Run one step; float32 logits [len(items), vocab] of each item's last new token.
 
         `on_layer_done(l)` is called after layer `l`'s K/V for every item is in the cache.
+        Which path runs: a step of one-token rows only, without `on_layer_done` -> the fused
+        step (`decode_path` 'fused'); any other step -> the torch model. Where the panels are a
+        copy beside oneDNN's packing, a decode row in a step that also holds a prefill chunk
+        thus gets oneDNN's GEMMs, not the panels': in float32 its logits differ from an
+        all-decode step's by summation order (~1e-6 relative), so a greedy token at such a
+        near-tie can depend on what shares its step.
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)

@@ -112,7 +112,9 @@ def decoder_layers(model: LlamaModel) -> list[DecoderLayer]:
 class FusedDecode:
     """The decode step of one packed model over one KV cache. Holds references to every
     tensor whose address it passes to C, so they live as long as it does; the model's weights
-    and the cache must not be replaced or repacked while it is in use."""
+    must not be replaced or repacked while it is in use. The cache may move
+    (`KVCache.adopt_kv`, e.g. into shared memory by a KV transport after the engine is built):
+    each `run` reads the cache's current tensor."""
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache, isa: str | None = None) -> None:
         reason = FusedDecode.unsupported(model, kv_cache, isa)
@@ -124,6 +126,8 @@ class FusedDecode:
         self.vocab = cfg.vocab_size
         self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
         self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
+        self._kv_cache = kv_cache
+        self._kv = kv  # the cache tensor whose layer addresses `_layers` holds
         rows = []
         for i, layer in enumerate(decoder_layers(model)):
             attn, mlp = layer.self_attn, layer.mlp
@@ -138,7 +142,8 @@ class FusedDecode:
                 mlp.down_proj.panel_weight(),
                 kv[i],
             ]
-            self._keep += [t for t in tensors if t is not None]
+            # (not the cache's layer views: `_kv` holds the cache, which may move)
+            self._keep += [t for t in tensors[:-1] if t is not None]
             rows.append([0 if t is None else t.data_ptr() for t in tensors])
         self._layers = torch.tensor(rows, dtype=torch.int64)
         assert self._layers.shape == (cfg.num_hidden_layers, _FIELDS), self._layers.shape
@@ -213,6 +218,18 @@ class FusedDecode:
             )
         return ""
 
+    def _bind_cache(self, kv: torch.Tensor) -> None:
+        """Point every layer at `kv`, the cache's tensor after `KVCache.adopt_kv` (same shape,
+        dtype and strides, so only the addresses change)."""
+        assert kv.shape == self._kv.shape and kv.stride() == self._kv.stride(), (
+            f"the KV cache changed layout: {tuple(kv.shape)} {kv.stride()}, built for "
+            f"{tuple(self._kv.shape)} {self._kv.stride()}"
+        )
+        assert kv.dtype == self._kv.dtype, (kv.dtype, self._kv.dtype)
+        for i in range(self._layers.shape[0]):
+            self._layers[i, _FIELDS - 1] = kv[i].data_ptr()
+        self._kv = kv
+
     def start_op_timing(self) -> None:
         """From now on, add each op's wall time to `op_seconds` (zeroed here), by `OPS` name."""
         self.op_seconds = torch.zeros(len(OPS), dtype=torch.float64)
@@ -230,6 +247,8 @@ class FusedDecode:
         """float32 logits [B, vocab] for B sequences of one new token each: `token_ids[r]` at
         position `seq_lens[r] - 1`, whose blocks are row r of `block_tables` (int64
         [B, >= blocks], row-contiguous). Writes each layer's K/V for those positions."""
+        if self._kv_cache.kv is not self._kv:
+            self._bind_cache(self._kv_cache.kv)
         batch = len(token_ids)
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         lens = torch.tensor(seq_lens, dtype=torch.int64)

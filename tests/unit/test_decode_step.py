@@ -203,3 +203,25 @@ def test_a_model_the_fused_step_cannot_take_frees_the_panel_copy(tiny_model_dir:
     assert runner.decode_path == "torch" and "bias" in runner.fused_unsupported
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.panels is None and m.packed is not None for m in linears)
+
+
+def test_fused_step_follows_the_cache_when_it_moves(tiny_model_dir: Path) -> None:
+    """A KV transport moves the cache into shared memory after the engine is built
+    (`KVCache.adopt_kv`); the fused step must read and write the new tensor, not the old."""
+    fused, ref = _runner(tiny_model_dir, "float32", True), _runner(tiny_model_dir, "float32", False)
+    prompt = list(range(3, 30))
+    table = _tables([len(prompt)])[0]
+    for runner in (fused, ref):
+        runner.execute([StepInput(prompt, 0, table)])
+    old = fused.kv_cache.kv
+    fused.kv_cache.adopt_kv(torch.empty_like(old))
+    old.zero_()  # what the fused step would read if it still pointed here
+    tok = 5
+    for i in range(4):
+        item = [StepInput([tok], len(prompt) + i, table)]
+        got, want = fused.execute(item), ref.execute(item)
+        diff = (got - want).abs().max().item()
+        assert diff <= LOGIT_REL[torch.float32] * want.abs().max().item(), (i, diff)
+        tok = int(want.argmax(-1).item())
+    assert torch.allclose(fused.kv_cache.kv, ref.kv_cache.kv, rtol=1e-4, atol=1e-5)
+    assert old.abs().max().item() == 0  # nothing written to the old tensor
