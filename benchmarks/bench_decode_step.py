@@ -11,8 +11,12 @@ parameters) and `smollm2` (a random model of SmolLM2-135M's shape: hidden 576, i
 models/smollm2-shape[-bf16], unless present), each in float32 and bfloat16. Per engine two
 variants on the same weights: `fused` (all-decode steps in one C call,
 `model_runtime.kernels.decode_step`, the default wherever the weights are panel-packed) and
-`torch` (the model's torch modules, the path before issue 30). `--baselines` adds an engine on
-the 'auto' kernel where that is not `avx2` (oneDNN on AVX-512 hosts), torch path.
+`torch` (the model's torch modules, the path before issue 30). `--baselines` adds, where the
+host has oneDNN: an engine on the `onednn` kernel, torch path (what `auto` gave decode steps on
+AVX-512 hosts before they got a panel copy: the `onednn_ms` column), and one on `auto` with its
+default decode path (on AVX-512/AMX hosts oneDNN for prefill plus panels for fused decode steps:
+`auto_ms` and `auto / floor`); the `auto` engine is left out where `auto` is `avx2` (the fused
+columns are it).
 
 For each batch B, in `--rounds` rounds, for each thread count: the memory bandwidth is measured
 (`tooling.machine`, with that torch thread count), then every variant runs: B requests with
@@ -265,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile-batches", default="", help="e.g. 1,16 (empty: no op profile)")
     ap.add_argument(
-        "--baselines", action="store_true", help="also time the 'auto' kernel where not avx2"
+        "--baselines",
+        action="store_true",
+        help="also time 'auto' (its default decode path) and 'onednn' (torch path), where "
+        "the host has oneDNN",
+    )
+    ap.add_argument(
+        "--no-torch-path",
+        action="store_true",
+        help="skip the avx2 weights' torch-path variant (the step before the fused C step)",
     )
     ap.add_argument("--out", default="runs/bench/decode_step.json")
     args = ap.parse_args(argv)
@@ -282,15 +294,23 @@ def main(argv: list[str] | None = None) -> int:
             path = model_path(name, dtype)
             engines[(name, dtype, "avx2")] = make_engine(path, max_b, tokens, "avx2")
             if args.baselines:
-                base = make_engine(path, max_b, tokens, "auto")
-                if base.runner.linear_kernel != "avx2":
-                    base.runner.set_decode_path("torch")
-                    engines[(name, dtype, base.runner.linear_kernel)] = base
+                auto = make_engine(path, max_b, tokens, "auto")
+                if auto.runner.linear_kernel != "avx2":
+                    engines[(name, dtype, "auto")] = auto
+                if auto.runner.linear_kernel == "onednn":
+                    onednn = make_engine(path, max_b, tokens, "onednn")
+                    onednn.runner.set_decode_path("torch")
+                    engines[(name, dtype, "onednn")] = onednn
     for key, e in engines.items():
         _say(f"{key}: kernel {e.runner.linear_kernel}, decode path {e.runner.decode_path}")
-    # variant key: (model, dtype, kernel, decode path)
+    # variant key: (model, dtype, engine label, decode path)
     variants = [(*k, "fused") for k in engines if k[2] == "avx2"]
-    variants += [(*k, "torch") for k in engines]
+    variants += [
+        (*k, "torch")
+        for k in engines
+        if k[2] == "onednn" or (k[2] == "avx2" and not args.no_torch_path)
+    ]
+    variants += [(*k, e.runner.decode_path) for k, e in engines.items() if k[2] == "auto"]
     best: dict[tuple[str, str, str, str, int, int], float] = {}
     bandwidth: dict[int, MachineInfo] = {}
     for b in batches:
@@ -366,12 +386,14 @@ def summarize(
             "bandwidth_gbs": bw / 1e9,
             "floor_ms": floor_ms,
             "fused_ms": sec * 1e3,
-            "torch_ms": best[(name, dtype, kernel, "torch", t, b)] * 1e3,
+            "torch_ms": best.get((name, dtype, kernel, "torch", t, b), math.nan) * 1e3,
         }
         for (n2, d2, k2, _p2, t2, b2), s2 in best.items():
             if (n2, d2, t2, b2) == (name, dtype, t, b) and k2 != "avx2":
                 row[f"{k2}_ms"] = s2 * 1e3
         row["fused_over_floor"] = row["fused_ms"] / floor_ms
+        if "auto_ms" in row:
+            row["auto_over_floor"] = row["auto_ms"] / floor_ms
         rows.append(row)
     by_key = {(r["model"], r["dtype"], r["threads"], r["batch"]): r for r in rows}
     for r in rows:
@@ -400,6 +422,7 @@ def render(result: dict[str, Any]) -> str:
     extra = sorted(
         {k for r in rows for k in r if k.endswith("_ms")} - {"floor_ms", "fused_ms", "torch_ms"}
     )
+    auto = any("auto_over_floor" in r for r in rows)
     lines = [
         f"# Decode step vs weight-streaming floor ({result['date']}, CPU capability "
         f"{result['cpu_capability']}, context {result['context']}, best of "
@@ -412,13 +435,21 @@ def render(result: dict[str, Any]) -> str:
         )
         + ". Floor = weight bytes / that bandwidth. `fused`: the step in one C call; `torch`: "
         "the same packed weights through the torch modules"
-        + (f"; {', '.join(extra)}: the 'auto' kernel, torch path" if extra else "")
+        + (
+            "; `onednn_ms`: oneDNN weights, torch path (the old `auto` on AVX-512 hosts); "
+            "`auto_ms`: the `auto` kernel with its default decode path"
+            if extra
+            else ""
+        )
         + ".",
         "",
         "| model | dtype | threads | batch | floor ms | fused ms | fused / floor | torch ms | "
         + "".join(f"{k} | " for k in extra)
+        + ("auto / floor | " if auto else "")
         + "x batch 1 | x 1 thread |",
-        "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|"
+        + "---:|" * (len(extra) + int(auto))
+        + "---:|---:|",
     ]
 
     def ratio(v: float | None) -> str:
@@ -430,6 +461,7 @@ def render(result: dict[str, Any]) -> str:
             f"{r['floor_ms']:.2f} | {r['fused_ms']:.2f} | **{r['fused_over_floor']:.2f}** | "
             f"{r['torch_ms']:.2f} | "
             + "".join(f"{r[k]:.2f} | " if k in r else " | " for k in extra)
+            + (f"**{ratio(r.get('auto_over_floor'))}** | " if auto else "")
             + f"{ratio(r['over_batch1'])} | {ratio(r['over_1_thread'])} |"
         )
     if result["profiles"]:

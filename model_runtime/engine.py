@@ -146,6 +146,12 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             linear_kernel=config.linear_kernel,
         )
+        logger.info(
+            "linear kernel %s; decode-only steps: %s%s",
+            runner.linear_kernel,
+            runner.decode_path,
+            f" ({runner.fused_unsupported})" if runner.fused_unsupported else "",
+        )
         return cls(runner, config, kv_event_listener)
 
     # ------------------------------------------------------------------ requests

@@ -49,9 +49,12 @@ class EngineConfig(BaseModel):
     )
     linear_kernel: Literal["auto", "torch", "onednn", "avx2"] = Field(
         default="auto",
-        description="GEMM behind the weight matmuls; 'auto' = oneDNN prepacked weights on CPU "
-        "(float32, and bfloat16 where the CPU has oneDNN's bf16 instructions), else the "
-        "avx2 kernel for bfloat16 on AVX2 CPUs, else torch's F.linear.",
+        description="GEMM behind the weight matmuls; 'auto' = on AVX2-only CPUs the avx2 panel "
+        "kernel (every step; decode steps fused in one C call); on CPUs with oneDNN's wider "
+        "paths (AVX-512, AMX) oneDNN prepacked weights for prefill and mixed steps plus a "
+        "panel copy of the weights (2x weight memory) on which decode-only steps run fused; "
+        "elsewhere torch's F.linear. 'onednn' = oneDNN for every step, one copy; 'avx2' = "
+        "the panel kernel for every step, one copy.",
     )
     device: str = Field(
         default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."

@@ -18,6 +18,17 @@ kernel states (`Linear.kernel`), chosen once after loading by `pack_linears`:
   weight once per row, so a decode step grew linearly with the batch; for float32 it streams a
   batch-1 step's GEMVs ~1.5x faster than oneDNN (`avx2_is_best` has the numbers).
 
+Two packings at once, chosen per step. On a CPU where 'auto' resolves to oneDNN (AVX-512 / AMX
+hosts: its prefill GEMMs ran 2-6x the panel kernel's speed there) and the `avx2` kernel builds,
+`pack_linears(model, "auto")` also keeps each weight in the panel layout (`Linear.panels`), so
+that decode steps can run fused in one C call on the panels (`kernels.decode_step`, which reads
+them at the weight-streaming floor) while prefill and mixed steps run oneDNN through the torch
+modules. Both packings exist because one worker runs both kinds of step: a colocated worker
+every few steps, and any worker after a role switch (`SetRole` changes a worker's role without
+reloading it). The cost is a second copy of the weights (2x weight memory; the KV cache is sized
+apart, by `EngineConfig.kv_cache_memory_mb`); `linear_kernel = "onednn"` keeps one copy and
+runs decode steps through oneDNN.
+
 oneDNN builds (JIT-compiles) a GEMM kernel for every new input shape, ~4 ms each on that
 machine, and keeps the last 1024 in a cache. A serving engine's steps have a row count that
 changes all the time (decode batch + prefill chunk), so unbucketed it spent most of a loaded
@@ -72,6 +83,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernel: KernelName = "torch"
         self.packed: torch.Tensor | None = None  # the weight in `kernel`'s layout, once packed
+        # A second copy in `panel_gemm`'s layout for the fused decode step, kept beside a
+        # oneDNN packing (`pack(..., panels=True)`); None otherwise.
+        self.panels: torch.Tensor | None = None
         self.weight_nbytes = 0  # set by `pack`; before packing read weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,18 +107,27 @@ class Linear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out[:rows].view(*x.shape[:-1], self.out_features)
 
-    def pack(self, kernel: Literal["onednn", "avx2"] = "onednn") -> None:
+    def pack(self, kernel: Literal["onednn", "avx2"] = "onednn", panels: bool = False) -> None:
         """Rearrange the weight for `kernel` and drop the plain copy (see `resolve_linear_kernel`
-        for where each is available). Packing twice is an error."""
+        for where each is available). `panels`: with 'onednn', also keep the weight in the
+        panel layout (`panels`, for the fused decode step; the `avx2` kernel must be
+        available). Packing twice is an error."""
         assert self.kernel == "torch", f"Linear already packed for {self.kernel!r}"
         w = self.weight.detach()
         self.weight_nbytes = w.numel() * w.element_size()
         if kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+            if panels:
+                self.panels = panel_gemm.pack_weight(w)
         else:
             self.packed = panel_gemm.pack_weight(w)
         self.kernel = kernel
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+
+    def panel_weight(self) -> torch.Tensor | None:
+        """The weight in `panel_gemm`'s layout (what the fused decode step reads): the packed
+        weight on the `avx2` kernel, the second copy beside a oneDNN packing, else None."""
+        return self.packed if self.kernel == "avx2" else self.panels
 
     def nbytes(self) -> int:
         """Bytes a forward pass reads from the weight (packed or not)."""
@@ -178,19 +201,34 @@ def resolve_linear_kernel(
     return "torch"
 
 
+def keeps_panels(
+    kernel: LinearKernel, resolved: KernelName, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """Whether `pack_linears` keeps a panel copy beside the `resolved` packing: only for
+    'auto' resolved to oneDNN where the `avx2` kernel runs (see the module doc: decode steps
+    then run fused on the panels, prefill on oneDNN). A named kernel keeps one copy. Where the
+    fused step cannot take the model after all (`FusedDecode.unsupported`), `ModelRunner`
+    frees the copy."""
+    return kernel == "auto" and resolved == "onednn" and not avx2_unsupported(device, dtype)
+
+
 def pack_linears(model: nn.Module, kernel: LinearKernel) -> KernelName:
-    """Switch every `Linear` in `model` to the resolved kernel; returns the kernel in use."""
+    """Switch every `Linear` in `model` to the resolved kernel (with a panel copy where
+    `keeps_panels`); returns the kernel in use."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears:
         return "torch"
     first = linears[0].weight if linears[0].kernel == "torch" else linears[0].packed
     assert first is not None
     resolved = resolve_linear_kernel(kernel, first.device, first.dtype)
+    panels = keeps_panels(kernel, resolved, first.device, first.dtype)
     for layer in linears:
         if layer.kernel != resolved:
             assert layer.kernel == "torch", (
                 f"cannot repack a Linear from {layer.kernel!r} to {resolved!r}"
             )
-            if resolved != "torch":
+            if resolved == "onednn":
+                layer.pack(resolved, panels=panels)
+            elif resolved == "avx2":
                 layer.pack(resolved)
     return resolved

@@ -19,7 +19,7 @@ from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
 from model_runtime.kernels.decode_step import FusedDecode
 from model_runtime.kv_cache import KVCache
-from model_runtime.linear import LinearKernel, pack_linears
+from model_runtime.linear import Linear, LinearKernel, pack_linears
 from model_runtime.model import LlamaModel
 from model_runtime.weights import load_model
 
@@ -73,9 +73,15 @@ class ModelRunner:
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         # Steps whose every row is one new token run as one C call where the model allows
-        # (`kernels.decode_step`); `decode_path` says which path they take.
+        # (`kernels.decode_step`: panel-packed weights, `Linear.panel_weight`); prefill and
+        # mixed steps run the torch modules (oneDNN or panel GEMMs, `linear_kernel`).
+        # `decode_path` says which path decode steps take.
         self.fused_unsupported = FusedDecode.unsupported(model, kv_cache, decode_isa)
         self._fused = None if self.fused_unsupported else FusedDecode(model, kv_cache, decode_isa)
+        if self._fused is None:  # a panel copy kept for the fused step is of no use: free it
+            for layer in model.modules():
+                if isinstance(layer, Linear):
+                    layer.panels = None
         self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
 
     @property
@@ -107,7 +113,8 @@ class ModelRunner:
         """Load config and weights from an HF folder and allocate `num_blocks` KV blocks.
 
         `linear_kernel` picks the GEMM behind every weight matmul (`model_runtime.linear`):
-        'auto' packs weights for oneDNN on CPU where the build supports it.
+        'auto' packs weights for oneDNN on CPU where the build supports it, with a panel copy
+        for the fused decode step where that kernel builds (AVX2-only CPUs: panels only).
         """
         config = ModelConfig.from_model_dir(model_dir)
         device = torch.device(device)
@@ -184,6 +191,12 @@ class ModelRunner:
         """Run one step; float32 logits [len(items), vocab] of each item's last new token.
 
         `on_layer_done(l)` is called after layer `l`'s K/V for every item is in the cache.
+        Which path runs: a step of one-token rows only, without `on_layer_done` -> the fused
+        step (`decode_path` 'fused'); any other step -> the torch model. Where the panels are a
+        copy beside oneDNN's packing, a decode row in a step that also holds a prefill chunk
+        thus gets oneDNN's GEMMs, not the panels': in float32 its logits differ from an
+        all-decode step's by summation order (~1e-6 relative), so a greedy token at such a
+        near-tie can depend on what shares its step.
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)

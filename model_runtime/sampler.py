@@ -12,16 +12,20 @@ an exact tie, as `torch.argmax`). Sampled rows are processed one by one, each wi
    vocabulary — equivalent to sampling from `probs`, and it consumes a fixed amount of
    randomness per step whatever the cut, so a generator's stream stays aligned.
 
-Alongside each token the sampler returns its log-probability under the *unprocessed* logits
-(the model's own distribution), which tests use to tell a numerical near-tie from a bug, and,
-for rows whose params ask for `logprobs` = k, the k most likely tokens under that same
-distribution. `banned[i]` lists token ids row i must not pick (a request below `min_tokens`:
-its EOS and stop ids); they are masked before step 1 and before the greedy argmax, never in
-the reported log-probabilities.
+For rows whose params ask for `logprobs` (k >= 0), the sampler returns the token's
+log-probability under the *unprocessed* logits (the model's own distribution; tests use it to
+tell a numerical near-tie from a bug) and the k most likely tokens under that same distribution.
+Other rows get NaN there: their log-softmax is not computed, which leaves a greedy batch one
+argmax over the logits (the log-softmax and gather over [16, 49152] took ~2x the argmax).
+
+`banned[i]` lists token ids row i must not pick (a request below `min_tokens`: its EOS and stop
+ids); they are masked before step 1 and before the greedy argmax, never in the reported
+log-probabilities.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,8 +36,8 @@ from model_runtime.sampling_params import SamplingParams, TopLogprobs
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """One entry per logits row: the chosen token, its model log-probability, and the top
-    alternatives (None for rows that did not ask for them)."""
+    """One entry per logits row: the chosen token, its model log-probability (NaN for rows
+    whose params did not ask for `logprobs`), and the top alternatives (None for those rows)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -70,15 +74,26 @@ class Sampler:
             for i, ids in enumerate(banned):
                 if ids:
                     allowed[i, list(ids)] = float("-inf")
-        tokens = torch.argmax(allowed, dim=-1)
+        # max's indices: the first maximal one, as argmax's; 1.6x faster than argmax over
+        # [16, 49152] here (0.87 vs 1.45 ms, 1 thread).
+        tokens = allowed.max(dim=-1).indices
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             tokens = tokens.clone()
             for i in sampled_rows:
                 tokens[i] = self._sample_row(allowed[i], params[i], generators[i])
-        all_logprobs = torch.log_softmax(logits, dim=-1)
-        logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return SamplerOutput(tokens.tolist(), logprobs.tolist(), _top(all_logprobs, params))
+        token_ids: list[int] = tokens.tolist()
+        logprobs = [math.nan] * batch
+        top: list[TopLogprobs | None] = [None] * batch
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            rows = logits if len(wanted) == batch else logits[wanted]
+            all_logprobs = torch.log_softmax(rows, dim=-1)
+            picked = all_logprobs.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
+            tops = _top(all_logprobs, [params[i] for i in wanted])
+            for k, i in enumerate(wanted):
+                logprobs[i], top[i] = picked[k], tops[k]
+        return SamplerOutput(token_ids, logprobs, top)
 
     @staticmethod
     def _sample_row(
@@ -91,20 +106,16 @@ class Sampler:
         return torch.argmax(probs / race)
 
 
-def _top(all_logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs | None]:
-    """Each row's `params.logprobs` most likely (id, logprob) pairs (None where not asked)."""
-    out: list[TopLogprobs | None] = [None] * len(params)
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not wanted:
-        return out
-    k = max(params[i].logprobs or 0 for i in wanted)
-    values, ids = all_logprobs[wanted].topk(k, dim=-1) if k else (None, None)
-    for row, i in enumerate(wanted):
-        n = params[i].logprobs or 0
-        if n == 0 or values is None or ids is None:
-            out[i] = ()
-            continue
-        out[i] = tuple(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True))
+def _top(all_logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs]:
+    """Each row's `params.logprobs` most likely (id, logprob) pairs; every row asked."""
+    k = max(p.logprobs or 0 for p in params)
+    if k == 0:
+        return [()] * len(params)
+    values, ids = all_logprobs.topk(k, dim=-1)
+    out: list[TopLogprobs] = []
+    for row, p in enumerate(params):
+        n = p.logprobs or 0
+        out.append(tuple(zip(ids[row, :n].tolist(), values[row, :n].tolist(), strict=True)))
     return out
 
 

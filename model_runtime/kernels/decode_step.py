@@ -6,7 +6,8 @@ dispatch, which on a 2-core CPU added 30-50 % to the weight-streaming time of a 
 (issue 21's profile) and grows with the layer count (issue 30). `FusedDecode.run` does the
 embedding gather, every layer (RMSNorm, one QKV GEMM, RoPE, the K/V cache write, paged
 attention, o_proj + residual, RMSNorm, one gate/up GEMM, SiLU * up, down + residual), the final
-norm and the LM head in C, on the `avx2` kernel's packed weights (`panel_gemm`), with
+norm and the LM head in C, on panel-packed weights (`panel_gemm`'s layout: the `avx2` kernel's,
+or the copy 'auto' keeps beside oneDNN's, `Linear.panel_weight`), with
 `torch.get_num_threads()` threads.
 
 Contract: the same function as `LlamaModel` + `compute_logits` on the same packed weights for
@@ -15,9 +16,12 @@ GEMMs, RoPE and attention give the torch path's bits; RMSNorm's sum of squares a
 may differ in the last bit, which the layers amplify: on the tiny test model logits agreed to
 1.1e-5 relative (the test allows 1e-4), and float32 greedy tokens equal HF's. In bfloat16
 every value is rounded to bf16 at the points where the torch model's ops round it, and the same
-near-ties apply. `FusedDecode.unsupported` says when a model cannot take this path (a layer
-not on the `avx2` kernel, a bias other than the QKV one, shapes the attention kernel does not
-take); the runner then keeps the torch model.
+near-ties apply. When the panels are a copy beside oneDNN's packing, prefill steps (oneDNN)
+and decode steps (panels) use different GEMMs on the same weights: in float32 they agree to
+summation order (~1e-6 relative), and float32 greedy tokens still equal HF's
+(`tests/integration/test_fidelity_hf.py` runs that default). `FusedDecode.unsupported` says
+when a model cannot take this path (a layer without panel weights, a bias other than the QKV
+one, shapes the attention kernel does not take); the runner then keeps the torch model.
 """
 
 from __future__ import annotations
@@ -108,7 +112,9 @@ def decoder_layers(model: LlamaModel) -> list[DecoderLayer]:
 class FusedDecode:
     """The decode step of one packed model over one KV cache. Holds references to every
     tensor whose address it passes to C, so they live as long as it does; the model's weights
-    and the cache must not be replaced or repacked while it is in use."""
+    must not be replaced or repacked while it is in use. The cache may move
+    (`KVCache.adopt_kv`, e.g. into shared memory by a KV transport after the engine is built):
+    each `run` reads the cache's current tensor."""
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache, isa: str | None = None) -> None:
         reason = FusedDecode.unsupported(model, kv_cache, isa)
@@ -120,26 +126,30 @@ class FusedDecode:
         self.vocab = cfg.vocab_size
         self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
         self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
+        self._kv_cache = kv_cache
+        self._kv = kv  # the cache tensor whose layer addresses `_layers` holds
         rows = []
         for i, layer in enumerate(decoder_layers(model)):
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
             tensors = [
                 layer.input_layernorm.weight.detach(),
-                attn.qkv_proj.packed,
+                attn.qkv_proj.panel_weight(),
                 None if bias is None else bias.detach().contiguous(),
-                attn.o_proj.packed,
+                attn.o_proj.panel_weight(),
                 layer.post_attention_layernorm.weight.detach(),
-                mlp.gate_up_proj.packed,
-                mlp.down_proj.packed,
+                mlp.gate_up_proj.panel_weight(),
+                mlp.down_proj.panel_weight(),
                 kv[i],
             ]
-            self._keep += [t for t in tensors if t is not None]
+            # (not the cache's layer views: `_kv` holds the cache, which may move)
+            self._keep += [t for t in tensors[:-1] if t is not None]
             rows.append([0 if t is None else t.data_ptr() for t in tensors])
         self._layers = torch.tensor(rows, dtype=torch.int64)
         assert self._layers.shape == (cfg.num_hidden_layers, _FIELDS), self._layers.shape
-        assert model.lm_head.packed is not None
-        self._keep.append(model.lm_head.packed)
+        lm_head = model.lm_head.panel_weight()
+        assert lm_head is not None
+        self._keep.append(lm_head)
         # None, or len(OPS) seconds that every `run` adds each op's wall time to (profiling).
         self.op_seconds: torch.Tensor | None = None
         self._model = _Model(
@@ -159,7 +169,7 @@ class FusedDecode:
             bf16=int(kv.dtype == torch.bfloat16),
             embed=self._keep[0].data_ptr(),
             final_norm=self._keep[1].data_ptr(),
-            lm_head=model.lm_head.packed.data_ptr(),
+            lm_head=lm_head.data_ptr(),
             cos_table=self._keep[2].data_ptr(),
             sin_table=self._keep[3].data_ptr(),
             layers=self._layers.data_ptr(),
@@ -179,8 +189,11 @@ class FusedDecode:
         for layer in decoder_layers(model):
             linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        if any(lin.kernel != "avx2" or lin.packed is None for lin in linears):
-            return "every Linear must be packed for the 'avx2' kernel"
+        if any(lin.panel_weight() is None for lin in linears):
+            return (
+                "every Linear must have panel-packed weights (linear kernel 'avx2', or 'auto' "
+                "where it resolves to oneDNN and keeps a panel copy)"
+            )
         qkv = {id(layer.self_attn.qkv_proj) for layer in decoder_layers(model)}
         if any(lin.bias is not None and id(lin) not in qkv for lin in linears):
             return "only the QKV projection may carry a bias"
@@ -205,6 +218,18 @@ class FusedDecode:
             )
         return ""
 
+    def _bind_cache(self, kv: torch.Tensor) -> None:
+        """Point every layer at `kv`, the cache's tensor after `KVCache.adopt_kv` (same shape,
+        dtype and strides, so only the addresses change)."""
+        assert kv.shape == self._kv.shape and kv.stride() == self._kv.stride(), (
+            f"the KV cache changed layout: {tuple(kv.shape)} {kv.stride()}, built for "
+            f"{tuple(self._kv.shape)} {self._kv.stride()}"
+        )
+        assert kv.dtype == self._kv.dtype, (kv.dtype, self._kv.dtype)
+        for i in range(self._layers.shape[0]):
+            self._layers[i, _FIELDS - 1] = kv[i].data_ptr()
+        self._kv = kv
+
     def start_op_timing(self) -> None:
         """From now on, add each op's wall time to `op_seconds` (zeroed here), by `OPS` name."""
         self.op_seconds = torch.zeros(len(OPS), dtype=torch.float64)
@@ -222,6 +247,8 @@ class FusedDecode:
         """float32 logits [B, vocab] for B sequences of one new token each: `token_ids[r]` at
         position `seq_lens[r] - 1`, whose blocks are row r of `block_tables` (int64
         [B, >= blocks], row-contiguous). Writes each layer's K/V for those positions."""
+        if self._kv_cache.kv is not self._kv:
+            self._bind_cache(self._kv_cache.kv)
         batch = len(token_ids)
         tokens = torch.tensor(token_ids, dtype=torch.int64)
         lens = torch.tensor(seq_lens, dtype=torch.int64)

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from model_runtime.engine import EngineConfig, LLMEngine
+from model_runtime.kernels import decode_step
+from model_runtime.linear import onednn_supported
 from model_runtime.model_runner import ModelRunner, StepInput
 from model_runtime.sampling_params import SamplingParams
 
@@ -75,8 +77,8 @@ def _assert_same(ours: list[int], hf: list[int], scores: torch.Tensor, label: st
 
 @pytest.mark.parametrize(
     ("prefix_caching", "linear_kernel"),
-    [(False, "auto"), (True, "auto"), (False, "avx2")],
-    ids=["no-prefix-cache", "prefix-cache", "avx2-fused-decode"],
+    [(False, "auto"), (True, "auto"), (False, "avx2"), (False, "onednn")],
+    ids=["no-prefix-cache", "prefix-cache", "avx2-fused-decode", "onednn-torch-decode"],
 )
 def test_engine_greedy_equals_hf_batch_size_1(
     tiny_model_dir: Path,
@@ -85,13 +87,13 @@ def test_engine_greedy_equals_hf_batch_size_1(
     prefix_caching: bool,
     linear_kernel: str,
 ) -> None:
-    """On the default kernels, and on the avx2 kernel whose decode steps run fused in C
-    (`kernels.decode_step`; the default on AVX2-only CPUs, opt-in elsewhere)."""
-    if linear_kernel == "avx2":
-        from model_runtime.kernels import decode_step
-
-        if decode_step.load() is None:
-            pytest.skip(f"fused decode step unavailable: {decode_step.unavailable_reason()}")
+    """On the default kernels (on CPU: decode steps fused in C on panel weights, prefill on
+    oneDNN where that is the faster prefill GEMM, `model_runtime.linear`), on the avx2 kernel
+    alone, and on oneDNN alone (decode steps through the torch modules)."""
+    if linear_kernel == "avx2" and decode_step.load() is None:
+        pytest.skip(f"fused decode step unavailable: {decode_step.unavailable_reason()}")
+    if linear_kernel == "onednn" and not onednn_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("torch build without oneDNN")
     engine = LLMEngine.from_model_dir(
         tiny_model_dir,
         EngineConfig(
@@ -101,8 +103,10 @@ def test_engine_greedy_equals_hf_batch_size_1(
             linear_kernel=linear_kernel,  # type: ignore[arg-type]
         ),
     )
-    if linear_kernel == "avx2":
+    if linear_kernel == "avx2" or (linear_kernel == "auto" and decode_step.load() is not None):
         assert engine.runner.decode_path == "fused", engine.runner.fused_unsupported
+    if linear_kernel == "onednn":
+        assert engine.runner.decode_path == "torch"
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     free_at_start = engine.block_pool.num_free
     # With prefix caching, run every prompt twice: the second pass hits the cache for every

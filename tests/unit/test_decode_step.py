@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from model_runtime.kernels import build, decode_step
+from model_runtime.linear import Linear, keeps_panels, resolve_linear_kernel
 from model_runtime.model_runner import ModelRunner, StepInput
 
 pytestmark = pytest.mark.skipif(
@@ -141,3 +142,86 @@ def test_unsupported_models_say_why(tiny_model_dir: Path) -> None:
     assert "avx2" in runner.fused_unsupported
     with pytest.raises(ValueError, match="avx2"):
         runner.set_decode_path("fused")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_fuses_decode_steps_and_keeps_onednn_for_prefill(
+    tiny_model_dir: Path, dtype: str
+) -> None:
+    """On a host where 'auto' resolves to oneDNN (AVX-512/AMX), decode-only steps run the fused
+    step on the panel copy while prefill runs oneDNN: its prefill logits are the bits of a
+    oneDNN-only runner's, and its decode logits and K/V agree with that runner's torch-path
+    decode within the fused step's tolerance (float32 greedy tokens: equal)."""
+    torch_dtype = getattr(torch, dtype)
+    cpu = torch.device("cpu")
+    resolved = resolve_linear_kernel("auto", cpu, torch_dtype)
+    if not keeps_panels("auto", resolved, cpu, torch_dtype):
+        pytest.skip(f"'auto' is {resolved!r} here for {dtype}, without a panel copy")
+    auto = ModelRunner.from_model_dir(tiny_model_dir, 64, BLOCK, dtype=dtype)
+    assert auto.linear_kernel == "onednn" and auto.decode_path == "fused", auto.fused_unsupported
+    ref = ModelRunner.from_model_dir(tiny_model_dir, 64, BLOCK, dtype=dtype, linear_kernel="onednn")
+    assert ref.decode_path == "torch" and "panel" in ref.fused_unsupported
+    lens = [15, 16, 40]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    tables = _tables(lens)
+    items = [StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    assert torch.equal(auto.execute(items), ref.execute(items))  # prefill: oneDNN in both
+    tol = LOGIT_REL[torch_dtype]
+    tokens = [p[-1] for p in prompts]
+    auto_tokens, ref_tokens = [], []
+    for step in range(8):
+        items = [
+            StepInput([tok], n + step, t) for tok, n, t in zip(tokens, lens, tables, strict=True)
+        ]
+        got, want = auto.execute(items), ref.execute(items)
+        diff = (got - want).abs().max().item()
+        scale = want.abs().max().item()
+        assert diff <= tol * scale, f"step {step}: logits differ by {diff} (scale {scale})"
+        kv_diff = (auto.kv_cache.kv.float() - ref.kv_cache.kv.float()).abs().max().item()
+        assert kv_diff <= tol * ref.kv_cache.kv.float().abs().max().item(), kv_diff
+        auto_tokens.append(got.argmax(-1).tolist())
+        ref_tokens.append(want.argmax(-1).tolist())
+        tokens = ref_tokens[-1]
+    if dtype == "float32":
+        assert auto_tokens == ref_tokens
+
+
+def test_a_model_the_fused_step_cannot_take_frees_the_panel_copy(tiny_model_dir: Path) -> None:
+    """'auto' keeps panels beside oneDNN only for the fused step; where the step cannot take
+    the model (here: an o_proj bias), the runner frees them and decodes on the torch path."""
+    cpu = torch.device("cpu")
+    if not keeps_panels(
+        "auto", resolve_linear_kernel("auto", cpu, torch.float32), cpu, torch.float32
+    ):
+        pytest.skip("'auto' keeps no panel copy on this host")
+    loaded = ModelRunner.from_model_dir(tiny_model_dir, 8, BLOCK)
+    o_proj = decode_step.decoder_layers(loaded.model)[0].self_attn.o_proj
+    assert o_proj.panels is not None
+    o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
+    runner = ModelRunner(loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "onednn")
+    assert runner.decode_path == "torch" and "bias" in runner.fused_unsupported
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.panels is None and m.packed is not None for m in linears)
+
+
+def test_fused_step_follows_the_cache_when_it_moves(tiny_model_dir: Path) -> None:
+    """A KV transport moves the cache into shared memory after the engine is built
+    (`KVCache.adopt_kv`); the fused step must read and write the new tensor, not the old."""
+    fused, ref = _runner(tiny_model_dir, "float32", True), _runner(tiny_model_dir, "float32", False)
+    prompt = list(range(3, 30))
+    table = _tables([len(prompt)])[0]
+    for runner in (fused, ref):
+        runner.execute([StepInput(prompt, 0, table)])
+    old = fused.kv_cache.kv
+    fused.kv_cache.adopt_kv(torch.empty_like(old))
+    old.zero_()  # what the fused step would read if it still pointed here
+    tok = 5
+    for i in range(4):
+        item = [StepInput([tok], len(prompt) + i, table)]
+        got, want = fused.execute(item), ref.execute(item)
+        diff = (got - want).abs().max().item()
+        assert diff <= LOGIT_REL[torch.float32] * want.abs().max().item(), (i, diff)
+        tok = int(want.argmax(-1).item())
+    assert torch.allclose(fused.kv_cache.kv, ref.kv_cache.kv, rtol=1e-4, atol=1e-5)
+    assert old.abs().max().item() == 0  # nothing written to the old tensor

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_runtime.kernels import panel_gemm
 from model_runtime.linear import (
     Linear,
     avx2_unsupported,
+    keeps_panels,
     onednn_supported,
     pack_linears,
     resolve_linear_kernel,
@@ -142,6 +144,39 @@ def test_pack_linears_is_idempotent_and_reports_kernel() -> None:
     assert pack_linears(model, "onednn") == "onednn" and model[0].packed is packed
     with pytest.raises(AssertionError, match="already packed for 'onednn'"):
         model[0].pack("avx2")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_keeps_a_panel_copy_beside_onednn(dtype: torch.dtype) -> None:
+    """Where 'auto' resolves to oneDNN and the avx2 kernel runs (AVX-512/AMX hosts), every
+    Linear keeps both packings: oneDNN's for `forward` and the panels for the fused decode step,
+    which hold the same weight. A named kernel keeps one copy."""
+    resolved = resolve_linear_kernel("auto", CPU, dtype)
+    if resolved != "onednn" or avx2_unsupported(CPU, dtype):
+        pytest.skip(
+            f"'auto' is {resolved!r} here for {dtype} (avx2 kernel: "
+            f"{avx2_unsupported(CPU, dtype) or 'available'}): no second packing to test"
+        )
+    assert keeps_panels("auto", "onednn", CPU, dtype)
+    assert not keeps_panels("onednn", "onednn", CPU, dtype)
+    assert not keeps_panels("auto", "avx2", CPU, dtype)  # the panels are the packing there
+    layer = _linear(96, 80, True, dtype)
+    weight = layer.weight.detach().clone()
+    model = torch.nn.Sequential(layer)
+    assert pack_linears(model, "auto") == "onednn"
+    assert layer.kernel == "onednn" and layer.packed is not None
+    panels = layer.panel_weight()
+    assert panels is not None and panels is layer.panels
+    assert torch.equal(panel_gemm.unpack_weight(panels, 80), weight)
+    x = torch.randn(3, 96).to(dtype)
+    ref = F.linear(x.float(), weight.float(), layer.bias.float()).to(dtype)  # type: ignore[union-attr]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x), ref, atol=tol, rtol=tol)  # oneDNN's packing
+    via_panels = panel_gemm.linear(x, panels, 80, layer.bias)
+    torch.testing.assert_close(via_panels, ref, atol=tol, rtol=tol)
+    one = torch.nn.Sequential(_linear(96, 80, True, dtype))
+    assert pack_linears(one, "onednn") == "onednn"
+    assert one[0].panels is None and one[0].panel_weight() is None
 
 
 @needs_onednn

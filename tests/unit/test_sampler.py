@@ -20,10 +20,34 @@ def test_greedy_is_exact_argmax_with_logprob() -> None:
     logits = torch.tensor(
         [[0.0, 3.0, 1.0, 2.999999], [5.0, -1.0, 5.0, 0.0], [-2.0, -3.0, -1.0, -9.0]]
     )
-    out = Sampler().sample(logits, [GREEDY] * 3, [None] * 3)
+    out = Sampler().sample(logits, [SamplingParams(logprobs=0)] * 3, [None] * 3)
     assert out.token_ids == [1, 0, 2]  # near-tie resolved exactly; exact tie -> lowest index
     expected = torch.log_softmax(logits, -1)[torch.arange(3), torch.tensor([1, 0, 2])]
     assert out.logprobs == expected.tolist()
+
+
+def test_logprobs_only_for_rows_that_ask_and_tokens_unchanged() -> None:
+    """A greedy batch that asks for no logprobs gets the exact argmax and NaN logprobs (no
+    log-softmax); in a mixed batch the rows that ask get log_softmax's exact bits."""
+    logits = torch.randn(16, 49152, generator=_gen(5)) * 4
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # an exact tie: the lowest index wins
+    plain = Sampler().sample(logits, [GREEDY] * 16, [None] * 16)
+    assert plain.token_ids == logits.argmax(-1).tolist() and plain.token_ids[3] == 7
+    assert all(math.isnan(v) for v in plain.logprobs)
+    assert plain.top_logprobs == [None] * 16
+    params = [SamplingParams(logprobs=2) if i % 5 == 0 else GREEDY for i in range(16)]
+    mixed = Sampler().sample(logits, params, [None] * 16)
+    assert mixed.token_ids == plain.token_ids
+    lp = torch.log_softmax(logits, -1)
+    for i in range(16):
+        if i % 5:
+            assert math.isnan(mixed.logprobs[i]) and mixed.top_logprobs[i] is None
+            continue
+        assert mixed.logprobs[i] == lp[i, plain.token_ids[i]].item()
+        top = lp[i].topk(2)
+        assert mixed.top_logprobs[i] == tuple(
+            zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        )
 
 
 def test_greedy_ignores_generator_and_empty_batch() -> None:
