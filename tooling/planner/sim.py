@@ -86,7 +86,8 @@ class Sim:
     switches. `run()` runs to the end; `run_until(t)` stops at `t` (and right after a role
     flip, so a controller sees it when it happens); `on_tick(sim)` runs every `tick_s`.
     `on_step(worker, step)` (tests, tracing) sees every step the workers' schedulers compose,
-    when it starts."""
+    when it starts (every step is then a real one: no decode runs). `fast=False`: no decode
+    runs either (`sim_engine`; the results are the same)."""
 
     def __init__(
         self,
@@ -97,8 +98,12 @@ class Sim:
         drain_timeout_s: float = math.inf,
         choose: Choose | None = None,
         policy: str = "least_load",
+        fast: bool = True,
     ) -> None:
         self.reqs, self.spec, self.cost = reqs, spec, cost
+        # decode runs (`sim_engine`): the same simulation, without applying each decode step
+        # to the scheduler one by one; off, or with `on_step` set, every step is a real one
+        self.fast = fast
         self.now = 0.0
         # the router's policy by name (`sim_policy`): colocated picks, and the pairs unless
         # `router` is given
@@ -191,6 +196,8 @@ class Sim:
         for job in list(w.jobs.values()):
             self.fail(job)
         self.cpu.cancel(w)
+        if w.step is not None:
+            w.eng.abandon(w.step)
         w.step = None
         self._check_drained(w)
 
@@ -297,7 +304,7 @@ class Sim:
     # ---- steps -----------------------------------------------------------------------------
 
     def start_step(self, w: Worker) -> None:
-        step = w.eng.step()
+        step = w.eng.step(self.fast and self.on_step is None)
         if step is None:
             return
         b = step.batch
@@ -314,8 +321,8 @@ class Sim:
     def finish_step(self, w: Worker) -> None:
         step, w.step = w.step, None
         assert step is not None
-        made = 0
-        for prog in w.eng.finish(step):
+        progress, made = w.eng.finish(step)  # `made`: rows that only got a token
+        for prog in progress:
             job = w.jobs.get(prog.request_id)
             if job is None or not prog.new_tokens:
                 continue
