@@ -529,20 +529,24 @@ class Scheduler:
                 self.running.append(request)
         assert rows == self.running, "the rows are the running requests"
         bs = self.config.block_size
-        base = [r.num_tokens for r in rows]  # tokens before the first step runs
-        firsts = [len(r.block_ids) * bs - t + 2 for r, t in zip(rows, base, strict=True)]
-        ends = [k if f == k else 0 for f in finish_at]
-        if k:
-            for r, end in zip(rows, ends, strict=True):
-                n = k - 1 if end else k
-                if n > 0:
-                    r.extend_tokens(token, n)
-                    r.update_block_hashes(bs)
+        base: list[int] = []  # tokens of each row before the first step runs
+        firsts: list[int] = []  # the step at which each row first allocates a block
+        ends: list[int] = []  # k for the rows that finish in step k, else 0
         alloc_at: list[list[int]] = [[] for _ in range(bs)]  # residue -> rows, batch order
         reg_at: list[list[int]] = [[] for _ in range(bs)]
-        for j, (f, t) in enumerate(zip(firsts, base, strict=True)):
+        for j, r in enumerate(rows):
+            t = len(r.prompt_token_ids) + len(r.output_token_ids)
+            f = len(r.block_ids) * bs - t + 2
+            end = k if finish_at[j] == k else 0
+            base.append(t)
+            firsts.append(f)
+            ends.append(end)
             alloc_at[f % bs].append(j)
             reg_at[(1 - t) % bs].append(j)
+            n = k - 1 if end else k
+            if n > 0:
+                r.extend_tokens(token, n)
+                r.update_block_hashes(bs)
         no_ids: set[str] = set()
         preempted: list[str] = []
         finished: list[RequestOutput] = []
@@ -558,12 +562,12 @@ class Scheduler:
             # second half: the computed token, the newly full blocks registered
             for j in everyone if i in (1, k) else reg_at[i % bs]:
                 r = rows[j]
-                r.num_computed_tokens = base[j] - 1 + i
-                if min(r.num_computed_tokens // bs, len(r.block_hashes)) > (
-                    r.num_registered_blocks
-                ):
+                computed = r.num_computed_tokens = base[j] - 1 + i
+                if min(computed // bs, len(r.block_hashes)) > r.num_registered_blocks:
                     self._register_full_blocks(r)
-                if ends[j] == i:
+                if i < k:
+                    continue
+                if ends[j]:
                     done = r.append_token(token)
                     assert done, (r.request_id, i)
                     self.running.remove(r)
@@ -571,9 +575,8 @@ class Scheduler:
                         self._release_blocks(r)
                     del self.requests[r.request_id]
                     finished.append(r.make_output())
-        for r, end in zip(rows, ends, strict=True):
-            if not end:
-                r.num_reported_tokens = len(r.output_token_ids)
+                else:  # its outputs taken, as `update()`'s would be
+                    r.num_reported_tokens = len(r.output_token_ids)
         self.decode_scheduled = then_schedule
         return finished
 
