@@ -18,7 +18,9 @@ the KV hand-offs and the shared CPU are modelled around it:
   prompt tokens on the decode worker, the prefill worker's queued prompt tokens, the decode
   worker's)` (`sim_routing.Choose`, default `threshold_rule`) sends the request either
   "local" — it enters the decode worker's scheduler as a new request and prefills there,
-  chunked inside its decode batches — or "remote", as below;
+  chunked inside its decode batches, and the policy that picked the pair is told
+  (`prefilled_elsewhere`, as `router.flow` does: `prefix_aware` moves its pending cache credit
+  to the decode worker) — or "remote", as below;
 - **remote path**: the decode worker reserves the request's blocks (`reserve_remote`, prompt +
   output - 1 tokens; none free: it fails) and the prefill worker's scheduler runs the prompt
   as a one-token request that keeps its blocks when it finishes (`hold_blocks`). When its
@@ -55,13 +57,16 @@ from tooling.planner.costs import CostModel
 from tooling.planner.sim_cpu import SharedCpu
 from tooling.planner.sim_engine import SimEngine, Step, blocks_for
 from tooling.planner.sim_routing import (
+    ROUTE_ID,
     Choose,
     Pick,
+    PolicyRouter,
     Router,
     colocated_pick,
     policy_router,
     sim_policy,
     threshold_rule,
+    view,
 )
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
 from tooling.planner.sim_workers import Entity, Job, Route, Worker
@@ -109,6 +114,8 @@ class Sim:
         # `router` is given
         self.policy = sim_policy(policy, lambda: self.now)
         self.router: Router = router or policy_router(self.policy)
+        # the policy that chose the pair, told of a local prefill (None: a custom router)
+        self.pair_policy = self.router.policy if isinstance(self.router, PolicyRouter) else None
         threshold = spec.hybrid_threshold
         self.choose: Choose | None = choose or (
             None if threshold is None else threshold_rule(threshold)
@@ -239,6 +246,9 @@ class Sim:
             uncached = r.input_len - d.eng.cached_tokens(prompt, job.seed)
             if self.choose(uncached, p.eng.queued_tokens(), d.eng.queued_tokens()) == "local":
                 job = Job(i, r, d, Route.LOCAL)
+                if self.pair_policy is not None:  # as `router.flow` does: the prompt's
+                    # blocks land on the decode worker, and so does the policy's cache credit
+                    self.pair_policy.prefilled_elsewhere(ROUTE_ID, view(d, self.spec))
         self._start(job)
 
     def _start(self, job: Job) -> None:

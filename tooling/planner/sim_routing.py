@@ -4,8 +4,10 @@ workers, and the hybrid path decision. Pure; used by `sim.Sim`, `sim_adaptive` a
 - `view(w, spec)`: a simulated worker as the router's pool shows it (`router.views.WorkerView`),
   read from its real scheduler: queued prompt tokens, running and waiting requests (reservations
   included), free KV blocks;
-- `Router`: the seam that picks a (prefill, decode) pair; `policy_router(policy)` asks a real
-  `router.policy.RoutingPolicy` (default: the router's `least_load`;
+- `Router`: the seam that picks a (prefill, decode) pair; `policy_router(policy)` (a
+  `PolicyRouter`) asks a real `router.policy.RoutingPolicy`, which the simulator also tells
+  when a hybrid request prefills on its decode worker (`prefilled_elsewhere`) (default: the
+  router's `least_load`;
   `sim_policy(name, clock)` builds any registered one, `prefix_aware` on the simulator's
   clock). A policy that `uses_prefix_matches` gets the prompt's block-hash chain and, as the
   prefix index would answer, how many leading blocks each candidate's pool holds; a private
@@ -31,6 +33,8 @@ from tooling.planner.costs import CostModel
 from tooling.planner.sim_engine import block_hashes
 from tooling.planner.sim_types import ClusterSpec, SimRequest
 from tooling.planner.sim_workers import Worker
+
+ROUTE_ID = "sim"  # the request id the simulated router gives its policy
 
 
 class SimView(Protocol):
@@ -130,7 +134,7 @@ def route_request(
             if (n := w.eng.matched_blocks(list(hashes)))
         )
     return RouteRequest(
-        "sim",
+        ROUTE_ID,
         num_prompt_tokens=r.input_len,
         max_tokens=r.output_len,
         colocated=colocated,
@@ -147,12 +151,18 @@ def sim_policy(name: str, clock: Callable[[], float]) -> RoutingPolicy:
     return make_policy(name)
 
 
-def policy_router(policy: RoutingPolicy) -> Router:
-    """A simulator router that asks `policy`, with a same-node KV hand-off (`cost.transfer`)."""
+class PolicyRouter:
+    """A simulator `Router` that asks a router policy (`policy`), with a same-node KV hand-off
+    (`cost.transfer`). The simulator tells `policy` when it prefills a request on the
+    decode worker instead (`prefilled_elsewhere`, as `router.flow` does)."""
 
-    def route(
-        sim: SimView, r: SimRequest, prefills: list[Worker], decodes: list[Worker]
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+
+    def __call__(
+        self, sim: SimView, r: SimRequest, prefills: list[Worker], decodes: list[Worker]
     ) -> Pick | None:
+        policy = self.policy
         by_addr = {address(w): w for w in [*prefills, *decodes]}
         decision = policy.choose(
             route_request(policy, sim.spec, r, prefills),
@@ -164,7 +174,10 @@ def policy_router(policy: RoutingPolicy) -> Router:
         p, d = by_addr[decision.prefill.address], by_addr[decision.decode.address]
         return p, d, max(0.0, sim.cost.transfer(r.input_len))
 
-    return route
+
+def policy_router(policy: RoutingPolicy) -> PolicyRouter:
+    """A simulator router that asks `policy` (`PolicyRouter`)."""
+    return PolicyRouter(policy)
 
 
 def colocated_pick(
