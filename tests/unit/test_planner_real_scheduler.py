@@ -35,8 +35,10 @@ Shape = list[tuple[str, int, int, bool]]  # (request, start, tokens, samples) pe
 
 
 def _shape(step: Step) -> tuple[Shape, list[str]]:
-    items = [(i.request_id, i.start_pos, len(i.token_ids), i.samples) for i in step.out.items]
-    return items, list(step.out.preempted_ids)
+    out = step.out
+    assert out is not None  # with `on_step` set every step is a real one
+    items = [(i.request_id, i.start_pos, len(i.token_ids), i.samples) for i in out.items]
+    return items, list(out.preempted_ids)
 
 
 def _prompts() -> list[tuple[int, ...]]:
@@ -140,6 +142,7 @@ def test_hybrid_routes_by_the_uncached_prompt_through_the_injected_decision() ->
 
     def on_step(w: Worker, step: Step) -> None:
         if w.kind == "prefill":
+            assert step.out is not None
             prefill_steps.extend(i.request_id for i in step.out.items)
 
     sim.on_step = on_step
@@ -212,6 +215,7 @@ def test_prefix_aware_policy_sees_each_workers_cache_through_its_pool() -> None:
 
         def on_step(w: Worker, step: Step) -> None:
             if w.kind != "decode":
+                assert step.out is not None
                 for item in step.out.items:
                     where.setdefault(item.request_id, w.index)
 
