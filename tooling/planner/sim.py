@@ -277,6 +277,7 @@ class Sim:
             self._reject(job.idx)
             return
         self.routes[job.route] += 1
+        self.out[job.idx].path = job.route.value
         self.inflight += 1
         self.host_work(self.cost.host_request_s)
 

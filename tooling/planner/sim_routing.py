@@ -14,8 +14,10 @@ workers, and the hybrid path decision. Pure; used by `sim.Sim`, `sim_adaptive` a
   prompt (no token ids) has no chain to look up, so such a policy routes it by load;
 - `colocated_pick`: the same policy's colocated choice;
 - `Choose`: the hybrid decision, one pure function of three numbers; `hybrid_rule(config)` is
-  the router's own `router.hybrid.choose_prefill_path` under a `[router.hybrid]` config, and
-  `threshold_rule(t)` that rule with only the threshold set (the default).
+  the router's own `router.hybrid.choose_prefill_path` under a `[router.hybrid]` config,
+  `live_rule(live)` the same under the router's live threshold (which the ratio controller
+  moves: `sim_adaptive`), and `threshold_rule(t)` that rule with only the threshold set (the
+  default).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
-from router.hybrid import HybridConfig, choose_prefill_path
+from router.hybrid import HybridConfig, LiveThreshold, choose_prefill_path
 from router.policies import make_policy
 from router.policy import RouteRequest, RoutingPolicy, WorkerView
 from router.prefix_index.base import PrefixMatch
@@ -79,6 +81,20 @@ def hybrid_rule(config: HybridConfig) -> Choose:
             prefill_queued_tokens=prefill_queued_tokens,
             decode_queued_tokens=decode_queued_tokens,
         ).path
+
+    return choose
+
+
+def live_rule(live: LiveThreshold) -> Choose:
+    """`hybrid_rule` under the router's live threshold (`router.hybrid.LiveThreshold`), read
+    for every request as the router's request path reads it: the ratio controller moves it."""
+
+    def choose(
+        uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int
+    ) -> Decision:
+        return hybrid_rule(live.config())(
+            uncached_tokens, prefill_queued_tokens, decode_queued_tokens
+        )
 
     return choose
 
