@@ -37,8 +37,10 @@ progress then gets its first half (its block allocations) applied, so what is ch
 lands between the step's two halves, as it would between `schedule()` and `update()`; the run
 ends with that step. What the router reads without a sync is computed from the run: the free
 blocks less the run's allocations not yet applied, and the ready requests its first step
-promoted. `step(fast=False)` is the step-by-step path (`Sim(fast=False)`); both give the same
-simulation.
+promoted. Where runs keep ending after a step or two (a decode worker admitting a request
+at nearly every step), they cost more than they save, so the engine steps one by one for a
+while (`MIN_RUN`, `PAUSE_STEPS`). `step(fast=False)` is the step-by-step path
+(`Sim(fast=False)`); both give the same simulation.
 """
 
 from __future__ import annotations
@@ -117,6 +119,12 @@ class Progress:
     new_tokens: int
     finished: bool
 
+
+# Decode runs shorter than this on average (steps) cost more than the steps they replace
+# (each run is planned and applied over all its rows); the engine then steps one by one for
+# PAUSE_STEPS steps before it tries again. Speed only: both paths give the same simulation.
+MIN_RUN = 2
+PAUSE_STEPS = 8
 
 PRIVATE = 1 << 128  # private block ids lie above every 128-bit content hash
 
@@ -223,6 +231,10 @@ class SimEngine:
         self.pool = BlockPool(num_blocks, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
         self._run: _Run | None = None  # the decode run in progress (module docstring)
+        # how long runs last here (steps, a moving average); while they are too short to
+        # pay for themselves, `step` takes the step-by-step path for `_pause` steps
+        self._run_len = float(MIN_RUN)
+        self._pause = 0
         # Prefill requests whose KV goes to a decode worker: they open a send in the step that
         # samples their first token, as `PrefillRole.before_forward` does.
         self._senders: set[str] = set()
@@ -309,7 +321,11 @@ class SimEngine:
             outs = self.scheduler.decode_steps(k, TOKEN, run.first_half, then_schedule)
         run.applied, run.first_half = run.ended, in_progress
         run.pending_alloc = run.promoted = 0
-        run.ending = True
+        if not run.ending:  # the run ends here: how long it lasted
+            run.ending = True
+            self._run_len = 0.75 * self._run_len + 0.25 * run.started
+            if self._run_len < MIN_RUN:
+                self._pause, self._run_len = PAUSE_STEPS, float(MIN_RUN)
         if not in_progress:
             self._run = None
         return outs
@@ -348,7 +364,10 @@ class SimEngine:
             self._sync()
             run = self._run = None
         if run is None and fast:
-            run = self._run = self._start_run()
+            if self._pause:
+                self._pause -= 1
+            else:
+                run = self._run = self._start_run()
         if run is not None:
             run.started += 1
             allocs = run.allocs(run.started)
