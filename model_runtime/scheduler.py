@@ -413,8 +413,13 @@ class Scheduler:
                 request.num_computed_tokens,
                 item.start_pos,
             )
-            request.num_computed_tokens += len(item.token_ids)
-            self._register_full_blocks(request)
+            computed = request.num_computed_tokens = request.num_computed_tokens + len(
+                item.token_ids
+            )
+            if min(computed // self.config.block_size, len(request.block_hashes)) > (
+                request.num_registered_blocks
+            ):  # a block became full: register it (the check inlined: every row, every step)
+                self._register_full_blocks(request)
             if token is None:
                 continue
             finished = request.append_token(

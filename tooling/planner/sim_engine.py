@@ -164,8 +164,10 @@ class LeanRequest(Request):
             super().update_block_hashes(block_size)
             return
         full = len(self._all) // block_size
-        base = PRIVATE + (self.seed << 32)
-        self.block_hashes.extend(range(base + len(self.block_hashes), base + full))
+        have = len(self.block_hashes)
+        if full > have:
+            base = PRIVATE + (self.seed << 32)
+            self.block_hashes.extend(range(base + have, base + full))
 
     def make_output(self) -> RequestOutput:
         new = tuple(self.output_token_ids[self.num_reported_tokens :])
