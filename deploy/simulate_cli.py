@@ -63,6 +63,12 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
         type=float,
         help="link between nodes in GB/s (default: the profile's links.cross_node_gbps)",
     )
+    p.add_argument(
+        "--hybrid",
+        default="",
+        help="hybrid cluster: START:MIN:MAX local-prefill threshold in tokens (every split runs "
+        "hybrid at START; the adaptive run's controller moves it within MIN..MAX)",
+    )
     p.add_argument("--out", required=True, help="folder for simulation.json, report.md, plots")
     p.set_defaults(func=simulate_main)
 
@@ -85,6 +91,7 @@ def simulate_main(args: argparse.Namespace) -> int:
             start=args.start,
             nodes=args.nodes,
             cross_node_gbps=args.cross_node_gbps,
+            hybrid=args.hybrid,
         )
         res = run_scale(setup)
     except (ValueError, KeyError, OSError) as exc:

@@ -172,6 +172,15 @@ class Request:
             self.finish(reason)
         return reason is not None
 
+    def extend_tokens(self, token_id: int, count: int) -> None:
+        """Record `count` copies of a generated token, none of which ends the request (the
+        caller checked `stop_reason`; `Scheduler.decode_steps`). Logprobs are 0.0, as
+        `append_token`'s default."""
+        self.output_token_ids.extend([token_id] * count)
+        self.output_logprobs.extend([0.0] * count)
+        if self.params.logprobs is not None:
+            self.output_top_logprobs.extend([None] * count)
+
     def finish(self, reason: FinishReason) -> None:
         """Mark FINISHED; the scheduler frees the blocks."""
         self.status = RequestStatus.FINISHED

@@ -41,6 +41,16 @@ Two entry/exit paths serve disaggregated workers:
   ABANDONED until the result, since the transport writes them until then); `admit_remote`
   hands RECEIVED blocks to a prefilled request.
 
+**Decode runs** (`decode_steps`, the planner's simulator): from a state whose next steps are
+decode-only — every running request decoding, nothing to admit — `k` such steps are applied at
+once, exactly as `k` x (`schedule()`; `update()` with the same sampled token for every row)
+would: ready requests take free slots in the first, the same blocks are allocated and
+registered with the pool in the same order, and requests finish in the last. A call may also
+apply only the first half of its next step (`then_schedule`: that step's block allocations, as
+`schedule()` makes them) and a later call its second (`scheduled`), so a caller may change the
+queues or the pool between the two halves, as it could between `schedule()` and `update()`.
+`decode_run_limit` says how many steps a call may apply.
+
 Every block is freed exactly once, or handed over once: each path above removes the request or
 the transfer entry that held it, and `check_integrity` counts every holder (running and ready
 requests, sends, reservations) against the pool's reference counts.
@@ -49,6 +59,7 @@ requests, sends, reservations) against the pool's reference counts.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,6 +122,8 @@ class Scheduler:
         self.ready: deque[Request] = deque()  # prefilled, holding blocks, waiting for a slot
         self.sending: dict[str, SendingKV] = {}  # sends the transport reads, by transfer id
         self.remote: dict[str, RemoteKV] = {}  # reserved for incoming KV, by transfer id
+        # a decode step's first half was applied by `decode_steps(then_schedule=True)`
+        self.decode_scheduled = False
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -328,6 +341,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work (see the module docstring, steps 1-3)."""
+        assert not self.decode_scheduled, "a decode step's first half is applied: decode_steps"
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledRequest] = []
         scheduled: set[str] = set()
@@ -399,8 +413,13 @@ class Scheduler:
                 request.num_computed_tokens,
                 item.start_pos,
             )
-            request.num_computed_tokens += len(item.token_ids)
-            self._register_full_blocks(request)
+            computed = request.num_computed_tokens = request.num_computed_tokens + len(
+                item.token_ids
+            )
+            if min(computed // self.config.block_size, len(request.block_hashes)) > (
+                request.num_registered_blocks
+            ):  # a block became full: register it (the check inlined: every row, every step)
+                self._register_full_blocks(request)
             if token is None:
                 continue
             finished = request.append_token(
@@ -417,6 +436,154 @@ class Scheduler:
                 request.update_block_hashes(self.config.block_size)
             results.append(request.make_output())
         return results
+
+    # ------------------------------------------------------------------ decode runs
+
+    def _decode_rows(self, scheduled: bool) -> tuple[list[Request], bool]:
+        """The rows of the next decode steps (running requests, and the ready ones the first
+        step's promotion adds unless `scheduled`), and whether every later step schedules
+        them alone (nothing left to promote or admit while a slot is free)."""
+        cap = self.config.max_num_seqs
+        rows = list(self.running)
+        ready = len(self.ready)
+        if not scheduled:
+            promote = min(ready, max(0, cap - len(rows)))
+            rows += list(itertools.islice(self.ready, promote))
+            ready -= promote
+        full = len(rows) >= cap
+        return rows, (full or (not ready and not self.waiting))
+
+    @staticmethod
+    def _steps_to_finish(request: Request, token: int) -> int:
+        """The decode step (1 = the next) whose sampled `token` ends `request`."""
+        params = request.params
+        out = request.num_output_tokens
+        steps = params.max_tokens - out
+        if (not params.ignore_eos and token in request.eos_token_ids) or (
+            token in params.stop_token_ids
+        ):
+            steps = min(steps, max(1, params.min_tokens - out))
+        return max(1, steps)
+
+    def decode_run_limit(self, token: int, scheduled: bool = False) -> int:
+        """The most steps `decode_steps(k, token, scheduled)` may apply: every step
+        decode-only (every row decoding; after the first step's promotion, none promotes or
+        admits), no row finishes before the last, and every block the steps allocate free (no
+        preemption). 0: the next step is not decode-only. `then_schedule` needs k + 1 <= it.
+        `scheduled` with every row aborted since: 1 (the step's second half, on no rows)."""
+        return self._decode_plan(token, scheduled)[0]
+
+    def _decode_plan(self, token: int, scheduled: bool) -> tuple[int, list[Request], list[int]]:
+        """(`decode_run_limit`, the rows, the step at which each row finishes)."""
+        assert scheduled == self.decode_scheduled, (scheduled, self.decode_scheduled)
+        rows, alone = self._decode_rows(scheduled)
+        if not rows:
+            return (1 if scheduled else 0), rows, []
+        if not alone and not scheduled:
+            return 0, rows, []
+        bs = self.config.block_size
+        firsts = []
+        ends = []
+        for r in rows:
+            out = len(r.output_token_ids)
+            n = len(r.prompt_token_ids) + out
+            if not out or n - r.num_computed_tokens != 1:
+                return 0, rows, []  # not decoding
+            params = r.params
+            if params.ignore_eos and not params.stop_token_ids:
+                ends.append(max(1, params.max_tokens - out))
+            else:
+                ends.append(self._steps_to_finish(r, token))
+            firsts.append(len(r.block_ids) * bs - n + 2)
+        last = min(ends)
+        if not alone:
+            return min(1, last), rows, ends  # the scheduled step's second half only
+        free = self.block_pool.num_free
+
+        def allocs(k: int) -> int:
+            return sum((k - f) // bs + 1 for f in firsts if f <= k)
+
+        if allocs(last) <= free:
+            return last, rows, ends
+        lo, hi = 0, last  # allocs(lo) fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if allocs(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return (max(lo, 1) if scheduled else lo), rows, ends
+
+    def decode_steps(
+        self, k: int, token: int, scheduled: bool = False, then_schedule: bool = False
+    ) -> list[RequestOutput]:
+        """Apply `k` decode steps at once, `token` sampled for every row (module docstring,
+        "decode runs"): `scheduled`, the first one's first half was applied by the previous
+        call's `then_schedule`; `then_schedule`, apply also the first half of step k + 1.
+        Returns the outputs of the rows that finished (in the last step), as `update()`
+        returned them; every other row's tokens count as reported, as if `update()`'s outputs
+        had been taken (`num_reported_tokens`). Asserts `decode_run_limit`."""
+        limit, rows, finish_at = self._decode_plan(token, scheduled)
+        assert k >= 0 and k + then_schedule <= limit, (k, then_schedule, limit)
+        assert k or (then_schedule and not scheduled), (k, scheduled, then_schedule)
+        self.decode_scheduled = False
+        if not scheduled:  # the first step's promotion (`schedule()` step 0)
+            while self.ready and len(self.running) < self.config.max_num_seqs:
+                request = self.ready.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+        assert rows == self.running, "the rows are the running requests"
+        bs = self.config.block_size
+        base: list[int] = []  # tokens of each row before the first step runs
+        firsts: list[int] = []  # the step at which each row first allocates a block
+        ends: list[int] = []  # k for the rows that finish in step k, else 0
+        alloc_at: list[list[int]] = [[] for _ in range(bs)]  # residue -> rows, batch order
+        reg_at: list[list[int]] = [[] for _ in range(bs)]
+        for j, r in enumerate(rows):
+            t = len(r.prompt_token_ids) + len(r.output_token_ids)
+            f = len(r.block_ids) * bs - t + 2
+            end = k if finish_at[j] == k else 0
+            base.append(t)
+            firsts.append(f)
+            ends.append(end)
+            alloc_at[f % bs].append(j)
+            reg_at[(1 - t) % bs].append(j)
+            n = k - 1 if end else k
+            if n > 0:
+                r.extend_tokens(token, n)
+                r.update_block_hashes(bs)
+        no_ids: set[str] = set()
+        preempted: list[str] = []
+        finished: list[RequestOutput] = []
+        everyone = range(len(rows))
+        for i in range(1, k + 1 + then_schedule):
+            if i > 1 or not scheduled:  # first half: the blocks of position base + i - 1
+                for j in alloc_at[i % bs] if i > 1 else everyone:
+                    if firsts[j] <= i and (i - firsts[j]) % bs == 0:
+                        ok = self._ensure_blocks(rows[j], base[j] + i - 1, no_ids, preempted)
+                        assert ok and not preempted, (rows[j].request_id, i)
+            if i > k:
+                break
+            # second half: the computed token, the newly full blocks registered
+            for j in everyone if i in (1, k) else reg_at[i % bs]:
+                r = rows[j]
+                computed = r.num_computed_tokens = base[j] - 1 + i
+                if min(computed // bs, len(r.block_hashes)) > r.num_registered_blocks:
+                    self._register_full_blocks(r)
+                if i < k:
+                    continue
+                if ends[j]:
+                    done = r.append_token(token)
+                    assert done, (r.request_id, i)
+                    self.running.remove(r)
+                    if r.send_transfer_id not in self.sending:
+                        self._release_blocks(r)
+                    del self.requests[r.request_id]
+                    finished.append(r.make_output())
+                else:  # its outputs taken, as `update()`'s would be
+                    r.num_reported_tokens = len(r.output_token_ids)
+        self.decode_scheduled = then_schedule
+        return finished
 
     # ------------------------------------------------------------------ helpers
 

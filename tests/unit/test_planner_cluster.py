@@ -149,3 +149,25 @@ def test_profiles_load_both_formats(tmp_path: Path) -> None:
         back.cost(2)
     shipped = load_profile(Path(__file__).parents[2] / "deploy/profiles/h100-llama3-8b.json")
     assert shipped.device == "gpu" and shipped.sources and shipped.derivation
+
+
+def test_simulate_on_a_hybrid_cluster_controls_the_threshold(tmp_path: Path) -> None:
+    """`pdserve simulate --hybrid START:MIN:MAX`: every split runs hybrid at START, and the
+    adaptive run's controller owns the live threshold (its moves in `thresholds` and the
+    report)."""
+    setup = ScaleSetup(
+        _toy_profile(), 4, "chat@1024:30:8,summarize@1024:10:8", slo_ttft_s=1.0,
+        slo_tpot_s=0.02, hybrid="64:16:1024",
+    )  # fmt: skip
+    res = run_scale(setup)
+    assert res.setup["hybrid"] == "64:16:1024"
+    for split in ("1:3", "2:2", "3:1"):
+        paths = {o.path for o in res.outcomes[split]}
+        assert "local" in paths and "remote" in paths, (split, paths)
+    assert res.thresholds and res.thresholds[0] == (0.0, 64)
+    assert all(16 <= n <= 1024 for _, n in res.thresholds)
+    report = write_scale_report(res, tmp_path).read_text()
+    assert "Hybrid threshold of the adaptive run" in report
+    for bad in ("64:16", "8:16:1024", "a:b:c"):
+        with pytest.raises(ValueError, match="--hybrid"):
+            run_scale(replace(setup, hybrid=bad))

@@ -35,8 +35,10 @@ Shape = list[tuple[str, int, int, bool]]  # (request, start, tokens, samples) pe
 
 
 def _shape(step: Step) -> tuple[Shape, list[str]]:
-    items = [(i.request_id, i.start_pos, len(i.token_ids), i.samples) for i in step.out.items]
-    return items, list(step.out.preempted_ids)
+    out = step.out
+    assert out is not None  # with `on_step` set every step is a real one
+    items = [(i.request_id, i.start_pos, len(i.token_ids), i.samples) for i in out.items]
+    return items, list(out.preempted_ids)
 
 
 def _prompts() -> list[tuple[int, ...]]:
@@ -140,6 +142,7 @@ def test_hybrid_routes_by_the_uncached_prompt_through_the_injected_decision() ->
 
     def on_step(w: Worker, step: Step) -> None:
         if w.kind == "prefill":
+            assert step.out is not None
             prefill_steps.extend(i.request_id for i in step.out.items)
 
     sim.on_step = on_step
@@ -212,6 +215,7 @@ def test_prefix_aware_policy_sees_each_workers_cache_through_its_pool() -> None:
 
         def on_step(w: Worker, step: Step) -> None:
             if w.kind != "decode":
+                assert step.out is not None
                 for item in step.out.items:
                     where.setdefault(item.request_id, w.index)
 
@@ -259,3 +263,31 @@ def test_the_simulated_path_decision_is_the_routers_rule() -> None:
     assert spec_of(cluster)[0].hybrid_threshold == 96
     cluster["router"] = {"max_inflight": 8, "max_queued": 8}
     assert spec_of(cluster)[0].hybrid_threshold is None
+
+
+def test_a_local_prefill_moves_the_policys_cache_credit_to_the_decode_worker() -> None:
+    """As `router.flow` does, the simulator calls `prefilled_elsewhere` after a local choice:
+    `prefix_aware`'s pending credit for the prompt's blocks leaves the prefill worker it picked
+    and lands on the decode worker, so the next request with that prefix follows it there."""
+    from router.prefix_policy import PrefixAwarePolicy
+
+    prompt = (7,) * 16  # four full blocks of 4
+    spec = ClusterSpec(1, 1, block_size=4, hybrid_threshold=64)
+    reqs = [SimRequest(0.0, 16, 4, prompt)]
+    sim = Sim(reqs, spec, COST, policy="prefix_aware")
+    policy = sim.policy
+    assert isinstance(policy, PrefixAwarePolicy)
+    sim.run_until(0.0)  # the request arrives and is routed
+    (p,) = sim.role("prefill")
+    (d,) = sim.role("decode")
+    assert sim.routes[Route.LOCAL] == 1
+    assert policy.pending.credited(f"w{p.index}") == 0
+    assert policy.pending.credited(f"w{d.index}") > 0
+    # the remote path keeps the credit on the prefill worker
+    sim = Sim(reqs, replace(spec, hybrid_threshold=0), COST, policy="prefix_aware")
+    sim.run_until(0.0)
+    policy = sim.policy
+    assert isinstance(policy, PrefixAwarePolicy)
+    assert sim.routes[Route.REMOTE] == 1
+    assert policy.pending.credited(f"w{sim.role('prefill')[0].index}") > 0
+    assert policy.pending.credited(f"w{sim.role('decode')[0].index}") == 0

@@ -14,6 +14,10 @@ real ratio controller on one workload (`pdserve simulate`). Pure; runs in the CL
 4. returns a `ScaleResult` (`simulation.json`'s content); `scale_report` writes the Markdown
    report and its plots.
 
+`hybrid` ("START:MIN:MAX"): every split is a hybrid cluster with threshold START, and the
+adaptive run's controller also moves the threshold within MIN..MAX (`sim_adaptive`), its moves
+in `thresholds`.
+
 The controller's settings (`controller_config`) are the ones a cluster of this size would run:
 bounds 1..N-1, a 10 s window (thousands of requests at this scale), a decision every 2 s,
 a 5 s cooldown, a 30 s drain limit.
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from router.hybrid import HybridConfig
 from router.pair_scoring import PairScoringConfig
 from router.ratio.config import RatioConfig
 from tooling.planner.pairing import Links, pair_policy, policy_router, spread_nodes
@@ -67,6 +72,24 @@ class ScaleSetup:
     start: str = ""  # "P:D": the adaptive run's first split ("": the best fixed split)
     nodes: int = 1  # workers spread over this many nodes (pair-aware routing when > 1)
     cross_node_gbps: float | None = None  # link between nodes, GB/s (None: the profile's)
+    hybrid: str = ""  # "START:MIN:MAX" local-prefill threshold ("": not hybrid)
+
+    def hybrid_config(self) -> HybridConfig | None:
+        """The `[router.hybrid]` section of `hybrid` (None: not hybrid). ValueError names the
+        spelling."""
+        if not self.hybrid:
+            return None
+        bits = self.hybrid.split(":")
+        if len(bits) != 3 or not all(b.isdigit() for b in bits):
+            raise ValueError(f"--hybrid must be START:MIN:MAX tokens, got {self.hybrid!r}")
+        start, lo, hi = (int(b) for b in bits)
+        if not 1 <= lo <= start <= hi:
+            raise ValueError(f"--hybrid {self.hybrid}: need 1 <= MIN <= START <= MAX")
+        return HybridConfig(
+            local_prefill_max_tokens=start,
+            min_local_prefill_max_tokens=lo,
+            max_local_prefill_max_tokens=hi,
+        )
 
     def link_gbps(self) -> float:
         gbps = self.cross_node_gbps or self.profile.cross_node_gbps
@@ -109,6 +132,7 @@ class ScaleResult:
     decisions: list[dict[str, Any]]
     subject: str
     pairing: dict[str, Any] = field(default_factory=dict)
+    thresholds: list[tuple[float, int]] = field(default_factory=list)  # hybrid, adaptive run
     outcomes: dict[str, list[SimOutcome]] = field(default_factory=dict, repr=False)
     requests: list[SimRequest] = field(default_factory=list, repr=False)
 
@@ -178,7 +202,9 @@ class Topology:
 
     def spec(self, base: ClusterSpec, p: int, d: int) -> ClusterSpec:
         nodes = spread_nodes(p, d, self.setup.nodes) if self.setup.nodes > 1 else ()
-        return replace(base, prefill=p, decode=d, nodes=nodes)
+        hybrid = self.setup.hybrid_config()
+        threshold = None if hybrid is None else hybrid.local_prefill_max_tokens
+        return replace(base, prefill=p, decode=d, nodes=nodes, hybrid_threshold=threshold)
 
     def wiring(self, blind: bool = False) -> tuple[Router | None, Links | None]:
         if self.setup.nodes <= 1:
@@ -260,7 +286,7 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
     start = topo.spec(base, *first)
     router, links = topo.wiring()
     res: AdaptiveResult = simulate_adaptive(
-        reqs, start, cost, controller_config(setup), router, links
+        reqs, start, cost, controller_config(setup), router, links, hybrid=setup.hybrid_config()
     )
     outcomes["adaptive"] = res.outcomes
     adaptive = _split_result("adaptive", *first, reqs, res.outcomes, setup, bounds)
@@ -283,6 +309,7 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
             "cluster": asdict(start),
             "nodes": setup.nodes,
             "cross_node_gbps": setup.link_gbps() if setup.nodes > 1 else None,
+            "hybrid": setup.hybrid,
         },
         adaptive_goodput=adaptive.goodput_rps,
         best_fixed_goodput=best.goodput_rps,
@@ -293,6 +320,7 @@ def run_scale(setup: ScaleSetup) -> ScaleResult:
         fixed=fixed,
         adaptive=adaptive,
         changes=res.changes,
+        thresholds=res.thresholds,
         decisions=[r.to_json() | {"inputs": {}} for r in res.records],
         subject=subject,
         pairing=pairing,

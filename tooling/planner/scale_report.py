@@ -129,10 +129,14 @@ def markdown(res: ScaleResult) -> str:
     lines += ["", "Ratio changes of the adaptive run (completed switches):", ""]
     for t, p, d, what in res.changes:
         lines.append(f"- t={t:.1f} s: {p}:{d} ({what})")
+    if res.thresholds:
+        lines += ["", "Hybrid threshold of the adaptive run (local prefill up to N tokens):", ""]
+        lines += [f"- t={t:.1f} s: {n} tokens" for t, n in res.thresholds]
     moves = [m for m in res.decisions if m["event"] == "decision" and m["action"] != "hold"]
     lines += ["", f"Controller decisions ({len(moves)}):", ""]
     for m in moves:
-        lines.append(f"- t={m['t']:.1f} s: {m['action']} -> {m['to_role']}: {m['reason']}")
+        to = m["to_role"] if m["action"] != "threshold" else m["threshold_to"]
+        lines.append(f"- t={m['t']:.1f} s: {m['action']} -> {to}: {m['reason']}")
     return "\n".join(lines)
 
 

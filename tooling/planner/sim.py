@@ -18,7 +18,9 @@ the KV hand-offs and the shared CPU are modelled around it:
   prompt tokens on the decode worker, the prefill worker's queued prompt tokens, the decode
   worker's)` (`sim_routing.Choose`, default `threshold_rule`) sends the request either
   "local" — it enters the decode worker's scheduler as a new request and prefills there,
-  chunked inside its decode batches — or "remote", as below;
+  chunked inside its decode batches, and the policy that picked the pair is told
+  (`prefilled_elsewhere`, as `router.flow` does: `prefix_aware` moves its pending cache credit
+  to the decode worker) — or "remote", as below;
 - **remote path**: the decode worker reserves the request's blocks (`reserve_remote`, prompt +
   output - 1 tokens; none free: it fails) and the prefill worker's scheduler runs the prompt
   as a one-token request that keeps its blocks when it finishes (`hold_blocks`). When its
@@ -55,13 +57,16 @@ from tooling.planner.costs import CostModel
 from tooling.planner.sim_cpu import SharedCpu
 from tooling.planner.sim_engine import SimEngine, Step, blocks_for
 from tooling.planner.sim_routing import (
+    ROUTE_ID,
     Choose,
     Pick,
+    PolicyRouter,
     Router,
     colocated_pick,
     policy_router,
     sim_policy,
     threshold_rule,
+    view,
 )
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
 from tooling.planner.sim_workers import Entity, Job, Route, Worker
@@ -86,7 +91,8 @@ class Sim:
     switches. `run()` runs to the end; `run_until(t)` stops at `t` (and right after a role
     flip, so a controller sees it when it happens); `on_tick(sim)` runs every `tick_s`.
     `on_step(worker, step)` (tests, tracing) sees every step the workers' schedulers compose,
-    when it starts."""
+    when it starts (every step is then a real one: no decode runs). `fast=False`: no decode
+    runs either (`sim_engine`; the results are the same)."""
 
     def __init__(
         self,
@@ -97,13 +103,19 @@ class Sim:
         drain_timeout_s: float = math.inf,
         choose: Choose | None = None,
         policy: str = "least_load",
+        fast: bool = True,
     ) -> None:
         self.reqs, self.spec, self.cost = reqs, spec, cost
+        # decode runs (`sim_engine`): the same simulation, without applying each decode step
+        # to the scheduler one by one; off, or with `on_step` set, every step is a real one
+        self.fast = fast
         self.now = 0.0
         # the router's policy by name (`sim_policy`): colocated picks, and the pairs unless
         # `router` is given
         self.policy = sim_policy(policy, lambda: self.now)
         self.router: Router = router or policy_router(self.policy)
+        # the policy that chose the pair, told of a local prefill (None: a custom router)
+        self.pair_policy = self.router.policy if isinstance(self.router, PolicyRouter) else None
         threshold = spec.hybrid_threshold
         self.choose: Choose | None = choose or (
             None if threshold is None else threshold_rule(threshold)
@@ -191,6 +203,8 @@ class Sim:
         for job in list(w.jobs.values()):
             self.fail(job)
         self.cpu.cancel(w)
+        if w.step is not None:
+            w.eng.abandon(w.step)
         w.step = None
         self._check_drained(w)
 
@@ -232,6 +246,9 @@ class Sim:
             uncached = r.input_len - d.eng.cached_tokens(prompt, job.seed)
             if self.choose(uncached, p.eng.queued_tokens(), d.eng.queued_tokens()) == "local":
                 job = Job(i, r, d, Route.LOCAL)
+                if self.pair_policy is not None:  # as `router.flow` does: the prompt's
+                    # blocks land on the decode worker, and so does the policy's cache credit
+                    self.pair_policy.prefilled_elsewhere(ROUTE_ID, view(d, self.spec))
         self._start(job)
 
     def _start(self, job: Job) -> None:
@@ -260,6 +277,7 @@ class Sim:
             self._reject(job.idx)
             return
         self.routes[job.route] += 1
+        self.out[job.idx].path = job.route.value
         self.inflight += 1
         self.host_work(self.cost.host_request_s)
 
@@ -297,7 +315,7 @@ class Sim:
     # ---- steps -----------------------------------------------------------------------------
 
     def start_step(self, w: Worker) -> None:
-        step = w.eng.step()
+        step = w.eng.step(self.fast and self.on_step is None)
         if step is None:
             return
         b = step.batch
@@ -314,8 +332,8 @@ class Sim:
     def finish_step(self, w: Worker) -> None:
         step, w.step = w.step, None
         assert step is not None
-        made = 0
-        for prog in w.eng.finish(step):
+        progress, made = w.eng.finish(step)  # `made`: rows that only got a token
+        for prog in progress:
             job = w.jobs.get(prog.request_id)
             if job is None or not prog.new_tokens:
                 continue

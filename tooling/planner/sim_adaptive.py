@@ -17,7 +17,13 @@ How the two are joined:
   (takes no new work, finishes what it holds; past `drain_timeout_s` what is left is aborted),
   comes back in its new role `ClusterSpec.role_switch_s` later, and only then does the call
   return — so the change completes, and the cooldown starts, at the simulated time it would.
-  The simulator stops at each flip so the controller's change task finishes at that instant.
+  The simulator stops at each flip so the controller's change task finishes at that instant;
+- on a hybrid cluster with threshold bounds (`hybrid`: a `[router.hybrid]` section with
+  `max_local_prefill_max_tokens` set), the controller gets the router's `LiveThreshold` and
+  decides with `router.ratio.threshold.decide_with_threshold`, as the driver does in the
+  router; the simulator's path decision reads the live threshold for every request
+  (`sim_routing.live_rule`), and each request's end is observed with the path it took, so a
+  move takes effect with the next request and is judged, kept or reverted as in the router.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.hybrid import HybridConfig, LiveThreshold
 from router.policy import Role, WorkerView
 from router.ratio.actuator import ActuationError
 from router.ratio.config import RatioConfig
 from router.ratio.driver import DecisionRecord, RatioController
 from tooling.planner.costs import CostModel
 from tooling.planner.sim import Router, Sim
-from tooling.planner.sim_routing import Choose, address, view
+from tooling.planner.sim_routing import Choose, address, live_rule, view
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest
 from tooling.planner.sim_workers import Job, Worker
 
@@ -46,6 +53,8 @@ class AdaptiveResult:
     outcomes: list[SimOutcome]
     changes: list[tuple[float, int, int, str]] = field(default_factory=list)
     records: list[DecisionRecord] = field(default_factory=list)
+    thresholds: list[tuple[float, int]] = field(default_factory=list)
+    """The hybrid threshold over time [(t, tokens)] (empty: not controlled)."""
 
     @property
     def decisions(self) -> list[DecisionRecord]:
@@ -100,6 +109,7 @@ async def run_adaptive(
     router: Router | None = None,
     handoff: Callable[[Sim, Job], float] | None = None,
     choose: Choose | None = None,
+    hybrid: HybridConfig | None = None,
 ) -> AdaptiveResult:
     """`simulate_adaptive` on the running event loop."""
     if config.mode != "adaptive":
@@ -108,15 +118,27 @@ async def run_adaptive(
         )
     if spec.colocated:
         raise ValueError("the ratio controller runs on disaggregated clusters only")
+    live: LiveThreshold | None = None
+    if hybrid is not None:
+        if choose is not None:
+            raise ValueError("a controlled hybrid threshold decides the path: no `choose`")
+        live = LiveThreshold(hybrid)  # ValueError from the controller without bounds
+        choose = live_rule(live)
     sim = Sim(requests, spec, cost, router, choose=choose)
     sim.handoff = handoff
     actuator = SimActuator(sim)
     ctrl = RatioController(
-        config, SimPool(sim), actuator, clock=lambda: sim.now, wall_clock=lambda: sim.now
+        config,
+        SimPool(sim),
+        actuator,
+        clock=lambda: sim.now,
+        wall_clock=lambda: sim.now,
+        threshold=live,
     )
 
     def on_end(i: int, o: SimOutcome) -> None:
-        ctrl.observe(o.ttft_s, o.tpot_s, o.ok, sim.now - requests[i].arrival_s)
+        path = o.path if live is not None and o.path in ("local", "remote") else ""
+        ctrl.observe(o.ttft_s, o.tpot_s, o.ok, sim.now - requests[i].arrival_s, path)
 
     sim.on_end = on_end
     records: list[DecisionRecord] = []
@@ -151,7 +173,11 @@ async def run_adaptive(
             changes.append(
                 (r.t, r.prefill_workers, r.decode_workers, f"{r.address} -> {r.to_role}")
             )
-    return AdaptiveResult(sim.out, changes, records)
+    thresholds = [] if live is None else [(0.0, live.bounds.local_prefill_max_tokens)]
+    for r in records:
+        if live is not None and r.event == "done" and r.threshold_to is not None:
+            thresholds.append((r.t, r.threshold_to))
+    return AdaptiveResult(sim.out, changes, records, thresholds)
 
 
 def simulate_adaptive(
@@ -162,12 +188,14 @@ def simulate_adaptive(
     router: Router | None = None,
     handoff: Callable[[Sim, Job], float] | None = None,
     choose: Choose | None = None,
+    hybrid: HybridConfig | None = None,
 ) -> AdaptiveResult:
     """Run `requests` on `spec` (its prefill:decode split is the starting ratio) with the
     controller of `config` (mode 'adaptive') switching roles (module docstring); `router` /
     `handoff` / `choose`: the simulator's routing, KV hand-off and hybrid decision (defaults:
-    least load, `cost`, the spec's `hybrid_threshold` rule)."""
-    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff, choose))
+    least load, `cost`, the spec's `hybrid_threshold` rule); `hybrid`: a `[router.hybrid]`
+    section with threshold bounds — the controller moves the threshold too."""
+    return asyncio.run(run_adaptive(requests, spec, cost, config, router, handoff, choose, hybrid))
 
 
 def records_json(res: AdaptiveResult) -> list[dict[str, Any]]:

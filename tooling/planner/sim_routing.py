@@ -4,16 +4,20 @@ workers, and the hybrid path decision. Pure; used by `sim.Sim`, `sim_adaptive` a
 - `view(w, spec)`: a simulated worker as the router's pool shows it (`router.views.WorkerView`),
   read from its real scheduler: queued prompt tokens, running and waiting requests (reservations
   included), free KV blocks;
-- `Router`: the seam that picks a (prefill, decode) pair; `policy_router(policy)` asks a real
-  `router.policy.RoutingPolicy` (default: the router's `least_load`;
+- `Router`: the seam that picks a (prefill, decode) pair; `policy_router(policy)` (a
+  `PolicyRouter`) asks a real `router.policy.RoutingPolicy`, which the simulator also tells
+  when a hybrid request prefills on its decode worker (`prefilled_elsewhere`) (default: the
+  router's `least_load`;
   `sim_policy(name, clock)` builds any registered one, `prefix_aware` on the simulator's
   clock). A policy that `uses_prefix_matches` gets the prompt's block-hash chain and, as the
   prefix index would answer, how many leading blocks each candidate's pool holds; a private
   prompt (no token ids) has no chain to look up, so such a policy routes it by load;
 - `colocated_pick`: the same policy's colocated choice;
 - `Choose`: the hybrid decision, one pure function of three numbers; `hybrid_rule(config)` is
-  the router's own `router.hybrid.choose_prefill_path` under a `[router.hybrid]` config, and
-  `threshold_rule(t)` that rule with only the threshold set (the default).
+  the router's own `router.hybrid.choose_prefill_path` under a `[router.hybrid]` config,
+  `live_rule(live)` the same under the router's live threshold (which the ratio controller
+  moves: `sim_adaptive`), and `threshold_rule(t)` that rule with only the threshold set (the
+  default).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
-from router.hybrid import HybridConfig, choose_prefill_path
+from router.hybrid import HybridConfig, LiveThreshold, choose_prefill_path
 from router.policies import make_policy
 from router.policy import RouteRequest, RoutingPolicy, WorkerView
 from router.prefix_index.base import PrefixMatch
@@ -31,6 +35,8 @@ from tooling.planner.costs import CostModel
 from tooling.planner.sim_engine import block_hashes
 from tooling.planner.sim_types import ClusterSpec, SimRequest
 from tooling.planner.sim_workers import Worker
+
+ROUTE_ID = "sim"  # the request id the simulated router gives its policy
 
 
 class SimView(Protocol):
@@ -75,6 +81,20 @@ def hybrid_rule(config: HybridConfig) -> Choose:
             prefill_queued_tokens=prefill_queued_tokens,
             decode_queued_tokens=decode_queued_tokens,
         ).path
+
+    return choose
+
+
+def live_rule(live: LiveThreshold) -> Choose:
+    """`hybrid_rule` under the router's live threshold (`router.hybrid.LiveThreshold`), read
+    for every request as the router's request path reads it: the ratio controller moves it."""
+
+    def choose(
+        uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int
+    ) -> Decision:
+        return hybrid_rule(live.config())(
+            uncached_tokens, prefill_queued_tokens, decode_queued_tokens
+        )
 
     return choose
 
@@ -130,7 +150,7 @@ def route_request(
             if (n := w.eng.matched_blocks(list(hashes)))
         )
     return RouteRequest(
-        "sim",
+        ROUTE_ID,
         num_prompt_tokens=r.input_len,
         max_tokens=r.output_len,
         colocated=colocated,
@@ -147,12 +167,18 @@ def sim_policy(name: str, clock: Callable[[], float]) -> RoutingPolicy:
     return make_policy(name)
 
 
-def policy_router(policy: RoutingPolicy) -> Router:
-    """A simulator router that asks `policy`, with a same-node KV hand-off (`cost.transfer`)."""
+class PolicyRouter:
+    """A simulator `Router` that asks a router policy (`policy`), with a same-node KV hand-off
+    (`cost.transfer`). The simulator tells `policy` when it prefills a request on the
+    decode worker instead (`prefilled_elsewhere`, as `router.flow` does)."""
 
-    def route(
-        sim: SimView, r: SimRequest, prefills: list[Worker], decodes: list[Worker]
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+
+    def __call__(
+        self, sim: SimView, r: SimRequest, prefills: list[Worker], decodes: list[Worker]
     ) -> Pick | None:
+        policy = self.policy
         by_addr = {address(w): w for w in [*prefills, *decodes]}
         decision = policy.choose(
             route_request(policy, sim.spec, r, prefills),
@@ -164,7 +190,10 @@ def policy_router(policy: RoutingPolicy) -> Router:
         p, d = by_addr[decision.prefill.address], by_addr[decision.decode.address]
         return p, d, max(0.0, sim.cost.transfer(r.input_len))
 
-    return route
+
+def policy_router(policy: RoutingPolicy) -> PolicyRouter:
+    """A simulator router that asks `policy` (`PolicyRouter`)."""
+    return PolicyRouter(policy)
 
 
 def colocated_pick(

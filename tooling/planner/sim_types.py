@@ -116,6 +116,7 @@ class SimOutcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     end_s: float | None = None
+    path: str = ""  # how it was served: colocated | local | remote ("": not started)
 
 
 def attainment(
