@@ -67,7 +67,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction[argparse.Argument
         "--hybrid",
         default="",
         help="hybrid cluster: START:MIN:MAX local-prefill threshold in tokens (every split runs "
-        "hybrid at START; the adaptive run's controller moves it within MIN..MAX); default: off, no local prefill",
+        "hybrid at START; the adaptive run's controller moves it within MIN..MAX); default: "
+        "off, no local prefill",
     )
     p.add_argument("--out", required=True, help="folder for simulation.json, report.md, plots")
     p.set_defaults(func=simulate_main)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from proto.pdserve.v1.trailers import failed_peer
 from router.errors import Retryable, RouterError, worker_error
 from router.policy import WorkerView
@@ -184,6 +184,24 @@ class Leg:
         self._place_on(p.address)
         self._place_on(d.address)
         self._tracking.enter_context(self.pool.track(d.address))  # D is busy until the end
+        # P's prompt counts on P from the choice, not from its Prefill call: requests routed
+        # while this Reserve is out must see it (else a clump of them can all pick one P).
+        with (
+            self.pool.track(p.address),
+            self.pool.track_prefill(p.address, len(spec.prompt), cached),
+        ):
+            return await self._reserve_then_prefill(p, d, d_stub, p_stub, sampling)
+
+    async def _reserve_then_prefill(
+        self,
+        p: WorkerView,
+        d: WorkerView,
+        d_stub: worker_pb2_grpc.WorkerStub,
+        p_stub: worker_pb2_grpc.WorkerStub,
+        sampling: worker_pb2.WorkerSampling,
+    ) -> Chunks:
+        """`reserve_and_prefill`'s calls, with P already counting the prompt."""
+        spec, report = self.spec, self.report
         # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a
         # cancel from here on must still send D an Abort.
         self.holders.add(d.address)
@@ -210,21 +228,17 @@ class Leg:
             raise err from exc
         self.holders.add(p.address)
         try:
-            with (
-                self.pool.track(p.address),
-                self.pool.track_prefill(p.address, len(spec.prompt), cached),
-            ):
-                left = self.remaining()
-                resp = await p_stub.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=self.request_id,
-                        prompt_token_ids=spec.prompt,
-                        sampling=sampling,
-                        ticket=reserved.ticket,
-                        timeout_s=left,
-                    ),
-                    timeout=left,
-                )
+            left = self.remaining()
+            resp = await p_stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=self.request_id,
+                    prompt_token_ids=spec.prompt,
+                    sampling=sampling,
+                    ticket=reserved.ticket,
+                    timeout_s=left,
+                ),
+                timeout=left,
+            )
         except grpc.aio.AioRpcError as exc:
             culprit = await self.blame(exc, "Prefill", p.address, d.address)
             err = worker_error(

@@ -16,7 +16,8 @@ Behaviour (deterministic, no torch):
   ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
   worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
   `token_delay_s` / `prefill_delay_s` slow the work down; `hold_prefills` holds every
-  `Prefill` (blocks taken) until `release_prefills`;
+  `Prefill` (blocks taken) until `release_prefills`, `hold_reserves` every `Reserve` until
+  `release_reserves`;
 - records: `calls[method]` counts, `last[method]` is the latest request, `aborts` lists
   aborted request ids, `held` maps request ids to their blocks; `free_blocks == total_blocks`
   again means nothing leaked;
@@ -93,6 +94,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     # Cleared by `hold_prefills`: a `Prefill` holds its blocks and does not answer until
     # `release_prefills`, so tests can have many requests in flight at once by construction.
     _prefills_run: asyncio.Event = field(default_factory=asyncio.Event)
+    _reserves_run: asyncio.Event = field(default_factory=asyncio.Event)
     _next_transfer: int = 0
     _epoch: int = field(default_factory=lambda: time.monotonic_ns())
 
@@ -128,6 +130,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self._streams_run.set()
         self._status_runs.set()
         self._prefills_run.set()
+        self._reserves_run.set()
+
+    def hold_reserves(self) -> None:
+        """Every `Reserve` from now on takes its blocks, then waits for `release_reserves`
+        before it answers (the router routes other requests while it is out)."""
+        self._reserves_run.clear()
+
+    def release_reserves(self) -> None:
+        self._reserves_run.set()
 
     def hold_prefills(self) -> None:
         """Every `Prefill` from now on takes its blocks, then waits for `release_prefills`
@@ -257,6 +268,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} blocks, {self.free_blocks} free"
             )
         first = self.config.total_blocks - self.free_blocks - need
+        await self._reserves_run.wait()
         if self.config.reserve_answer_delay_s:  # a cancel now leaves the blocks held
             await asyncio.sleep(self.config.reserve_answer_delay_s)
         return worker_pb2.ReserveResponse(

@@ -84,6 +84,7 @@ def _worker_main(
     held: Counter[int] = Counter()
     blocks: dict[str, list[int]] = {}  # transfer id -> blocks held for it
     pacing: dict[str, list[float]] = {}  # transfer id -> [next layer, interval, next time]
+    hold_at: dict[str, int] = {}  # transfer id -> the layer it is not handed over from, yet
     handed: Counter[str] = Counter()  # transfer id -> layers handed to the transport so far
     scribbled: dict[str, tuple[list[int], str]] = {}  # failed receive -> (blocks, digest)
     conn.send(("ready", {"port": tr.endpoint.port}))
@@ -98,6 +99,12 @@ def _worker_main(
                 conn.send(("status", {"free": BLOCKS - len(+held), "in_flight": len(blocks)}))
             elif cmd == "handed":  # prefill: how many layers of `tid` went to the transport
                 conn.send(("handed", {"layers": handed[arg["tid"]]}))
+            elif cmd == "received":  # decode: how many layers of `tid` are in its blocks
+                rcv = tr._recvs.get(arg["tid"])
+                conn.send(("received", {"layers": rcv.layers_written if rcv else None}))
+            elif cmd == "release":  # prefill: hand over the layers of `tid` held by `hold_at`
+                hold_at.pop(arg["tid"], None)
+                conn.send(("released", {}))
             elif cmd == "shm_peers":
                 conn.send(("shm_peers", {"peers": tr.shared_memory_peers()}))
             elif cmd == "expect":  # decode: reserve blocks, issue a ticket
@@ -119,6 +126,8 @@ def _worker_main(
                 blocks[ticket.transfer_id] = list(arg["src"])
                 tr.open(ticket, arg["src"])
                 pacing[ticket.transfer_id] = [0, arg["interval_s"], time.monotonic()]
+                if arg.get("hold_at") is not None:
+                    hold_at[ticket.transfer_id] = arg["hold_at"]
                 conn.send(("opened", {"digest": _digest(cache, arg["src"])}))
             elif cmd == "cancel":  # too late once its result went out (the id is unknown then)
                 late = arg["tid"] not in blocks
@@ -129,12 +138,16 @@ def _worker_main(
             elif cmd == "intact":  # are the blocks a failed receive freed still as scribbled?
                 freed, want = scribbled[arg["tid"]]
                 conn.send(("intact", {"intact": _digest(cache, freed) == want}))
-            elif cmd == "busy":  # a long engine step: no transport poll meanwhile
+            elif cmd == "busy":  # a long engine step: no transport poll until "wake"
                 conn.send(("busy", {}))
-                time.sleep(arg["seconds"])
+                while conn.recv()[0] != "wake":
+                    pass  # commands sent to a busy engine are dropped
+                conn.send(("awake", {}))
         now = time.monotonic()
         for tid, pace in list(pacing.items()):
-            if now >= pace[2]:
+            if tid in hold_at and pace[0] >= hold_at[tid]:
+                pace[2] = now  # held: the next layer goes the moment it is released
+            elif now >= pace[2]:
                 tr.send_layer(tid, int(pace[0]))
                 handed[tid] += 1
                 pace[0], pace[2] = pace[0] + 1, now + pace[1]
@@ -254,13 +267,18 @@ def start_transfer(
     interval_s: float = 0.0,
     timeout_s: float = LONG,
     ascending: bool = False,
+    hold_at: int | None = None,
 ) -> tuple[str, str]:
     """Issue a ticket on `d`, open it on `p`; returns (transfer id, sender's digest).
-    `ascending`: consecutive destination blocks, which gloo receives straight into."""
+    `ascending`: consecutive destination blocks, which gloo receives straight into.
+    `hold_at`: `p` hands over layers below it only, until `p.call("release", ...)`: a transfer
+    that stays mid-stream for as long as the test needs, however slow the machine."""
     ticket = d.call(
         "expect", "ticket", num_tokens=num_tokens, timeout_s=timeout_s, ascending=ascending
     )
-    opened = p.call("open", "opened", ticket=ticket, src=src, interval_s=interval_s)
+    opened = p.call(
+        "open", "opened", ticket=ticket, src=src, interval_s=interval_s, hold_at=hold_at
+    )
     return str(ticket["transfer_id"]), str(opened["digest"])
 
 
@@ -269,6 +287,14 @@ def wait_handed(p: Peer, tid: str, layers: int, timeout_s: float = LONG) -> None
     deadline = time.monotonic() + timeout_s
     while p.call("handed", "handed", tid=tid)["layers"] < layers:
         assert time.monotonic() < deadline, f"{tid}: fewer than {layers} layers handed over"
+        time.sleep(0.005)
+
+
+def wait_received(d: Peer, tid: str, layers: int, timeout_s: float = LONG) -> None:
+    """Poll the decode peer until `layers` layers of `tid` are written into its blocks."""
+    deadline = time.monotonic() + timeout_s
+    while (d.call("received", "received", tid=tid)["layers"] or 0) < layers:
+        assert time.monotonic() < deadline, f"{tid}: fewer than {layers} layers received"
         time.sleep(0.005)
 
 

@@ -15,12 +15,14 @@ import pytest
 from kvtransfer.wire import PEER_SLACK_S
 from tests.fakes.kv_workers import (
     BLOCK,
+    LAYERS,
     LONG,
     Peer,
     assert_all_free,
     check_exact,
     start_transfer,
     wait_handed,
+    wait_received,
 )
 
 pytestmark = pytest.mark.slow
@@ -81,14 +83,16 @@ def test_peer_fault_mid_transfer(cluster: dict[str, Peer], victim: str, sig: int
     d, p = cluster["d0"], cluster["p0"]
     tid, digest = start_transfer(d, p, 9 * BLOCK, list(range(10, 19)))
     check_exact(d, p, tid, digest)  # the pair is established and healthy
-    # Layers every 0.4 s: the fault lands between layer 1 and layer 2 (sent once the
-    # prefill peer reports two layers handed over, 0.4 s before the third is due).
+    # The fault lands between layer 1 and layer 2: the prefill peer holds layer 2 until it has
+    # reported two layers handed over and the fault is in; a surviving sender then hands it on.
     tid, _ = start_transfer(
-        d, p, 9 * BLOCK, list(range(20, 29)), 0.4, DEADLINE_S, ascending=victim == "p0"
+        d, p, 9 * BLOCK, list(range(20, 29)), 0.0, DEADLINE_S, ascending=victim == "p0", hold_at=2
     )
     wait_handed(p, tid, 2)
     cluster[victim].signal(sig)
     faulted = time.monotonic()
+    if victim == "d0":
+        p.call("release", "released", tid=tid)
     survivor = p if victim == "d0" else d
     res = survivor.result(tid, DEADLINE_S + 5.0)
     noticed = time.monotonic() - faulted
@@ -128,7 +132,7 @@ def test_cancelled_zero_copy_send_holds_its_blocks_until_its_sends_are_done(shm:
         d.signal(signal.SIGSTOP)
         try:
             p.call("open", "opened", ticket=ticket, src=list(range(48)), interval_s=0.0)
-            time.sleep(0.2)  # every layer handed over; the sends are stuck
+            wait_handed(p, ticket["transfer_id"], LAYERS)  # the sends are stuck
             assert not p.call("cancel", "cancelled", tid=ticket["transfer_id"])["late"]
             cancelled = time.monotonic()
             with pytest.raises(TimeoutError):
@@ -162,11 +166,11 @@ def test_sender_hears_ok_while_the_receiving_engine_is_busy(cluster: dict[str, P
     tid, digest = start_transfer(d, p, 3 * BLOCK, [50, 51, 52])
     check_exact(d, p, tid, digest)  # the pair is established
     ticket = d.call("expect", "ticket", num_tokens=5 * BLOCK, timeout_s=LONG)
-    d.call("busy", "busy", seconds=3.0)
-    began = time.monotonic()
+    d.call("busy", "busy")  # its engine polls nothing until woken
     opened = p.call("open", "opened", ticket=ticket, src=[3, 9, 14, 27, 33], interval_s=0.0)
     got_p = p.result(ticket["transfer_id"], LONG)
-    assert got_p["ok"] and time.monotonic() - began < 2.0, got_p  # d still busy then
+    assert got_p["ok"], got_p  # while d's engine is still busy
+    d.call("wake", "awake")
     got_d = d.result(ticket["transfer_id"], LONG)
     assert got_d["ok"] and got_d["digest"] == opened["digest"], got_d
     assert_all_free(d, p)
@@ -182,16 +186,18 @@ def test_a_cancelled_direct_receive_reports_only_once_its_receives_are_done():
     try:
         tid, digest = start_transfer(d, p, 2 * BLOCK, [0, 1], ascending=True)
         check_exact(d, p, tid, digest)  # the pair is established
-        # Layers 0.3 s apart: the cancel lands after layer 0, layers 1 and 2 are still to come.
-        tid, _ = start_transfer(d, p, 4 * BLOCK, [4, 5, 6, 7], interval_s=0.3, ascending=True)
-        time.sleep(0.1)
+        # The cancel lands once layer 0 is in the blocks; the sender holds layers 1 and 2 until
+        # the test has seen that no result comes out while they are still to land.
+        tid, _ = start_transfer(d, p, 4 * BLOCK, [4, 5, 6, 7], ascending=True, hold_at=1)
+        wait_received(d, tid, 1)
         assert not d.call("cancel", "cancelled", tid=tid)["late"]
-        cancelled = time.monotonic()
+        with pytest.raises(TimeoutError):
+            d.result(tid, 0.5)  # reported before the stream was done
+        p.call("release", "released", tid=tid)
         got_d = d.result(tid, LONG)
         assert not got_d["ok"] and got_d["error"] == "cancelled by receiver", got_d
-        assert time.monotonic() - cancelled >= 0.2, "reported before the stream was done"
         assert not p.result(tid, LONG)["ok"]
-        time.sleep(0.2)
+        time.sleep(0.2)  # room for a (wrong) late layer to land before the check
         assert d.call("intact", "intact", tid=tid)["intact"], "a layer landed after the result"
         assert_all_free(d, p)
         tid, digest = start_transfer(d, p, 4 * BLOCK, [8, 9, 10, 11], ascending=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from proto.pdserve.v1 import inference_pb2 as ipb
 from proto.pdserve.v1 import inference_pb2_grpc
 from router.app import RouterHandle, start_router
 from router.prefix_index.config import RedisIndexConfig
+from router.prefix_index.guard import reusable_chain
 from tests.fakes.cluster import wait_until
 from tooling.redis_server import SKIP_REASON, RedisServer, redis_server_path
 
@@ -110,6 +112,19 @@ async def router_over(workers: ProcessWorkers, model: Path, redis_url: str) -> R
     return handle
 
 
+async def published(handle: RouterHandle, groups: Iterable[int], timeout_s: float = 30.0) -> None:
+    """Wait until the index holds each group's shared prefix (the workers publish it after the
+    first request; asked of the index itself, so the router's lookup counters stay as they are)."""
+    deadline = time.monotonic() + timeout_s
+    for g in groups:
+        chain = reusable_chain(prompt(g, 1), BLOCK)[: PREFIX // BLOCK]
+        while max(
+            (m.num_blocks for m in await handle.prefix_index.index.match(chain)), default=0
+        ) < len(chain):
+            assert time.monotonic() < deadline, f"group {g}'s prefix was never published"
+            await asyncio.sleep(0.02)
+
+
 async def generate(
     stub: inference_pb2_grpc.InferenceStub, key: tuple[int, int]
 ) -> tuple[list[int], ipb.FinalInfo]:
@@ -151,7 +166,7 @@ def test_shared_prefixes_hit_and_outputs_are_unchanged(
             finals: dict[tuple[int, int], ipb.FinalInfo] = {}
             for g in range(4):  # one request per group first: its prefix gets published
                 got[(g, 0)], finals[(g, 0)] = await generate(stub, (g, 0))
-            await asyncio.sleep(0.3)
+            await published(handle, range(4))
             keys = [(g, i) for g in range(4) for i in range(1, 4)]
             random.Random(0).shuffle(keys)
             results = await asyncio.gather(*(generate(stub, k) for k in keys))

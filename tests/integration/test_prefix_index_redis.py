@@ -173,15 +173,21 @@ def test_frozen_redis_times_out_then_recovers(redis_server: RedisServer) -> None
 def test_dead_workers_fields_are_cleaned_lazily(redis_server: RedisServer) -> None:
     async def go() -> None:
         prefix = "g:"
-        index = RedisPrefixIndex(redis_server.url, key_prefix=prefix, ttl_s=0.2)
+        # Two writers on one index: "dead" with a short TTL, "restarted" with one no wait
+        # outlasts, so the state below holds however slow the machine is.
+        short = RedisPrefixIndex(redis_server.url, key_prefix=prefix, ttl_s=0.2)
+        index = RedisPrefixIndex(redis_server.url, key_prefix=prefix, ttl_s=60.0)
         raw = aioredis.Redis.from_url(redis_server.url)
         chain = block_hash_chain(list(range(16)), 4)
         try:
-            await index.resync(KVSnapshot("dead", 1, 0, tuple(chain)))
+            await short.resync(KVSnapshot("dead", 1, 0, tuple(chain)))
             await index.resync(KVSnapshot("restarted", 1, 0, tuple(chain)))
-            await asyncio.sleep(0.1)
             assert await index.refresh("restarted", 1)
-            await asyncio.sleep(0.15)  # "dead" expired, "restarted" still live
+
+            async def dead_expired() -> bool:
+                return await index.state("dead") is None
+
+            await until_async(dead_expired, '"dead" to expire')  # "restarted" still live
             bkey = prefix.encode() + b"b:" + hash_to_bytes(chain[0])
             assert set(await raw.hgetall(bkey)) == {b"dead", b"restarted"}
             assert [m.worker_id for m in await index.match(chain)] == ["restarted"]
@@ -191,6 +197,7 @@ def test_dead_workers_fields_are_cleaned_lazily(redis_server: RedisServer) -> No
         finally:
             await raw.aclose()
             await index.close()
+            await short.close()
 
     asyncio.run(go())
 

@@ -26,11 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray", reason="ray not installed")
 transformers = pytest.importorskip("transformers")
@@ -136,6 +138,30 @@ def _set_role(address: str, role: str) -> None:
         stub.SetRole(worker_pb2.SetRoleRequest(role=role, drain_timeout_s=10), timeout=30)
 
 
+def _healthy_by_role(metrics_url: str) -> dict[str, int]:
+    """The router's `num_workers{state="healthy"}` per role, from its `/metrics`."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdserve:num_workers":
+            for sample in family.samples:
+                if sample.labels["state"] == "healthy":
+                    out[sample.labels["role"]] = int(sample.value)
+    return out
+
+
+def _wait_router_roles(
+    metrics_url: str, prefill: int, decode: int, timeout_s: float = 60.0
+) -> None:
+    """Poll the router's `/metrics` until it counts exactly these healthy workers per role."""
+    want = {"prefill": prefill, "decode": decode, "colocated": 0}
+    deadline = time.monotonic() + timeout_s
+    while (seen := _healthy_by_role(metrics_url)) != want:
+        assert time.monotonic() < deadline, f"the router's view {seen}, wanted {want}"
+        time.sleep(0.1)
+
+
 def _generate(router: str, prompt: list[int]) -> tuple[list[int], str, str]:
     req = build_request(token_ids=prompt, max_tokens=NEW_TOKENS, temperature=0.0)
     tokens, pair = [], ("", "")
@@ -189,13 +215,14 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
         ]  # fmt: skip
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
     argv += ["--mode", "disagg", "--prefill", "2", "--decode", "2", "--port", "0"]
+    argv += ["--http-port", "0"]  # its /metrics: the router's view of the workers' roles
     argv += ["--torch-threads", "1", "--ray-address", address]
     up = spawn("pdserve-up-2nodes", argv, tmp_path, {**env, **SECRET.env()})
     try:
         pattern = re.compile(r"^pdserve ready: (\S+:\d+) \(disagg, 2 prefill: (\S+) (\S+), "
-                             r"2 decode: (\S+) (\S+)\)", re.M)  # fmt: skip
+                             r"2 decode: (\S+) (\S+)\) http (\S+)/v1$", re.M)  # fmt: skip
         (m,) = wait_for_lines([up], pattern, 240)
-        router, workers = m.group(1), m.groups()[1:]
+        router, workers, metrics = m.group(1), m.groups()[1:5], f"{m.group(6)}/metrics"
         status = {a: _status(a) for a in workers}
         node = {s.worker_id: s.node for s in status.values()}
         nodes = {(s.node, s.role) for s in status.values()}
@@ -210,9 +237,12 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
         other = next(
             a for a, s in status.items() if s.role == "prefill" and s.node != status[moved].node
         )
+        # The router learns roles from its status poll: wait until its view shows each switch
+        # (3 prefill + 1 decode after the first tells the second's 2 + 2 from the start's).
         _set_role(moved, "prefill")
+        _wait_router_roles(metrics, prefill=3, decode=1)
         _set_role(other, "decode")
-        time.sleep(2.0)  # the router's status poll sees the new role
+        _wait_router_roles(metrics, prefill=2, decode=2)
         crossed = 0
         for p, w in zip(prompts[4:], want[4:], strict=True):
             tokens, pre, dec = _generate(router, p)

@@ -20,7 +20,9 @@ def test_pool_keeps_a_silent_worker_healthy_until_the_third_missed_poll() -> Non
         pool = WorkerPool(
             InMemoryWorkerRegistry(ttl_s=3600.0),
             poll_interval_s=3600.0,  # never started: the test polls by hand
-            poll_timeout_s=0.05,
+            # A held poll misses however long this is; an answered one must fit in it on a
+            # loaded machine too (the first poll, the one after `hang.clear()`).
+            poll_timeout_s=2.0,
             poll_misses=3,
         )
         try:

@@ -300,6 +300,43 @@ def test_least_load_spreads_concurrent_requests(tiny_model_dir: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_routed_prompt_counts_on_its_prefill_worker_before_its_reservation(
+    tiny_model_dir: Path,
+) -> None:
+    """A prompt counts as prefill work on the worker chosen for it from the choice, not only
+    once the decode worker's Reserve answers: with every Reserve held, a 64-token prompt goes
+    out first, then seven 1-token ones, which must all go to the other prefill worker (counted
+    late, they alternated by recency, 4 + 4: the clump a loaded machine made in
+    `test_least_load_spreads_concurrent_requests`)."""
+
+    async def one(c: FakeCluster, prompt: list[int]) -> None:
+        req = ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=prompt), sampling=ipb.SamplingParams(max_tokens=4)
+        )
+        assert len(tokens_of(await c.generate(req, timeout=30.0))) == 4
+
+    async def scenario() -> None:
+        async with fake_cluster(tiny_model_dir, n_prefill=2, n_decode=2) as c:
+            for w in c.decode:
+                w.hold_reserves()
+
+            def reserves() -> int:
+                return sum(w.calls["Reserve"] for w in c.decode)
+
+            calls = [asyncio.create_task(one(c, list(range(3, 67))))]
+            await wait_until(lambda: reserves() == 1, 30.0, "the long prompt's Reserve out")
+            calls += [asyncio.create_task(one(c, [3 + i])) for i in range(7)]
+            await wait_until(lambda: reserves() == 8, 30.0, "8 reservations out")
+            for w in c.decode:
+                w.release_reserves()
+            await asyncio.gather(*calls)
+            prefills = sorted(w.calls["Prefill"] for w in c.prefill)
+            assert prefills == [1, 7], prefills
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
 def test_least_load_avoids_a_decode_worker_without_room(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
         async with fake_cluster(tiny_model_dir, n_decode=2) as c:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -79,6 +80,14 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _wait_state(pid: int, ok: Callable[[str], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll the process's state letter until `ok` (a signal takes effect when it is next run)."""
+    deadline = time.monotonic() + timeout_s
+    while not ok(state := _state(pid)):
+        assert time.monotonic() < deadline, f"pid {pid} never {what} (state {state})"
+        time.sleep(0.01)
+
+
 def test_the_injector_resumes_only_a_process_it_stopped(tmp_path: Path) -> None:
     """SIGSTOP / SIGCONT go by pid and process start time: a stopped process is resumed once;
     one that died meanwhile (its pid possibly reused) gets no SIGCONT."""
@@ -88,11 +97,9 @@ def test_the_injector_resumes_only_a_process_it_stopped(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
         assert cluster.send_signal(proc.pid, signal.SIGSTOP)
-        time.sleep(0.1)
-        assert _state(proc.pid) == "T"
+        _wait_state(proc.pid, lambda s: s == "T", "stopped")
         assert cluster.resume(proc.pid)
-        time.sleep(0.1)
-        assert _state(proc.pid) != "T"
+        _wait_state(proc.pid, lambda s: s != "T", "resumed")
         assert not cluster.resume(proc.pid)  # not stopped by the soak any more
         assert cluster.send_signal(proc.pid, signal.SIGSTOP)
     finally:
