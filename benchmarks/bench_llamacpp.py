@@ -46,6 +46,11 @@ TIERS: tuple[tuple[str, float, float], ...] = (
     ("tight", 1000.0, 50.0),
     ("medium", 2000.0, 100.0),
     ("loose", 4000.0, 250.0),
+    # issue 30's tiers (the 124.7 M model's table) and one at TPOT <= 10 ms
+    ("500/50", 500.0, 50.0),
+    ("300/25", 300.0, 25.0),
+    ("200/15", 200.0, 15.0),
+    ("200/10", 200.0, 10.0),
 )
 
 
@@ -219,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=f"runs/llamacpp-{time.strftime('%Y%m%d-%H%M%S')}")
     args = p.parse_args(argv)
 
+    from deploy.tool_launchers import launch_cluster
     from tooling.goodput.bench import BenchConfig, run_bench
     from tooling.goodput.demo import ensure_model
 
@@ -245,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.threads} threads each",
         )  # fmt: skip
         summary = run_bench(
-            cfg, on_ready=lambda b: single_stream(b, 128, args.single_out, repeats=3)
+            cfg,
+            launch=launch_cluster,
+            on_ready=lambda b: single_stream(b, 128, args.single_out, repeats=3),
         )
     finally:
         proc.terminate()
