@@ -1,7 +1,9 @@
 """A launcher's workers do not outlive it: SIGKILL of `pdserve up` (no chance to stop its
-children) while a stream is open, and every worker process is gone within 5 s
+children) while a stream is open, and every worker process leaves on its own
 (`worker.parent_watch` without Ray; with Ray, Ray's own fate-sharing of the local cluster it
-started and its actors).
+started and its actors). By design that takes about 3 s (`worker.cli.ORPHAN_GRACE_S` plus its
+`THREAD_EXIT_WAIT_S`); the bound is wider so that a loaded or slow machine does not fail it:
+what the test catches is a worker that stays.
 
 Runs in the pytest process; whatever survives is killed by PID in teardown.
 """
@@ -25,7 +27,7 @@ from tests.e2e.helpers import pid_alive, wait_until
 pytestmark = pytest.mark.slow
 READY = re.compile(r"^pdserve ready: (\S+:\d+) \((\w+), (.*)\)(?: http (\S+))?$", re.M)
 STARTED = re.compile(r"started (worker-\S+) \(pid (\d+)\)")
-GONE_WITHIN_S = 5.0
+GONE_WITHIN_S = 30.0
 
 
 def _kill_by_pid(pids: list[int]) -> None:
