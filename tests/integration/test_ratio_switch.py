@@ -109,13 +109,13 @@ async def _scenario(model: Path, tmp: Path) -> None:
         stub = sc.pool.stub(mover)
         from proto.pdserve.v1 import worker_pb2
 
-        status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+        status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=30)
         assert status.role == "prefill" and not status.draining
         # the router learns the role from its own poll and prefills on the mover
         mover_id = status.worker_id
         # (its poll interval is 0.25 s: wait on the state, a request prefilled on the mover)
         after: list[RequestRecord] = []
-        deadline = asyncio.get_running_loop().time() + 30.0
+        deadline = asyncio.get_running_loop().time() + 60.0
         while not any(r.prefill_worker == mover_id for r in after):
             assert asyncio.get_running_loop().time() < deadline, {r.prefill_worker for r in after}
             batch, _ = await send_all(cluster.address, specs(8, 8.0), vocab, 4, "post")
@@ -128,10 +128,12 @@ async def _scenario(model: Path, tmp: Path) -> None:
         assert lines[0]["inputs"]["ttft_attainment"] == 0.0
         assert mover in {w["address"] for w in lines[0]["inputs"]["workers"]}
         # no leaks
-        for _ in range(100):
+        # (wait on the state, with a deadline far beyond a loaded machine's release time)
+        deadline = loop.time() + 60.0
+        while True:
             await sc.pool.poll_once()
             views = sc.pool.views()
-            if all(v.free_blocks == v.total_blocks for v in views):
+            if all(v.free_blocks == v.total_blocks for v in views) or loop.time() > deadline:
                 break
             await asyncio.sleep(0.05)
         assert all(v.free_blocks == v.total_blocks for v in views), views
