@@ -32,7 +32,10 @@ from tooling.planner.harness import Sidecar, send_all, start_cluster
 pytestmark = pytest.mark.slow
 
 ANCHOR_TOKENS = 900  # decode steps each anchor runs: far longer than the test's 10 ms poll
-ENGINE = {"block_size": 16, "num_kv_blocks": 256, "max_num_batched_tokens": 128, "max_num_seqs": 16}
+# KV room for every request of the test in flight at once on one decode worker (2 anchors of
+# 58 blocks + 60 loads of at most 6): on a slow or loaded machine the load piles up, and a
+# refusal for KV room (RESOURCE_EXHAUSTED) would be overload, not a request the switch dropped.
+ENGINE = {"block_size": 16, "num_kv_blocks": 512, "max_num_batched_tokens": 128, "max_num_seqs": 16}
 
 
 def specs(n: int, rate: float, t0: float = 0.0) -> list[RequestSpec]:
