@@ -199,6 +199,7 @@ def _shm_peers(address: str, env: dict[str, str]) -> dict[str, list[str]]:
     return peers
 
 
+@pytest.mark.timeout(900)  # the start may take 480 s on a loaded machine
 def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
     two_ray_nodes: tuple[str, dict[str, str]], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -213,7 +214,12 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
                         do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             for p in prompts
         ]  # fmt: skip
-    argv = [sys.executable, "-m", "deploy.cli", "up", "--model", str(tiny_model_dir)]
+    # Starting 4 actors on two raylets is the slow part on a loaded machine: give it the whole
+    # budget of the wait below (the product default, 180 s, is for an unloaded cluster).
+    config = tmp_path / "cluster.toml"
+    config.write_text("[ray]\nstart_timeout_s = 480\n")
+    argv = [sys.executable, "-m", "deploy.cli", "up", "--config", str(config)]
+    argv += ["--model", str(tiny_model_dir)]
     argv += ["--mode", "disagg", "--prefill", "2", "--decode", "2", "--port", "0"]
     argv += ["--http-port", "0"]  # its /metrics: the router's view of the workers' roles
     argv += ["--torch-threads", "1", "--ray-address", address]
@@ -221,7 +227,7 @@ def test_pdserve_up_on_two_ray_nodes_pairs_by_node(
     try:
         pattern = re.compile(r"^pdserve ready: (\S+:\d+) \(disagg, 2 prefill: (\S+) (\S+), "
                              r"2 decode: (\S+) (\S+)\) http (\S+)/v1$", re.M)  # fmt: skip
-        (m,) = wait_for_lines([up], pattern, 240)
+        (m,) = wait_for_lines([up], pattern, 540)
         router, workers, metrics = m.group(1), m.groups()[1:5], f"{m.group(6)}/metrics"
         status = {a: _status(a) for a in workers}
         node = {s.worker_id: s.node for s in status.values()}
