@@ -10,7 +10,9 @@ Engine extensions, as vLLM and SGLang accept them: `top_k` (-1 or 0 = off), `min
 `ignore_eos`.
 
 Responses follow OpenAI's shapes field for field; streaming chunks are the same objects sent
-as Server-Sent Events (`router.http.handlers`).
+as Server-Sent Events (`router.http.handlers`). One extension, namespaced so no OpenAI field
+is touched: `pdserve` (`PdserveInfo`: where the prompt was prefilled, and why) on a whole
+answer and on the streamed chunk that carries the `finish_reason`; other chunks leave it out.
 """
 
 from __future__ import annotations
@@ -123,6 +125,19 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PdserveInfo(_Response):
+    """pdserve's extension of a response (`pdserve`), from the gRPC `FinalInfo`.
+
+    `prefill_path`: in a disaggregated cluster, ``"remote"`` (a prefill worker computed the
+    prompt's KV and sent it to the decode worker) or ``"local"`` (the decode worker prefilled
+    it itself, `[router.hybrid]`); null in colocated mode, where there is one worker.
+    `prefill_path_reason`: why (`router.hybrid.PathReason`: ``off``, ``decode_busy``,
+    ``long_prompt`` for remote; ``short_prompt``, ``prefill_busy`` for local); null with it."""
+
+    prefill_path: Literal["local", "remote"] | None = None
+    prefill_path_reason: str | None = None
+
+
 class CompletionLogprobs(_Response):
     """Legacy completions logprobs: parallel lists, one entry per generated token;
     `text_offset` counts characters from the start of the completion."""
@@ -149,6 +164,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    pdserve: PdserveInfo | None = None
 
 
 class TopLogprob(_Response):
@@ -187,6 +203,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    pdserve: PdserveInfo
 
 
 class ChatDelta(_Response):
@@ -214,6 +231,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    pdserve: PdserveInfo | None = None
 
 
 class ModelCard(_Response):

@@ -9,7 +9,10 @@ and `usage_chunk()` build the rest. Chunk rules (as OpenAI sends them):
 - chat: the first chunk is ``delta: {"role": "assistant", "content": ""}``, then one chunk per
   message with text or logprobs, then ``delta: {}`` with `finish_reason`;
 - with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one more chunk
-  with ``"choices": []`` and the usage comes last.
+  with ``"choices": []`` and the usage comes last;
+- the chunk with the `finish_reason` (and a whole answer) carries pdserve's extension
+  ``"pdserve": {"prefill_path", "prefill_path_reason"}`` (`pdserve_of`); other chunks leave
+  the key out.
 
 Logprobs: completions use the legacy parallel lists (`tokens`, `token_logprobs`,
 `top_logprobs` as ``{token: logprob}``, `text_offset`); chat uses ``content: [{token,
@@ -20,6 +23,7 @@ kept), so a token holding part of a UTF-8 character shows U+FFFD, as in vLLM.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -36,6 +40,7 @@ from router.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PdserveInfo,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
@@ -53,9 +58,30 @@ def usage_of(final: inference_pb2.FinalInfo) -> Usage:
     )
 
 
+_PATHS: dict[str, Literal["local", "remote"] | None] = {
+    "": None,
+    "local": "local",
+    "remote": "remote",
+}
+
+
+def pdserve_of(final: inference_pb2.FinalInfo) -> PdserveInfo:
+    """The response's `pdserve` extension from the final message (an empty path, colocated
+    mode, is null)."""
+    assert final.prefill_path in _PATHS, f"FinalInfo.prefill_path {final.prefill_path!r}"
+    return PdserveInfo(
+        prefill_path=_PATHS[final.prefill_path],
+        prefill_path_reason=final.prefill_path_reason or None,
+    )
+
+
 def dump(obj: BaseModel, include_usage: bool) -> str:
-    """A chunk's JSON; `usage` appears (null until the last chunk) only when asked for."""
-    return obj.model_dump_json(exclude=None if include_usage else {"usage"})
+    """A chunk's JSON; `usage` appears (null until the last chunk) only when asked for;
+    `pdserve` only on the chunk that has it (the one with the finish reason)."""
+    exclude = set() if include_usage else {"usage"}
+    if getattr(obj, "pdserve", None) is None:
+        exclude.add("pdserve")
+    return obj.model_dump_json(exclude=exclude or None)
 
 
 class _Formatter:
@@ -129,11 +155,22 @@ class CompletionFormatter(_Formatter):
             logprobs=logprobs,
             finish_reason=final.finish_reason if final is not None else None,
         )
-        return (self._object([choice]),)
+        info = pdserve_of(final) if final is not None else None
+        return (self._object([choice], pdserve=info),)
 
-    def _object(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
+    def _object(
+        self,
+        choices: list[CompletionChoice],
+        usage: Usage | None = None,
+        pdserve: PdserveInfo | None = None,
+    ) -> BaseModel:
         return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            pdserve=pdserve,
         )
 
     def whole(self) -> BaseModel:
@@ -143,7 +180,7 @@ class CompletionFormatter(_Formatter):
             logprobs=self._lp if self.logprobs is not None else None,
             finish_reason=self.final.finish_reason,
         )
-        return self._object([choice], self.usage())
+        return self._object([choice], self.usage(), pdserve_of(self.final))
 
     def usage_chunk(self) -> BaseModel:
         return self._object([], self.usage())
@@ -179,9 +216,9 @@ class ChatFormatter(_Formatter):
         if part is not None:
             self._content.extend(part.content)
 
-    def _chunk(self, choice: ChatChunkChoice) -> BaseModel:
+    def _chunk(self, choice: ChatChunkChoice, pdserve: PdserveInfo | None = None) -> BaseModel:
         return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=[choice]
+            id=self.id, created=self.created, model=self.model, choices=[choice], pdserve=pdserve
         )
 
     def chunks(self, resp: inference_pb2.GenerateResponse) -> Sequence[BaseModel]:
@@ -196,7 +233,7 @@ class ChatFormatter(_Formatter):
         if resp.HasField("final"):
             self.final = resp.final
             end = ChatChunkChoice(delta=ChatDelta(), finish_reason=resp.final.finish_reason)
-            out.append(self._chunk(end))
+            out.append(self._chunk(end, pdserve_of(resp.final)))
         return out
 
     def whole(self) -> BaseModel:
@@ -212,6 +249,7 @@ class ChatFormatter(_Formatter):
             model=self.model,
             choices=[choice],
             usage=self.usage(),
+            pdserve=pdserve_of(self.final),
         )
 
     def usage_chunk(self) -> BaseModel:

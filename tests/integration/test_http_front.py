@@ -20,6 +20,7 @@ import pytest
 
 from model_runtime.tokenizer import Tokenizer
 from proto.pdserve.v1 import inference_pb2 as ipb
+from router.hybrid import HybridConfig
 from tests.fakes.cluster import FakeCluster, fake_cluster, wait_until
 from tests.fakes.fake_worker import FakeWorkerConfig
 
@@ -351,5 +352,71 @@ def test_client_disconnect_mid_stream_aborts_on_every_worker(model_dir: Path) ->
             await wait_until(lambda: bool(c.decode[0].aborts), 3.0, "the decode Abort")
             await c.assert_no_leaks()
             await wait_until(lambda: c.router.service.admission.running == 0, 3.0)
+
+    asyncio.run(scenario())
+
+
+def test_the_answer_reports_the_prefill_path_in_its_pdserve_extension(model_dir: Path) -> None:
+    """Hybrid cluster: a 3-token prompt is prefilled on the decode worker (short), a 10-token
+    one on the prefill worker (long); both the whole answer and the streamed chunk with the
+    finish reason say so under `pdserve`, and no other chunk carries the key."""
+    local = {"prefill_path": "local", "prefill_path_reason": "short_prompt"}
+    remote = {"prefill_path": "remote", "prefill_path_reason": "long_prompt"}
+    long_prompt = list(range(20, 30))
+
+    async def scenario() -> None:
+        hybrid = HybridConfig(local_prefill_max_tokens=4)
+        async with (
+            fake_cluster(model_dir, http_port=0, hybrid=hybrid) as c,
+            aiohttp.ClientSession() as s,
+        ):
+            for prompt, want in ((PROMPT_IDS, local), (long_prompt, remote)):
+                status, _, text = await post(
+                    s, base(c) + "/v1/completions", completion(prompt=prompt)
+                )
+                assert status == 200, text
+                assert json.loads(text)["pdserve"] == want
+                body = completion(
+                    prompt=prompt, stream=True, stream_options={"include_usage": True}
+                )
+                status, _, text = await post(s, base(c) + "/v1/completions", body)
+                assert status == 200, text
+                chunks = [json.loads(d) for d in sse_data(text)[:-1]]
+                last = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
+                assert len(last) == 1 and last[0]["pdserve"] == want, chunks
+                assert sum("pdserve" in ch for ch in chunks) == 1, chunks
+            chat = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            }
+            status, _, text = await post(s, base(c) + "/v1/chat/completions", chat)
+            assert status == 200, text
+            assert json.loads(text)["pdserve"] == remote  # the rendered chat prompt is long
+            status, _, text = await post(
+                s, base(c) + "/v1/chat/completions", {**chat, "stream": True}
+            )
+            chunks = [json.loads(d) for d in sse_data(text)[:-1]]
+            assert [ch.get("pdserve") for ch in chunks][-1] == remote
+            assert sum("pdserve" in ch for ch in chunks) == 1, chunks
+            assert c.decode[0].calls["Generate"] == 2 and c.prefill[0].calls["Prefill"] == 4
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())
+
+
+def test_colocated_answers_report_no_prefill_path(model_dir: Path) -> None:
+    async def scenario() -> None:
+        async with (
+            fake_cluster(model_dir, mode="colocated", http_port=0) as c,
+            aiohttp.ClientSession() as s,
+        ):
+            status, _, text = await post(s, base(c) + "/v1/completions", completion())
+            assert status == 200, text
+            assert json.loads(text)["pdserve"] == {
+                "prefill_path": None,
+                "prefill_path_reason": None,
+            }
+            await c.assert_no_leaks()
 
     asyncio.run(scenario())
