@@ -345,6 +345,9 @@ class DecodeRole(RoleHandler):
     def num_pending(self) -> int:
         return sum(1 for r in self._res.values() if self._receive(r) is not None)
 
+    def num_receiving(self) -> int:
+        return sum(1 for r in self._res.values() if self._receive(r) is Receive.RECEIVING)
+
     rpcs = (
         # A reservation only takes free blocks and registers a ticket: safe in the middle of a
         # step, and the router's Prefill (hence TTFT) waits for it.

@@ -125,3 +125,6 @@ class HybridDecodeRole(RoleHandler):
 
     def num_pending(self) -> int:
         return self.remote.num_pending() + self.local.num_pending()
+
+    def num_receiving(self) -> int:
+        return self.remote.num_receiving()

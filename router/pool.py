@@ -177,6 +177,7 @@ class WorkerPool:
                     healthy=rec.healthy,
                     draining=st.draining,
                     num_waiting=st.num_waiting,
+                    num_receiving=st.num_receiving,
                     num_running=st.num_running,
                     waiting_tokens=st.waiting_tokens,
                     free_blocks=st.free_blocks,

@@ -32,6 +32,7 @@ class WorkerView:
     healthy: bool
     draining: bool
     num_waiting: int = 0
+    num_receiving: int = 0  # of num_waiting: reservations whose KV is still to arrive (decode)
     num_running: int = 0
     waiting_tokens: int = 0
     free_blocks: int = 0

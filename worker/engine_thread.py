@@ -69,6 +69,7 @@ class Snapshot:
     engine_steps: int = 0  # steps run since start, and their summed wall / thread CPU seconds
     engine_step_wall_s: float = 0.0
     engine_step_cpu_s: float = 0.0
+    num_receiving: int = 0  # of num_waiting: reservations whose KV is still to arrive
 
 
 @dataclass
@@ -405,4 +406,5 @@ class EngineThread:
             engine_steps=self._steps,
             engine_step_wall_s=self._step_wall_s,
             engine_step_cpu_s=self._step_cpu_s,
+            num_receiving=self.role.num_receiving(),
         )

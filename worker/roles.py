@@ -151,6 +151,11 @@ class RoleHandler(ABC):
         """Requests the role holds that the engine has not seen yet (status: waiting)."""
         return 0
 
+    def num_receiving(self) -> int:
+        """Of `num_pending`: reservations whose KV has not arrived yet (status:
+        `num_receiving`). They wait for a prefill elsewhere, not for this worker."""
+        return 0
+
     # ---- helpers for subclasses --------------------------------------------------------------
 
     def deadline(self, timeout_s: float | None) -> float:

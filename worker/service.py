@@ -71,6 +71,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             role=s.role,
             draining=s.draining,
             num_waiting=s.num_waiting,
+            num_receiving=s.num_receiving,
             num_running=s.num_running,
             waiting_tokens=s.waiting_tokens,
             free_blocks=s.free_blocks,

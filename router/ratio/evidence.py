@@ -76,7 +76,8 @@ def phase_attainment(window: MetricsWindow, role: Phase) -> float:
 
 def queued(window: MetricsWindow, role: Phase, config: RatioConfig) -> bool:
     """Whether requests wait for `role`: its workers hold a queue of `backlog` requests each
-    on average (decode also when its KV is saturated: reservations start to fail)."""
+    on average (decode also when its KV is saturated: reservations start to fail). Decode's
+    queue is `MetricsWindow.decode_waiting`: reservations still receiving KV are not in it."""
     if role == "prefill":
         return window.prefill_workers > 0 and window.prefill_waiting >= config.backlog
     return window.decode_workers > 0 and (
@@ -113,7 +114,8 @@ def bottleneck(window: MetricsWindow, config: RatioConfig) -> tuple[Phase | None
     queues = (
         f"prefill queue {window.prefill_waiting:.1f} requests "
         f"({window.prefill_waiting_tokens:.0f} tokens)/worker, decode queue "
-        f"{window.decode_waiting:.1f} requests/worker, decode KV utilisation "
+        f"{window.decode_waiting:.1f} requests/worker (+{window.decode_receiving:.1f} receiving "
+        f"KV), decode KV utilisation "
         f"{window.decode_kv_utilisation:.0%}"
     )
     if ttft_miss - tpot_miss > config.hysteresis:

@@ -53,6 +53,7 @@ class WorkerSample:
     num_waiting: int
     num_running: int
     kv_utilisation: float  # 1 - free / total blocks (0 when unknown)
+    num_receiving: int = 0  # of num_waiting: reservations whose KV is still to arrive
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class WorkerLoad:
     num_waiting: float
     num_running: float
     kv_utilisation: float
+    num_receiving: float = 0.0  # of num_waiting: reservations whose KV is still to arrive
 
     @property
     def requests(self) -> float:
@@ -101,11 +103,16 @@ class MetricsWindow:
     tpot_reached_attainment: float | None = None
     prefill_waiting: float = 0.0  # mean requests waiting per prefill worker
     local_requests: int = 0  # requests prefilled on their decode worker (hybrid local path)
+    # mean reservations per decode worker whose KV is still to arrive (counted in
+    # `decode_requests`): their prompts wait for a prefill worker, so they are prefill's backlog
+    decode_receiving: float = 0.0
 
     @property
     def decode_waiting(self) -> float:
-        """Mean requests per decode worker waiting for a batch slot (prefilled, not running)."""
-        return max(0.0, self.decode_requests - self.decode_batch)
+        """Mean requests per decode worker waiting for a batch slot (prefilled, not running).
+        Reservations still receiving KV are not among them (`decode_receiving`): a decode
+        worker holding only those has no queue of its own; they wait for prefill."""
+        return max(0.0, self.decode_requests - self.decode_batch - self.decode_receiving)
 
     @property
     def decode_attainment(self) -> float:
@@ -147,6 +154,7 @@ def samples_from_views(views: Iterable[WorkerView], t: float) -> list[WorkerSamp
                 num_waiting=v.num_waiting,
                 num_running=v.num_running,
                 kv_utilisation=util,
+                num_receiving=v.num_receiving,
             )
         )
     return out
@@ -252,6 +260,7 @@ class MetricsAggregator:
             tpot_reached_attainment=sum(reached) / len(reached) if reached else 1.0,
             prefill_waiting=_mean([w.num_waiting for w in pre]),
             local_requests=sum(o.path == "local" for o in outs),
+            decode_receiving=_mean([w.num_receiving for w in dec]),
         )
 
 
@@ -274,6 +283,7 @@ def _loads(ticks: Sequence[list[WorkerSample]]) -> list[WorkerLoad]:
                 num_waiting=_mean([s.num_waiting for s in hist]),
                 num_running=_mean([s.num_running for s in hist]),
                 kv_utilisation=_mean([s.kv_utilisation for s in hist]),
+                num_receiving=_mean([s.num_receiving for s in hist]),
             )
         )
     return out

@@ -23,7 +23,9 @@ decode worker, `router.hybrid`) by the same evidence, state and rules as role sw
    rates):
    - **raise** when the bottleneck is prefill, requests queue on the prefill workers
      (`evidence.queued`), and decode has TPOT slack (decode attainment >= target - hysteresis,
-     no decode queue): more prompts prefill where they decode, off the prefill queue;
+     no decode queue — reservations still receiving KV are not one: their prompts are the
+     prefill queue, `MetricsWindow.decode_waiting`): more prompts prefill where they decode,
+     off the prefill queue;
    - **lower** when the bottleneck is decode and requests took the local path in the window
      (their prefill chunks ran inside decode batches and took decode time);
    - each by `threshold_step` (x or /, at least one token), clamped to

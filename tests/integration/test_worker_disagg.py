@@ -293,6 +293,33 @@ def test_reservation_without_decode_expires(pd: tuple[Worker, Worker]) -> None:
     )
 
 
+def test_status_counts_a_reservation_receiving_kv_apart(pd: tuple[Worker, Worker]) -> None:
+    """A reservation waits (`num_waiting`) and, until its KV is in, is `num_receiving` too:
+    the prompt waits for the prefill worker, not for this decode worker."""
+    p, d = pd
+
+    def until(what: str, ok: Callable[[pb.WorkerStatus], bool]) -> None:
+        deadline = time.monotonic() + 30.0
+        while not ok(s := d.status()):
+            assert time.monotonic() < deadline, f"{what}: {s}"
+            time.sleep(0.02)
+
+    prompt = list(range(30, 50))
+    ticket = reserve(d, "recv", len(prompt), 4, 30)
+    until("reserved", lambda s: (s.num_waiting, s.num_receiving) == (1, 1))
+    sampling = pb.WorkerSampling(max_tokens=4)
+    p.stub.Prefill(
+        pb.PrefillRequest(
+            request_id="recv", prompt_token_ids=prompt, sampling=sampling, ticket=ticket
+        ),
+        timeout=30,
+    )
+    until("KV in, no Decode yet", lambda s: (s.num_waiting, s.num_receiving) == (1, 0))
+    assert d.stub.Abort(pb.AbortRequest(request_id="recv"), timeout=5).found
+    d.wait_all_free()
+    p.wait_all_free()
+
+
 def test_same_request_id_again_right_after_abort(pd: tuple[Worker, Worker]) -> None:
     """A router retry reuses the request id while the aborted transfer is still winding down."""
     _, d = pd

@@ -129,6 +129,7 @@ def test_remote_path_holds_blocks_on_both_sides_until_the_hand_off_lands() -> No
     sim.run_until(0.3)  # prefilled at 74 ms; the hand-off lands at 574 ms
     assert p.eng.free_blocks == 1024 - 4  # held: the transfer still reads them
     assert d.eng.free_blocks == 1024 - 5 and d.eng.num_waiting == 1  # reserved: 64 + 2 tokens
+    assert d.eng.num_receiving == 1  # its KV is still to arrive: not a decode queue
     (o,) = sim.run()
     assert o.ok and o.ttft_s == pytest.approx(0.074 + 0.5)
     assert p.eng.free_blocks == 1024 and not p.eng.busy() and not d.eng.busy()

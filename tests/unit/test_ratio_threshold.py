@@ -5,6 +5,7 @@ holder and the config bounds. Pure, milliseconds; runs in the pytest process."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,9 @@ from router.config import RouterConfig
 from router.hybrid import HybridConfig, LiveThreshold
 from router.ratio.config import RatioConfig
 from router.ratio.controller import ControllerState, Decision, decide
-from router.ratio.metrics import MetricsWindow, WorkerLoad
+from router.ratio.metrics import MetricsAggregator, MetricsWindow, WorkerLoad, samples_from_views
 from router.ratio.threshold import decide_with_threshold, step, tabu_key
+from router.views import WorkerView
 
 CFG = RatioConfig(
     mode="adaptive",
@@ -274,3 +276,24 @@ def test_threshold_bounds_need_a_ratio_controller(tmp_path: Path) -> None:
         RouterConfig(**addrs, hybrid=HYB)
     ok = RouterConfig(**addrs, hybrid=HYB, ratio=CFG)
     assert ok.hybrid.adaptive and ok.ratio.enabled
+
+
+def test_reservations_receiving_kv_are_prefill_backlog_not_a_decode_queue() -> None:
+    """1P:1D hybrid, prefill the bottleneck: the decode worker's only waiting requests are
+    reservations receiving KV from the prefill worker (the prompts queued there). From the
+    workers' status through the metric window to the decision, they are not a decode queue:
+    decode has TPOT slack, so the threshold rises (counted as decode's queue, they made decode
+    look queued and longer-queued than prefill, and the threshold never rose)."""
+    agg = MetricsAggregator(window_s=10, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    for i in range(20):  # half miss TTFT (queued on P), every one meets TPOT
+        agg.observe(90.0 + 0.1 * i, 0.5 if i % 2 else 3.0, 0.02, ok=True, e2e_s=1.0)
+    p = WorkerView("p0", "p0", "prefill", True, False, num_running=1, num_waiting=4)
+    p = replace(p, waiting_tokens=4000, total_blocks=100, free_blocks=60)
+    d = WorkerView("d0", "d0", "decode", True, False, num_running=2, num_waiting=5)
+    d = replace(d, num_receiving=5, total_blocks=100, free_blocks=60)
+    agg.add_samples(99.0, samples_from_views([p, d], 99.0))
+    w = agg.window(100.0)
+    assert (w.decode_waiting, w.decode_receiving, w.prefill_waiting) == (0.0, 5.0, 4.0)
+    got = ask(w, ControllerState(), 100.0)
+    assert (got.action, got.threshold_from, got.threshold_to) == ("threshold", 64, 128), got
+    assert "5.0 receiving KV" in got.reason

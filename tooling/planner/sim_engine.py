@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
-from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from model_runtime.scheduler import Receive, Scheduler, SchedulerConfig, SchedulerOutput
 
 TOKEN = 1  # what the simulated model samples
 MAX_MODEL_LEN = 1 << 30  # lengths are the planner's to check, not the simulator's
@@ -457,6 +457,12 @@ class SimEngine:
         """Waiting to be admitted, prefilled and waiting for a slot, and reservations."""
         s = self.scheduler
         return len(s.waiting) + len(s.ready) - self._promoted() + len(s.remote)
+
+    @property
+    def num_receiving(self) -> int:
+        """Of `num_waiting`: reservations whose KV is still to arrive (the worker's
+        `num_receiving`)."""
+        return sum(kv.state is Receive.RECEIVING for kv in self.scheduler.remote.values())
 
     def queued_tokens(self) -> int:
         """Prompt tokens still to prefill (waiting requests and unfinished prefills): the

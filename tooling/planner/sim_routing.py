@@ -122,6 +122,7 @@ def view(w: Worker, spec: ClusterSpec) -> WorkerView:
         healthy=True,
         draining=bool(w.drain_to),
         num_waiting=eng.num_waiting,
+        num_receiving=eng.num_receiving,
         num_running=eng.num_running,
         waiting_tokens=eng.queued_tokens(),
         free_blocks=eng.free_blocks,

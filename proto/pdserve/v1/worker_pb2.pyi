@@ -12,7 +12,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "draining", "num_waiting", "num_running", "waiting_tokens", "free_blocks", "total_blocks", "block_size", "kv_endpoint", "epoch", "metrics_port", "engine_steps", "engine_step_wall_s", "engine_step_cpu_s", "node")
+    __slots__ = ("worker_id", "role", "draining", "num_waiting", "num_running", "waiting_tokens", "free_blocks", "total_blocks", "block_size", "kv_endpoint", "epoch", "metrics_port", "engine_steps", "engine_step_wall_s", "engine_step_cpu_s", "node", "num_receiving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerStatus(_message.Message):
     ENGINE_STEP_WALL_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEP_CPU_S_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECEIVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     draining: bool
@@ -45,7 +46,8 @@ class WorkerStatus(_message.Message):
     engine_step_wall_s: float
     engine_step_cpu_s: float
     node: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_port: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_wall_s: _Optional[float] = ..., engine_step_cpu_s: _Optional[float] = ..., node: _Optional[str] = ...) -> None: ...
+    num_receiving: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_port: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_wall_s: _Optional[float] = ..., engine_step_cpu_s: _Optional[float] = ..., node: _Optional[str] = ..., num_receiving: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_name", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
