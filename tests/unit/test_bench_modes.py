@@ -1,0 +1,141 @@
+"""`benchmarks.bench_modes`' pure parts on fixture data: max goodput per repeat and its median,
+hybrid's ratio to the better fixed mode, the plan row -> configuration map, the planner verdict,
+and the summary's tables. Milliseconds; no bench or plan runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.bench_modes import (
+    WORKLOADS,
+    WorkloadResult,
+    config_of_row,
+    hybrid_ratio,
+    markdown,
+    max_goodputs,
+    median_goodput,
+    planner_verdict,
+    points_of,
+)
+from tooling.goodput.records import RequestRecord, RunResult
+
+# three repeats of one workload: (rate, attainment of both SLOs) per configuration
+REPEATS: list[dict[str, list[tuple[float, float]]]] = [
+    {
+        "colocated": [(0.5, 1.0), (1.0, 0.95), (1.5, 0.7)],
+        "disagg": [(0.5, 0.92), (1.0, 0.8), (1.5, 0.9)],  # 1.5 passes after a failure
+        "hybrid": [(0.5, 1.0), (1.0, 0.9), (1.5, 0.95)],
+    },
+    {
+        "colocated": [(0.5, 1.0), (1.0, 0.85), (1.5, 0.6)],
+        "disagg": [(0.5, 0.8)],  # gave up after the first rate
+        "hybrid": [(0.5, 1.0), (1.0, 0.92), (1.5, 0.88)],
+    },
+    {
+        "colocated": [(0.5, 0.9), (1.0, 0.9), (1.5, 0.5)],
+        "hybrid": [(0.5, 1.0), (1.0, 1.0), (1.5, 0.91)],  # disagg did not run
+    },
+]
+
+
+def row(**kw: Any) -> dict[str, Any]:
+    """A `pdserve plan --json` row (the fields `bench_modes` reads)."""
+    base = dict(
+        prefill=1, decode=1, chunk_tokens=256, chunked=True, colocated=0, hybrid_threshold=None
+    )
+    return base | kw
+
+
+COLOCATED = row(prefill=0, decode=0, colocated=1, max_rate=0.9)
+WHOLE = row(prefill=0, decode=0, colocated=1, chunked=False, chunk_tokens=544, max_rate=1.2)
+DISAGG = row(max_rate=0.6)
+HYBRID = row(hybrid_threshold=128, max_rate=1.1)
+
+
+def test_max_goodput_per_repeat_stops_at_the_first_failure_and_counts_absent_as_zero() -> None:
+    got = max_goodputs(REPEATS, 0.9)
+    assert got == {
+        "colocated": [1.0, 0.5, 1.0],
+        "disagg": [0.5, 0.0, 0.0],  # 1.5 after the failing 1.0 does not count
+        "hybrid": [1.5, 1.0, 1.5],
+    }
+    assert [median_goodput(v) for v in got.values()] == [1.0, 0.0, 1.5]
+    assert median_goodput([]) == 0.0
+    assert median_goodput([0.5, 1.0]) == 0.75
+
+
+def test_hybrid_ratio_is_over_the_better_fixed_mode() -> None:
+    assert hybrid_ratio({"colocated": 1.0, "disagg": 0.5, "hybrid": 1.5}) == 1.5
+    assert hybrid_ratio({"colocated": 0.4, "disagg": 0.8, "hybrid": 0.76}) == pytest.approx(0.95)
+    assert hybrid_ratio({"colocated": 0.0, "disagg": 0.0, "hybrid": 0.5}) is None
+    assert hybrid_ratio({"colocated": 1.0}) == 0.0  # hybrid not measured: 0 of the best
+
+
+def test_plan_rows_map_to_the_measured_configurations_only() -> None:
+    assert config_of_row(COLOCATED) == "colocated"
+    assert config_of_row(WHOLE) is None  # colocated whole prompts: not benched
+    assert config_of_row(row(prefill=0, decode=0, colocated=1, chunk_tokens=128)) is None
+    assert config_of_row(DISAGG) == "disagg"
+    assert config_of_row(HYBRID) == "hybrid"
+    assert config_of_row(row(hybrid_threshold=336)) is None
+    assert config_of_row(row(prefill=2, decode=1)) is None
+
+
+def test_planner_verdict_judges_its_best_measured_choice_within_the_tolerance() -> None:
+    medians = {"colocated": 1.0, "disagg": 0.5, "hybrid": 1.05}
+    # ranked: whole prompts (not measured) first, then hybrid: the verdict is on hybrid
+    got = planner_verdict([WHOLE, HYBRID, COLOCATED, DISAGG], medians, 0.10)
+    assert (got.recommended, got.best_measured, got.verdict) == ("hybrid", "hybrid", "ok")
+    assert got.top == "colocated x1 (whole prompts)"
+    assert got.predicted == {"hybrid": 1.1, "colocated": 0.9, "disagg": 0.6}
+    within = planner_verdict([COLOCATED, HYBRID], medians, 0.10)  # 1.0 / 1.05 = 0.952
+    assert within.verdict == "ok" and within.recommended_vs_best == pytest.approx(1 / 1.05)
+    miss = planner_verdict([DISAGG, HYBRID], medians, 0.10)
+    assert (miss.verdict, miss.recommended_vs_best) == ("miss", pytest.approx(0.5 / 1.05))
+    nothing = planner_verdict([HYBRID], {"colocated": 0.0, "disagg": 0.0, "hybrid": 0.0}, 0.1)
+    assert (nothing.verdict, nothing.best_measured) == ("inconclusive", None)
+    unmeasured = planner_verdict([WHOLE], medians, 0.10)
+    assert (unmeasured.recommended, unmeasured.verdict) == (None, "not measured")
+
+
+def test_points_of_a_results_json_are_attainments_per_configuration() -> None:
+    def run(config: str, rate: float, ttfts: list[float]) -> dict[str, Any]:
+        records = [
+            RequestRecord(i, f"r{i}", 0.0, 0.0, 8, 4, num_tokens=4, ttft_ms=t, tpot_ms=10.0)
+            for i, t in enumerate(ttfts)
+        ]
+        return RunResult(config, rate, "poisson", 0, 0, records, 10.0, 0.0, 0.0).to_json()
+
+    results = {
+        "meta": {"slo": {"ttft_ms": 100.0, "tpot_ms": 50.0}},
+        "runs": [run("hybrid", 1.0, [50.0, 150.0]), run("hybrid", 0.5, [10.0, 20.0])],
+    }
+    assert points_of(results) == {"hybrid": [(0.5, 1.0), (1.0, 0.5)]}
+
+
+def test_markdown_has_the_tables_and_the_verdicts() -> None:
+    goodputs = max_goodputs(REPEATS, 0.9)
+    curves = {"colocated": {0.5: [1.0, 1.0, 0.9]}, "hybrid": {0.5: [1.0, 1.0, 1.0]}}
+    medians = {c: median_goodput(v) for c, v in goodputs.items()}
+    check = planner_verdict([HYBRID, COLOCATED, DISAGG], medians, 0.1)
+    result = WorkloadResult(
+        WORKLOADS["mixed"], 0.9, ["runs/x/mixed-r1"], goodputs, curves, (30, 40), check
+    )
+    validation = {
+        "margin": 0.05,
+        "share_inside": 0.5,
+        "points": [
+            {"config": "hybrid", "inside": True, "runs": [{"source": "runs/x/mixed-r1"}]},
+            {"config": "disagg", "inside": False, "runs": [{"source": "runs/x/mixed-r1"}]},
+        ],
+    }
+    text = markdown([result], validation, "## header", 0.1)
+    assert "| mixed (chat + 30 % summarize) | TTFT 1500 / TPOT 100 ms | 1 (1, 0.5, 1) | " in text
+    assert "| **1.5** (1.5, 1, 1.5) | 1.50x | 75% of 40 |" in text
+    assert "every workload: **met**; >= 1.2x on at least one: **met**" in text
+    assert "| hybrid 1:1 @128 (chunk 256) | 0.9 / 0.6 / 1.1 | hybrid | hybrid | 1.00 | ok |" in text
+    assert "**1 of 2 points (50%) inside the measured band**" in text
+    assert "| hybrid | 1/1 |" in text and "| disagg | 0/1 |" in text
+    assert "| colocated | 100% |" in text and "| disagg | — |" in text
