@@ -156,6 +156,7 @@ def test_openai_load_records_every_request_and_http_errors(tiny_model_dir: Path)
             assert r.ttft_ms is not None and r.tpot_ms is not None and r.tpot_ms >= 3.0
             assert r.e2e_ms is not None and r.e2e_ms >= r.ttft_ms and r.itl_ms
             assert r.server == {}  # an OpenAI server reports no timings
+            assert {r.prefill_path for r in run.records} == {"remote"}  # pdserve's extension
             bad = LoadJob(c.router.http.url, specs[:2], api="openai", model="nope", vocab_size=1024)
             run = await run_load(bad, progress=False)
             assert {r.status for r in run.records} == {"HTTP_404"}

@@ -13,7 +13,8 @@ with ``stream_options.include_usage``. What a record gets, on the client's clock
 - an HTTP error's status becomes ``HTTP_<status>`` with the error object's message; an error
   event inside the stream ``STREAM_ERROR``; a request past its deadline ``DEADLINE_EXCEEDED``.
 
-There are no server-side timings or worker names for these records.
+There are no server-side timings or worker names for these records; from pdserve's own HTTP
+front the prefill path comes along (its ``pdserve`` extension on the finishing chunk).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ async def consume_openai(
                             break
                         if chunk.get("usage"):
                             usage_tokens = int(chunk["usage"]["completion_tokens"])
+                        if ext := chunk.get("pdserve"):  # pdserve's own HTTP front
+                            rec.prefill_path = ext.get("prefill_path") or ""
                         for choice in chunk.get("choices") or ():
                             if choice.get("finish_reason"):
                                 rec.finish_reason = choice["finish_reason"]
