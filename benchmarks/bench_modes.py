@@ -30,6 +30,11 @@ plan` subprocess. Steps:
    repeats, widened by 5 points);
 5. `OUT/summary.md` (tables in `benchmarks/RESULTS.md`'s form) and `OUT/summary.json`.
 
+Duration: the defaults (12 s of arrivals and at least 10 requests per rate, four rates per
+workload) run the whole matrix (3 workloads x 3 configurations x 3 repeats) in about 45 minutes
+on a 2-vCPU host, at most about 50 when no configuration gives up early (sizing in
+`docs/performance.md`).
+
 The pure parts (`max_goodputs`, `median_goodput`, `hybrid_ratio`, `config_of_row`,
 `planner_verdict`, `markdown`) are unit-tested on fixture data (`tests/unit/test_bench_modes.py`).
 """
