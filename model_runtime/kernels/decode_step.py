@@ -1,4 +1,6 @@
-"""A whole decode step in one C call (`decode_step.c`). Runs in the engine thread of a worker.
+"""A whole decode step in one C call (`decode_step.c`), or one C call per layer where the
+caller runs code between layers (`FusedDecode.run`'s `on_layer_done`: a decode worker's
+between-layers RPCs). Runs in the engine thread of a worker.
 
 Why: a batch-1 decode step streams the weights once, and the rest should be nearly free. In
 torch it is ~15 ops and 4 module calls per layer, each a few microseconds of Python and
