@@ -191,8 +191,10 @@ class ModelRunner:
         """Run one step; float32 logits [len(items), vocab] of each item's last new token.
 
         `on_layer_done(l)` is called after layer `l`'s K/V for every item is in the cache.
-        Which path runs: a step of one-token rows only, without `on_layer_done` -> the fused
-        step (`decode_path` 'fused'); any other step -> the torch model. Where the panels are a
+        Which path runs: a step of one-token rows only -> the fused step (`decode_path`
+        'fused'; with `on_layer_done`, one C call per layer, so a decode worker's between-layers
+        RPCs do not push its steps onto the torch model); any other step -> the torch model.
+        Where the panels are a
         copy beside oneDNN's packing, a decode row in a step that also holds a prefill chunk
         thus gets oneDNN's GEMMs, not the panels': in float32 its logits differ from an
         all-decode step's by summation order (~1e-6 relative), so a greedy token at such a
@@ -200,18 +202,19 @@ class ModelRunner:
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
-        if (
-            self.fused is not None
-            and on_layer_done is None
-            and all(len(item.token_ids) == 1 for item in items)
-        ):
-            return self._execute_fused(self.fused, items)
+        if self.fused is not None and all(len(item.token_ids) == 1 for item in items):
+            return self._execute_fused(self.fused, items, on_layer_done)
         input_ids, positions, meta, last = self.build_metadata(items)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, on_layer_done)
         return self.model.compute_logits(hidden.index_select(0, last))
 
-    def _execute_fused(self, fused: FusedDecode, items: Sequence[StepInput]) -> torch.Tensor:
-        """`execute` for steps of one new token per item, in one C call."""
+    def _execute_fused(
+        self,
+        fused: FusedDecode,
+        items: Sequence[StepInput],
+        on_layer_done: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        """`execute` for steps of one new token per item, in C (`FusedDecode.run`)."""
         bs = self.block_size
         seq_lens = [item.start_pos + 1 for item in items]
         width = -(-max(seq_lens) // bs)
@@ -223,5 +226,8 @@ class ModelRunner:
             )
             tables.append(list(item.block_table[:needed]) + [0] * (width - needed))
         return fused.run(
-            [item.token_ids[0] for item in items], torch.tensor(tables, dtype=torch.int64), seq_lens
+            [item.token_ids[0] for item in items],
+            torch.tensor(tables, dtype=torch.int64),
+            seq_lens,
+            on_layer_done,
         )

@@ -1,5 +1,7 @@
 /* A whole decode step of a Llama-family model in C: every layer, the final norm and the LM
- * head, for B sequences of one new token each, in one call (no Python between ops).
+ * head, for B sequences of one new token each, in one call (no Python between ops); or one
+ * call per layer where the caller runs code between two layers (first_layer / end_layer of
+ * pdserve_decode_step), the residual stream kept by the caller from one call to the next.
  *
  * Built and loaded by model_runtime/kernels/decode_step.py, which states the contract; the
  * plain reference is the torch model (model_runtime/model.py) on the same packed weights.
@@ -204,21 +206,32 @@ static void attn_item(void *ctx, int64_t r) {
                  buf + NH * D, buf + 2 * NH * D);
 }
 
-/* Every layer, the final norm and the LM head for B decode rows. tokens[B]: the new token;
- * tables [B, table_stride] int64 block ids; seq_lens[B]: tokens in each sequence counting
- * the new one (its position is seq_lens[r] - 1, its K/V slot there). logits: [B, vocab] fp32
- * (for bf16 models the bf16 LM head outputs, widened). op_seconds: NULL, or OP_COUNT doubles
- * to which each op's wall time is added. Returns 0; -1 for arguments out of range; -2 out of
- * memory (nothing written to logits; the KV cache may hold this step's rows for some layers). */
+/* Layers [first_layer, end_layer) of a decode step for B decode rows, on the residual stream
+ * x_state ([B, hidden] in the weight dtype, the caller's, carried from one call to the next).
+ * With first_layer == 0 the call first gathers the embeddings of tokens into x_state; with
+ * head != 0 (only with end_layer == num_layers) it ends with the final norm and the LM head
+ * into logits. So (0, L, head) is the whole step in one call, and (0, 1, 0), (1, 2, 0), ...,
+ * (L - 1, L, 0), (L, L, 1) on the same x_state are the same step with the caller free to run
+ * code between two layers (the same bits either way).
+ * tokens[B]: the new token; tables [B, table_stride] int64 block ids; seq_lens[B]: tokens in
+ * each sequence counting the new one (its position is seq_lens[r] - 1, its K/V slot there).
+ * logits: [B, vocab] fp32 (for bf16 models the bf16 LM head outputs, widened). op_seconds:
+ * NULL, or OP_COUNT doubles to which each op's wall time is added. Returns 0; -1 for
+ * arguments out of range; -2 out of memory (nothing written to logits; the KV cache may hold
+ * this step's rows for some layers). */
 int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t *tables,
                         int64_t table_stride, const int64_t *seq_lens, int64_t B, void *logits,
-                        int nthreads, double *op_seconds) {
+                        int nthreads, double *op_seconds, int64_t first_layer,
+                        int64_t end_layer, int head, void *x_state) {
+    char *x = x_state;
     const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t Q = NH * D, KV = KVH * D, NQKV = Q + 2 * KV, I = m->inter, bs = m->block_size;
     const int bf16 = m->bf16;
     const int64_t elem = bf16 ? 2 : 4;
     if (B <= 0 || nthreads < 1 || KVH <= 0 || NH % KVH != 0 || NH > MAX_HEADS ||
-        NH / KVH > MAX_GROUP || D % 8 != 0 || bs <= 0 || bs > MAX_BLOCK)
+        NH / KVH > MAX_GROUP || D % 8 != 0 || bs <= 0 || bs > MAX_BLOCK || x_state == NULL ||
+        first_layer < 0 || first_layer > end_layer || end_layer > m->num_layers ||
+        (head && end_layer != m->num_layers))
         return -1;
     for (int64_t r = 0; r < B; r++)
         if (seq_lens[r] <= 0 || seq_lens[r] > m->max_position || tokens[r] < 0 ||
@@ -227,24 +240,27 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     const int64_t widest = (2 * I > H ? 2 * I : H) > Q ? (2 * I > H ? 2 * I : H) : Q;
     const int64_t kmax = (I > H ? I : H) > Q ? (I > H ? I : H) : Q;
     const int64_t attn_scratch = 2 * NH * D + NH * bs;
-    /* x, h, qkv, attention out, wide (gate/up), act: weight dtype; then fp32 scratch */
-    const int64_t nwt = B * (H + H + NQKV + Q + widest + I);
+    /* h, qkv, attention out, wide (gate/up), act: weight dtype; then fp32 scratch */
+    const int64_t nwt = B * (H + NQKV + Q + widest + I);
     const int64_t nf32 = B * kmax + attn_scratch * B;
-    const int64_t nlogits = bf16 ? B * m->vocab : 0; /* bf16 LM head outputs */
+    /* bf16 LM head outputs, in the call that runs the head */
+    const int64_t nlogits = bf16 && head ? B * m->vocab : 0;
     char *arena = malloc((size_t)((nwt + nlogits) * elem + nf32 * 4 + 64));
     if (arena == NULL) return -2;
-    char *x = arena, *h = x + B * H * elem, *qkv = h + B * H * elem, *att = qkv + B * NQKV * elem;
+    char *h = arena, *qkv = h + B * H * elem, *att = qkv + B * NQKV * elem;
     char *wide = att + B * Q * elem, *act = wide + B * widest * elem;
     float *xf = (float *)(((uintptr_t)(act + (B * I + nlogits) * elem) + 63) & ~(uintptr_t)63);
     float *ascratch = xf + B * kmax;
 
     double t = op_seconds != NULL ? now_s() : 0.0;
-    for (int64_t r = 0; r < B; r++)
-        memcpy(x + r * H * elem, (const char *)m->embed + tokens[r] * H * elem, H * elem);
-    lap(op_seconds, OP_EMBED, &t);
+    if (first_layer == 0) {
+        for (int64_t r = 0; r < B; r++)
+            memcpy(x + r * H * elem, (const char *)m->embed + tokens[r] * H * elem, H * elem);
+        lap(op_seconds, OP_EMBED, &t);
+    }
 
     int rc = 0;
-    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+    for (int64_t l = first_layer; l < end_layer && rc == 0; l++) {
         const int64_t *lp = m->layers + l * L_FIELDS;
         char *kv = (char *)(uintptr_t)lp[L_KV];
         for (int64_t r = 0; r < B; r++)
@@ -287,7 +303,7 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
         for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
         lap(op_seconds, OP_RESIDUAL, &t);
     }
-    if (rc == 0) {
+    if (rc == 0 && head) {
         for (int64_t r = 0; r < B; r++)
             rmsnorm(x + r * H * elem, m->final_norm, H, m->eps, bf16, h + r * H * elem);
         lap(op_seconds, OP_NORM, &t);

@@ -1,4 +1,6 @@
-"""A whole decode step in one C call (`decode_step.c`). Runs in the engine thread of a worker.
+"""A whole decode step in one C call (`decode_step.c`), or one C call per layer where the
+caller runs code between layers (`FusedDecode.run`'s `on_layer_done`: a decode worker's
+between-layers RPCs). Runs in the engine thread of a worker.
 
 Why: a batch-1 decode step streams the weights once, and the rest should be nearly free. In
 torch it is ~15 ops and 4 module calls per layer, each a few microseconds of Python and
@@ -26,9 +28,10 @@ one, shapes the attention kernel does not take); the runner then keeps the torch
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -39,6 +42,7 @@ from model_runtime.kv_cache import KVCache
 from model_runtime.model import DecoderLayer, LlamaModel
 
 _SOURCE = Path(__file__).with_name("decode_step.c")
+_NO_SPAN = contextlib.nullcontext()
 _FIELDS = 8  # per-layer addresses (the L_* enum in decode_step.c)
 _MAX_HEADS, _MAX_GROUP, _MAX_BLOCK = 256, 16, 256  # decode_attention.c's limits
 # The OP_* enum of decode_step.c: where `FusedDecode.op_seconds` adds each op's wall time.
@@ -89,7 +93,21 @@ def _load(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
         return None, reason
     fn = lib.pdserve_decode_step
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr]
+    fn.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ctypes.c_int,
+        ptr,
+        i64,
+        i64,
+        ctypes.c_int,
+        ptr,
+    ]
     fn.restype = ctypes.c_int
     return lib, ""
 
@@ -242,11 +260,20 @@ class FusedDecode:
         return out
 
     def run(
-        self, token_ids: Sequence[int], block_tables: torch.Tensor, seq_lens: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        block_tables: torch.Tensor,
+        seq_lens: Sequence[int],
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """float32 logits [B, vocab] for B sequences of one new token each: `token_ids[r]` at
         position `seq_lens[r] - 1`, whose blocks are row r of `block_tables` (int64
-        [B, >= blocks], row-contiguous). Writes each layer's K/V for those positions."""
+        [B, >= blocks], row-contiguous). Writes each layer's K/V for those positions.
+
+        Without `on_layer_done` the step is one C call. With it, one C call per layer and one
+        for the final norm and LM head, `on_layer_done(l)` called after layer l's K/V for every
+        row is in the cache (as `LlamaModel.forward` calls it); the results are the same bits
+        either way (the residual stream is carried between the calls in the weight dtype)."""
         if self._kv_cache.kv is not self._kv:
             self._bind_cache(self._kv_cache.kv)
         batch = len(token_ids)
@@ -254,6 +281,7 @@ class FusedDecode:
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         assert block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
         logits = torch.empty((batch, self.vocab), dtype=torch.float32)
+        residual = torch.empty((batch, self._model.hidden), dtype=self._kv.dtype)
         lib = self._lib
         assert lib is not None
         args = (
@@ -267,10 +295,21 @@ class FusedDecode:
             torch.get_num_threads(),
             None if self.op_seconds is None else self.op_seconds.data_ptr(),
         )
-        if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
-            with torch.profiler.record_function("pdserve::decode_step"):
-                rc = lib.pdserve_decode_step(*args)
+        layers = self._model.num_layers
+        # (first layer, end layer, head): every layer and the head in one call, or one call
+        # per layer and one for the head
+        if on_layer_done is None:
+            spans = [(0, layers, 1)]
         else:
-            rc = lib.pdserve_decode_step(*args)
-        assert rc == 0, f"decode step rejected batch {batch}, seq_lens {list(seq_lens)} (rc {rc})"
+            spans = [(layer, layer + 1, 0) for layer in range(layers)] + [(layers, layers, 1)]
+        profiled = torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
+        with torch.profiler.record_function("pdserve::decode_step") if profiled else _NO_SPAN:
+            for first, end, head in spans:
+                rc = lib.pdserve_decode_step(*args, first, end, head, residual.data_ptr())
+                assert rc == 0, (
+                    f"decode step rejected batch {batch}, seq_lens {list(seq_lens)}, layers "
+                    f"[{first}, {end}) (rc {rc})"
+                )
+                if on_layer_done is not None and end > first:
+                    on_layer_done(first)
         return logits

@@ -6,9 +6,9 @@ prefill rows never take the fused step) and then decode in lock step: logits and
 layer's KV cache rows must agree, in float32 to 1e-4 relative (RMSNorm's sum and SiLU's exp
 may round differently) and in bfloat16 to a few bf16 steps (the two round at the same points,
 but a one-step difference early in a layer propagates). Batches of 1 and 3 with contexts that
-cross block boundaries, one and two threads, and the dispatch rules (prefill and layer
-callbacks keep the torch path). Every build (`kernels.build.ISA_FLAGS`) this CPU runs is
-tested; the others are skipped with the reason.
+cross block boundaries, one and two threads, and the dispatch rules (prefill keeps the torch
+path; a layer callback keeps the fused step, one C call per layer). Every build
+(`kernels.build.ISA_FLAGS`) this CPU runs is tested; the others are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -123,9 +123,9 @@ def test_fused_decode_float32_greedy_tokens_equal_torch(tiny_model_dir: Path, is
     assert outs[0] == outs[1]
 
 
-def test_prefill_and_layer_callbacks_keep_the_torch_path(tiny_model_dir: Path) -> None:
-    """A step with a prefill row, or with an `on_layer_done` callback, runs the torch model
-    (the callback sees every layer); the fused runner's results equal the torch runner's."""
+def test_prefill_keeps_the_torch_path(tiny_model_dir: Path) -> None:
+    """A step with a prefill row runs the torch model (the callback sees every layer); the
+    fused runner's results equal the torch runner's."""
     fused, ref = _runner(tiny_model_dir, "float32", True), _runner(tiny_model_dir, "float32", False)
     tables = _tables([20, 20])
     mixed = [StepInput(list(range(3, 23)), 0, tables[0]), StepInput([5], 0, tables[1])]
@@ -134,6 +134,45 @@ def test_prefill_and_layer_callbacks_keep_the_torch_path(tiny_model_dir: Path) -
     assert seen == list(range(fused.config.num_hidden_layers))
     want = ref.execute(mixed)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_with_a_layer_callback_stay_fused(tiny_model_dir: Path, dtype: str) -> None:
+    """A decode-only step with an `on_layer_done` callback (a decode worker's between-layers
+    RPCs) runs the fused step one layer per C call: the callback sees every layer in order,
+    each after that layer's K/V is in the cache, and the logits and K/V are the bits of the
+    same step in one call."""
+    lens = [15, 16, 40]
+    tables = _tables(lens)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    whole, layered = _runner(tiny_model_dir, dtype, True), _runner(tiny_model_dir, dtype, True)
+    items = [StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    for runner in (whole, layered):
+        runner.execute(items)
+    decode = [StepInput([p[-1]], n, t) for p, n, t in zip(prompts, lens, tables, strict=True)]
+    slots = [t[n // BLOCK] * BLOCK + n % BLOCK for n, t in zip(lens, tables, strict=True)]
+    kv = layered.kv_cache.kv  # [layers, blocks, 2, block, kv heads, head dim]
+    written: list[int] = []
+
+    def on_layer_done(layer: int) -> None:
+        # this layer's new K rows are written, the next layer's not yet
+        rows = kv[layer].transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[0, slots]
+        assert rows.abs().sum().item() > 0, f"layer {layer}: K not in the cache yet"
+        if layer + 1 < kv.shape[0]:
+            nxt = kv[layer + 1].transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[0, slots]
+            assert nxt.abs().sum().item() == 0, f"layer {layer + 1} written before its turn"
+        written.append(layer)
+
+    assert layered.fused is not None
+    layered.fused.start_op_timing()  # counts only time spent in the C step
+    got = layered.execute(decode, on_layer_done=on_layer_done)
+    in_c = layered.fused.stop_op_timing()
+    assert in_c["qkv gemm"] > 0 and in_c["lm head gemm"] > 0, f"the C step did not run: {in_c}"
+    want = whole.execute(decode)
+    assert written == list(range(layered.config.num_hidden_layers))
+    assert torch.equal(got, want), (got - want).abs().max().item()
+    assert torch.equal(layered.kv_cache.kv, whole.kv_cache.kv)
 
 
 def test_unsupported_models_say_why(tiny_model_dir: Path) -> None:
