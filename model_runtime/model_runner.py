@@ -194,11 +194,10 @@ class ModelRunner:
         Which path runs: a step of one-token rows only -> the fused step (`decode_path`
         'fused'; with `on_layer_done`, one C call per layer, so a decode worker's between-layers
         RPCs do not push its steps onto the torch model); any other step -> the torch model.
-        Where the panels are a
-        copy beside oneDNN's packing, a decode row in a step that also holds a prefill chunk
-        thus gets oneDNN's GEMMs, not the panels': in float32 its logits differ from an
-        all-decode step's by summation order (~1e-6 relative), so a greedy token at such a
-        near-tie can depend on what shares its step.
+        Where the panels are a copy beside oneDNN's packing, a decode row in a step that also
+        holds a prefill chunk thus gets oneDNN's GEMMs, not the panels': in float32 its logits
+        differ from an all-decode step's by summation order (~1e-6 relative), so a greedy token
+        at such a near-tie can depend on what shares its step.
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
