@@ -61,7 +61,7 @@ import enum
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from model_runtime.block_pool import BlockPool
@@ -596,13 +596,15 @@ def _steps_to_finish(request: Request, token: int) -> int:
 class _Row:
     """A running request under a `DecodeClock`: its fields are exact as of `done` steps,
     when it had `tokens` tokens; `seq` is its place in the batch; its token of step `end`
-    finishes it."""
+    finishes it; `defer`: its full blocks are registered when it leaves or syncs, not as they
+    fill (`DecodeClock.start`)."""
 
     request: Request
     seq: int
     done: int
     tokens: int
     end: int
+    defer: bool
 
 
 class DecodeClock:
@@ -623,12 +625,22 @@ class DecodeClock:
     as it could between `schedule()` and `update()` (add requests, reserve, admit remote
     KV), except aborting a row: `forget(request_id)` first. A row's `Request` fields are
     stale until `sync()` (or `stop()`, between steps); the pool, the queues and
-    `scheduler.requests` are always exact. Rows finish and allocate at the steps the
-    step-by-step path gives; a test compares the two bit for bit."""
+    `scheduler.requests` are always exact — except, for the rows `defer` picks, which of
+    their in-use blocks carry a hash (below). Rows finish and allocate at the steps the
+    step-by-step path gives; a test compares the two bit for bit.
 
-    def __init__(self, scheduler: Scheduler, token: int) -> None:
+    `defer(request)` True: the row's full blocks are registered with the prefix cache when it
+    finishes, is forgotten or syncs, not in the step that fills each. The caller vouches that
+    no lookup asks for those hashes meanwhile (the simulator's private prompts: hashes no
+    other request has). Nothing else can tell: a block in use is never free nor evicted, and
+    it goes back to the pool registered, as in the step-by-step path."""
+
+    def __init__(
+        self, scheduler: Scheduler, token: int, defer: Callable[[Request], bool] | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.token = token
+        self.defer = defer
         self.block_size = scheduler.config.block_size
         self.step = 0  # steps begun
         self.stepping = False  # step `step` has its first half applied, not its second
@@ -653,14 +665,16 @@ class DecodeClock:
         return not s.waiting or len(s.running) + promote >= cap
 
     @classmethod
-    def start(cls, scheduler: Scheduler, token: int) -> DecodeClock | None:
+    def start(
+        cls, scheduler: Scheduler, token: int, defer: Callable[[Request], bool] | None = None
+    ) -> DecodeClock | None:
         """A clock when the next step is decode-only (every running request decoding and
-        `decode_only`), else None."""
+        `decode_only`), else None. `defer`: class docstring."""
         if not cls.decode_only(scheduler):
             return None
         if not all(r.is_decoding for r in scheduler.running):
             return None
-        clock = cls(scheduler, token)
+        clock = cls(scheduler, token, defer)
         for r in scheduler.running:
             clock._join(r)
         return clock
@@ -668,7 +682,8 @@ class DecodeClock:
     def _join(self, r: Request) -> None:
         done = self.step - self.stepping
         n = r.num_tokens
-        row = _Row(r, self._seq, done, n, done + _steps_to_finish(r, self.token))
+        defer = self.defer is not None and self.defer(r)
+        row = _Row(r, self._seq, done, n, done + _steps_to_finish(r, self.token), defer)
         self._seq += 1
         self.rows[r.request_id] = row
         self._sum += n - done - 1
@@ -676,8 +691,9 @@ class DecodeClock:
         if first_alloc <= row.end:
             heapq.heappush(self._allocs, (first_alloc, row.seq, next(self._tie), row))
         # the first step registers what is unregistered (a prefilled request's prompt)
-        heapq.heappush(self._touches, (done + 1, row.seq, next(self._tie), row))
-        if row.end > done + 1:
+        if not defer:
+            heapq.heappush(self._touches, (done + 1, row.seq, next(self._tie), row))
+        if row.end > done + 1 or defer:
             heapq.heappush(self._touches, (row.end, row.seq, next(self._tie), row))
 
     def _leave(self, row: _Row) -> None:
@@ -736,18 +752,21 @@ class DecodeClock:
         self.stepping = False
         return finished
 
-    def _advance(self, row: _Row, i: int) -> None:
+    def _advance(self, row: _Row, i: int, register: bool = False) -> None:
         """Bring `row`'s fields to the end of step `i` (< its end; no block to register in
-        between: the touches saw to that)."""
+        between: the touches saw to that); `register`: a deferring row's full blocks too."""
         m = i - row.done
-        if m <= 0:
-            return
         r = row.request
-        r.extend_tokens(self.token, m)
-        r.num_computed_tokens = row.tokens - 1 + m
-        r.update_block_hashes(self.block_size)
-        r.num_reported_tokens = r.num_output_tokens
-        row.done, row.tokens = i, row.tokens + m
+        if m > 0:
+            r.extend_tokens(self.token, m)
+            r.num_computed_tokens = row.tokens - 1 + m
+            r.update_block_hashes(self.block_size)
+            r.num_reported_tokens = r.num_output_tokens
+            row.done, row.tokens = i, row.tokens + m
+        if register and row.defer:
+            computed = r.num_computed_tokens
+            if min(computed // self.block_size, len(r.block_hashes)) > r.num_registered_blocks:
+                self.scheduler._register_full_blocks(r)
 
     def _second_half(self, row: _Row, i: int, finished: list[RequestOutput]) -> None:
         """Step `i`'s `update()` for `row`, whose fields are exact as of step i - 1."""
@@ -772,14 +791,15 @@ class DecodeClock:
         r.num_reported_tokens = r.num_output_tokens
         row.done, row.tokens = i, row.tokens + 1
         nxt = i + bs - computed % bs  # the next step that fills a block
-        if nxt < row.end:
+        if nxt < row.end and not row.defer:
             heapq.heappush(self._touches, (nxt, row.seq, next(self._tie), row))
 
     def sync(self) -> None:
-        """Bring every row's fields up to date (the steps ended)."""
+        """Bring every row's fields up to date (the steps ended), deferred blocks registered
+        (in batch order)."""
         done = self.step - self.stepping
         for row in self.rows.values():
-            self._advance(row, done)
+            self._advance(row, done, register=True)
 
     def forget(self, request_id: str) -> None:
         """Before the scheduler aborts `request_id`: its fields up to date, and the clock
@@ -787,7 +807,7 @@ class DecodeClock:
         row = self.rows.get(request_id)
         if row is None:
             return
-        self._advance(row, self.step - self.stepping)
+        self._advance(row, self.step - self.stepping, register=True)
         self._leave(row)
         if self.stepping:
             self.step_rows -= 1

@@ -145,6 +145,12 @@ class LeanRequest(Request):
         )
 
 
+def _private(request: Request) -> bool:
+    """A row whose prompt is private: no other request has its block hashes, so the decode
+    clock may register its blocks late (`DecodeClock`, `defer`)."""
+    return isinstance(request, LeanRequest) and request.private
+
+
 def _request(request_id: str, prompt: list[int], max_tokens: int, seed: int) -> LeanRequest:
     """`seed` > 0: a private prompt (`prompt_tokens(seed, n)`)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -273,7 +279,7 @@ class SimEngine:
             if self._pause:
                 self._pause -= 1
             else:
-                self._clock = DecodeClock.start(self.scheduler, TOKEN)
+                self._clock = DecodeClock.start(self.scheduler, TOKEN, _private)
         clock = self._clock
         if clock is not None:
             begun = clock.begin_step()
