@@ -597,7 +597,8 @@ class _Row:
     """A running request under a `DecodeClock`: its fields are exact as of `done` steps,
     when it had `tokens` tokens; `seq` is its place in the batch; its token of step `end`
     finishes it; `defer`: its full blocks are registered when it leaves or syncs, not as they
-    fill (`DecodeClock.start`)."""
+    fill (`DecodeClock.start`); `updated`: a step's second half ran for it (a request just
+    promoted from `ready` registers nothing before its first, as with `update()`)."""
 
     request: Request
     seq: int
@@ -605,6 +606,7 @@ class _Row:
     tokens: int
     end: int
     defer: bool
+    updated: bool
 
 
 class DecodeClock:
@@ -679,11 +681,12 @@ class DecodeClock:
             clock._join(r)
         return clock
 
-    def _join(self, r: Request) -> None:
+    def _join(self, r: Request, updated: bool = True) -> None:
         done = self.step - self.stepping
         n = r.num_tokens
         defer = self.defer is not None and self.defer(r)
-        row = _Row(r, self._seq, done, n, done + _steps_to_finish(r, self.token), defer)
+        end = done + _steps_to_finish(r, self.token)
+        row = _Row(r, self._seq, done, n, end, defer, updated)
         self._seq += 1
         self.rows[r.request_id] = row
         self._sum += n - done - 1
@@ -713,7 +716,7 @@ class DecodeClock:
             request = s.ready.popleft()
             request.status = RequestStatus.RUNNING
             s.running.append(request)
-            self._join(request)
+            self._join(request, updated=False)
         if not self.rows:
             return 0, 0
         due: list[_Row] = []
@@ -762,8 +765,8 @@ class DecodeClock:
             r.num_computed_tokens = row.tokens - 1 + m
             r.update_block_hashes(self.block_size)
             r.num_reported_tokens = r.num_output_tokens
-            row.done, row.tokens = i, row.tokens + m
-        if register and row.defer:
+            row.done, row.tokens, row.updated = i, row.tokens + m, True
+        if register and row.defer and row.updated:
             computed = r.num_computed_tokens
             if min(computed // self.block_size, len(r.block_hashes)) > r.num_registered_blocks:
                 self.scheduler._register_full_blocks(r)
@@ -789,7 +792,7 @@ class DecodeClock:
         r.extend_tokens(self.token, 1)
         r.update_block_hashes(bs)
         r.num_reported_tokens = r.num_output_tokens
-        row.done, row.tokens = i, row.tokens + 1
+        row.done, row.tokens, row.updated = i, row.tokens + 1, True
         nxt = i + bs - computed % bs  # the next step that fills a block
         if nxt < row.end and not row.defer:
             heapq.heappush(self._touches, (nxt, row.seq, next(self._tie), row))
