@@ -125,20 +125,27 @@ class BlockPool:
         `n` are free. FREE blocks go first, then EVICTABLE ones in LRU order (their hashes are
         dropped and reported in one `removed` event)."""
         assert n >= 0, f"allocate({n})"
-        if n > self.num_free:
+        free = self._free
+        if n > len(free) + len(self._evictable):
             return None
-        out: list[int] = []
+        # (loops with local names: the simulator allocates hundreds of thousands of blocks)
+        pop = free.popleft
+        out = [pop() for _ in range(min(n, len(free)))]
         evicted: list[BlockHash] = []
-        while len(out) < n and self._free:
-            out.append(self._free.popleft())
-        while len(out) < n:
-            block_id, _ = self._evictable.popitem(last=False)
-            evicted.append(self._unregister(block_id))
-            out.append(block_id)
+        if len(out) < n:
+            evict = self._evictable.popitem
+            hash_of, block_of = self._hash_of, self._block_of
+            for _ in range(n - len(out)):
+                block_id = evict(last=False)[0]
+                block_hash = hash_of.pop(block_id)
+                del block_of[block_hash]
+                evicted.append(block_hash)
+                out.append(block_id)
         out.sort()  # ascending: a run of consecutive ids is sent zero-copy by the KV transfer
+        ref = self._ref
         for block_id in out:
-            assert self._ref[block_id] == 0, (block_id, self._ref[block_id])
-            self._ref[block_id] = 1
+            assert ref[block_id] == 0, (block_id, ref[block_id])
+            ref[block_id] = 1
         if evicted:
             self._emit(KVCacheEvent("removed", tuple(evicted)))
         return out
@@ -163,14 +170,16 @@ class BlockPool:
         it has a hash, else FREE. Callers free a sequence's blocks tail first, so that its tail
         is evicted before its more shareable head.
         """
+        ref, hash_of, evictable, free = self._ref, self._hash_of, self._evictable, self._free
         for block_id in block_ids:
-            assert self._ref[block_id] > 0, f"free: block {block_id} has ref count 0"
-            self._ref[block_id] -= 1
-            if self._ref[block_id] == 0:
-                if block_id in self._hash_of:
-                    self._evictable[block_id] = None
+            left = ref[block_id] - 1
+            assert left >= 0, f"free: block {block_id} has ref count 0"
+            ref[block_id] = left
+            if left == 0:
+                if block_id in hash_of:
+                    evictable[block_id] = None
                 else:
-                    self._free.append(block_id)
+                    free.append(block_id)
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register the computed, full, IN_USE block `block_id` under `block_hash`.
@@ -188,21 +197,22 @@ class BlockPool:
         Returns how many were newly registered.
         """
         assert len(block_ids) == len(block_hashes), (len(block_ids), len(block_hashes))
+        ref, hash_of, block_of = self._ref, self._hash_of, self._block_of
         stored: list[BlockHash] = []
         for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
-            assert self._ref[block_id] > 0, f"cache_block: block {block_id} is not in use"
+            assert ref[block_id] > 0, f"cache_block: block {block_id} is not in use"
             if not self.enable_prefix_caching:
                 continue
-            old = self._hash_of.get(block_id)
+            old = hash_of.get(block_id)
             if old is not None:
                 assert old == block_hash, (
                     f"cache_block: block {block_id} already has hash {old:x}, got {block_hash:x}"
                 )
                 continue
-            if block_hash in self._block_of:
+            if block_hash in block_of:
                 continue
-            self._hash_of[block_id] = block_hash
-            self._block_of[block_hash] = block_id
+            hash_of[block_id] = block_hash
+            block_of[block_hash] = block_id
             stored.append(block_hash)
         if stored:
             self._emit(KVCacheEvent("stored", tuple(stored)))
@@ -223,11 +233,6 @@ class BlockPool:
         return dropped
 
     # ------------------------------------------------------------------ internals
-
-    def _unregister(self, block_id: int) -> BlockHash:
-        block_hash = self._hash_of.pop(block_id)
-        del self._block_of[block_hash]
-        return block_hash
 
     def _emit(self, event: KVCacheEvent) -> None:
         if self.listener is not None:

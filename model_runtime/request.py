@@ -174,7 +174,7 @@ class Request:
 
     def extend_tokens(self, token_id: int, count: int) -> None:
         """Record `count` copies of a generated token, none of which ends the request (the
-        caller checked `stop_reason`; `Scheduler.decode_steps`). Logprobs are 0.0, as
+        caller checked `stop_reason`; `DecodeClock`). Logprobs are 0.0, as
         `append_token`'s default."""
         self.output_token_ids.extend([token_id] * count)
         self.output_logprobs.extend([0.0] * count)

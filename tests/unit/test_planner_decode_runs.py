@@ -1,4 +1,4 @@
-"""The simulator's decode runs (`sim_engine`, `Scheduler.decode_steps`) change nothing it
+"""The simulator's decode clock (`sim_engine`, `DecodeClock`) changes nothing it
 predicts: on small scenarios — disaggregated with reservations, colocated under KV pressure
 (preemptions), shared prefixes with the prefix-aware policy and hybrid routing, CPU sharing, a
 drain that times out — every request's outcome (ok, TTFT, TPOT, end), the attainment and the
@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from model_runtime.scheduler import Scheduler
+from model_runtime.request import RequestOutput
+from model_runtime.scheduler import DecodeClock
 from tooling.planner.costs import CostModel, Linear
 from tooling.planner.sim import ClusterSpec, Sim, SimOutcome, SimRequest, attainment
 
@@ -80,15 +81,15 @@ SCENARIOS = {
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the steps applied by `decode_steps` (the fast path was taken)."""
+    """Count the steps a `DecodeClock` applied (the fast path was taken)."""
     calls = [0]
-    real = Scheduler.decode_steps
+    real = DecodeClock.end_step
 
-    def decode_steps(self: Scheduler, k: int, *args: object, **kw: object) -> object:
-        calls[0] += k
-        return real(self, k, *args, **kw)  # type: ignore[arg-type]
+    def end_step(self: DecodeClock) -> list[RequestOutput]:
+        calls[0] += 1
+        return real(self)
 
-    monkeypatch.setattr(Scheduler, "decode_steps", decode_steps)
+    monkeypatch.setattr(DecodeClock, "end_step", end_step)
     return calls
 
 
@@ -102,7 +103,7 @@ def test_decode_runs_give_the_step_by_step_results(
     slow = _run(reqs, spec, fast=False, policy=policy)
     assert calls[0] == 0
     fast = _run(reqs, spec, fast=True, policy=policy)
-    assert calls[0] > 100  # decode steps applied in runs
+    assert calls[0] > 100  # decode steps applied by the clock
     assert fast[0] == slow[0]  # every outcome: ok, TTFT, TPOT, end, to the bit
     assert fast[1:] == slow[1:]
     assert attainment(fast[0], 0.2, 0.03) == attainment(slow[0], 0.2, 0.03)

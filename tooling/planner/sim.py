@@ -91,8 +91,8 @@ class Sim:
     switches. `run()` runs to the end; `run_until(t)` stops at `t` (and right after a role
     flip, so a controller sees it when it happens); `on_tick(sim)` runs every `tick_s`.
     `on_step(worker, step)` (tests, tracing) sees every step the workers' schedulers compose,
-    when it starts (every step is then a real one: no decode runs). `fast=False`: no decode
-    runs either (`sim_engine`; the results are the same)."""
+    when it starts (every step is then a real one: no decode clock). `fast=False`: no decode
+    clock either (`sim_engine`; the results are the same)."""
 
     def __init__(
         self,
@@ -106,8 +106,8 @@ class Sim:
         fast: bool = True,
     ) -> None:
         self.reqs, self.spec, self.cost = reqs, spec, cost
-        # decode runs (`sim_engine`): the same simulation, without applying each decode step
-        # to the scheduler one by one; off, or with `on_step` set, every step is a real one
+        # the decode clock (`sim_engine`): the same simulation, without a pass over every row
+        # at each decode step; off, or with `on_step` set, every step is a real one
         self.fast = fast
         self.now = 0.0
         # the router's policy by name (`sim_policy`): colocated picks, and the pairs unless

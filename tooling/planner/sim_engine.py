@@ -24,23 +24,19 @@ exactly as it would. Prompts with token ids hash as the engine does.
 model needs it (`Batch`: prompt chunks as (start, tokens), decode rows and their context);
 `finish(out)` applies it as the engine's `update` does, after the step's simulated duration.
 
-**Decode runs (the fast path).** Most steps of a loaded decode worker are decode-only, and
-applying each row of each of them costs tens of microseconds. When the scheduler's next steps
-are decode-only (`Scheduler.decode_run_limit`), `step(fast=True)` starts a *run*: its steps are
-still one simulated step each (same composition, same duration, same events), but the
-scheduler is not touched per step. The steps done are applied at once by
-`Scheduler.decode_steps` — the engine's own code, equivalent bit for bit to the step-by-step
-`schedule()` / `update()` — when the run ends (a row finishes, or its block budget is spent)
-and before anything else reads or changes the scheduler (`_sync`): a new request, a
-reservation, a transfer's result, a drop, a prefix lookup of a prompt with token ids. A step in
-progress then gets its first half (its block allocations) applied, so what is changed next
-lands between the step's two halves, as it would between `schedule()` and `update()`; the run
-ends with that step. What the router reads without a sync is computed from the run: the free
-blocks less the run's allocations not yet applied, and the ready requests its first step
-promoted. Where runs keep ending after a step or two (a decode worker admitting a request
-at nearly every step), they cost more than they save, so the engine steps one by one for a
-while (`MIN_RUN`, `PAUSE_STEPS`). `step(fast=False)` is the step-by-step path
-(`Sim(fast=False)`); both give the same simulation.
+**Decode clock (the fast path).** Most steps of a loaded decode worker are decode-only, and
+applying each row of each of them costs tens of microseconds. While the scheduler's steps are
+decode-only, `step(fast=True)` drives them with the engine's `DecodeClock` instead of
+`schedule()` / `update()`: the same steps (same composition, same duration, same events), the
+same changes to the queues and the block pool in the same order, but a row's fields are
+brought up to date only when it allocates or registers a block, finishes or is dropped — a
+step costs O(log n) per such event instead of a pass over its rows, and a request arriving or
+finishing ends nothing. The clock stops (`DecodeClock.stop`) when a step is not decode-only (a
+request to admit, a preemption), and the engine steps one by one until the next decode-only
+step. Where clocks keep stopping after a step or two (a colocated worker admitting at nearly
+every step), starting them costs more than it saves, so the engine then steps one by one for
+a while (`MIN_RUN`, `PAUSE_STEPS`). `step(fast=False)` is the step-by-step path
+(`Sim(fast=False)`); both give the same simulation, bit for bit (tested).
 """
 
 from __future__ import annotations
@@ -51,7 +47,13 @@ from dataclasses import dataclass, field
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
-from model_runtime.scheduler import Receive, Scheduler, SchedulerConfig, SchedulerOutput
+from model_runtime.scheduler import (
+    DecodeClock,
+    Receive,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 TOKEN = 1  # what the simulated model samples
 MAX_MODEL_LEN = 1 << 30  # lengths are the planner's to check, not the simulator's
@@ -70,45 +72,11 @@ class Batch:
 
 @dataclass(frozen=True)
 class Step:
-    """A scheduled engine step: the scheduler's own output (None: a step of a decode run,
-    applied later by `Scheduler.decode_steps`) and its composition."""
+    """A scheduled engine step: the scheduler's own output (None: a step of the decode clock,
+    `DecodeClock`) and its composition."""
 
     out: SchedulerOutput | None
     batch: Batch
-
-
-@dataclass
-class _Run:
-    """A decode run in progress (module docstring). Steps are numbered from 1 in the run.
-
-    `rows`, `context`: the next step's decode rows and their context; `limit`: the run's last
-    step (`decode_run_limit`; rows that finish, finish there); `started` / `ended`: steps
-    begun / ended; `applied`: steps whose second half the scheduler has; `first_half`: the
-    step after those has its first half applied; `ending`: the run stops after the step in
-    progress (something changed the scheduler); `firsts`: per residue of the block size, the
-    first step at which each row allocates a block (then one every block size steps);
-    `pending_alloc`: blocks the begun steps allocate that the pool has not given yet;
-    `promoted`: ready requests the first step takes into the batch, until applied."""
-
-    rows: int
-    context: int
-    limit: int
-    block_size: int
-    firsts: list[list[int]]
-    promoted: int
-    started: int = 0
-    ended: int = 0
-    applied: int = 0
-    first_half: bool = False
-    ending: bool = False
-    pending_alloc: int = 0
-    private: bool = False  # every row's prompt is private (`LeanRequest.private`)
-    alloc_total: int = 0  # blocks the run's steps allocate in all
-    alloc_started: int = 0  # ... of which the begun steps
-
-    def allocs(self, i: int) -> int:
-        """Blocks step `i`'s first half allocates."""
-        return sum(1 for f in self.firsts[i % self.block_size] if f <= i)
 
 
 @dataclass(frozen=True)
@@ -120,9 +88,9 @@ class Progress:
     finished: bool
 
 
-# Decode runs shorter than this on average (steps) cost more than the steps they replace
-# (each run is planned and applied over all its rows); the engine then steps one by one for
-# PAUSE_STEPS steps before it tries again. Speed only: both paths give the same simulation.
+# Decode clocks that last fewer steps than this on average cost more than the steps they
+# replace (starting and stopping one is a pass over the rows); the engine then steps one by
+# one for PAUSE_STEPS steps before it tries again. Speed only: both give the same simulation.
 MIN_RUN = 2
 PAUSE_STEPS = 8
 
@@ -183,6 +151,12 @@ class LeanRequest(Request):
         )
 
 
+def _private(request: Request) -> bool:
+    """A row whose prompt is private: no other request has its block hashes, so the decode
+    clock may register its blocks late (`DecodeClock`, `defer`)."""
+    return isinstance(request, LeanRequest) and request.private
+
+
 def _request(request_id: str, prompt: list[int], max_tokens: int, seed: int) -> LeanRequest:
     """`seed` > 0: a private prompt (`prompt_tokens(seed, n)`)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -232,10 +206,10 @@ class SimEngine:
         )
         self.pool = BlockPool(num_blocks, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
-        self._run: _Run | None = None  # the decode run in progress (module docstring)
-        # how long runs last here (steps, a moving average); while they are too short to
+        self._clock: DecodeClock | None = None  # the decode clock running (module docstring)
+        # how long clocks last here (steps, a moving average); while they are too short to
         # pay for themselves, `step` takes the step-by-step path for `_pause` steps
-        self._run_len = float(MIN_RUN)
+        self._clock_len = float(MIN_RUN)
         self._pause = 0
         # Prefill requests whose KV goes to a decode worker: they open a send in the step that
         # samples their first token, as `PrefillRole.before_forward` does.
@@ -250,26 +224,13 @@ class SimEngine:
         opens a send (`_send_id`) in the step that samples its first token and so keeps its
         blocks until `release_held`; `seed` > 0: its prompt is private
         (`prompt_tokens(seed, n)`). ValueError when it can never run (the scheduler's `add`)."""
-        self._sync()
         self.scheduler.add(_request(request_id, prompt, max_tokens, seed))
         if hold:
             self._senders.add(request_id)
 
     def reserve_remote(self, transfer_id: str, num_blocks: int) -> bool:
-        """Decode side of a hand-off: reserve blocks for incoming KV (False: too few free).
-        A decode run whose begun steps allocate nothing and whose rows' prompts are private
-        goes on without a sync: the reservation's blocks come from the pool in the same
-        order, and it can evict no block whose hash a row's pending registration holds.
-        The run then ends early if its later steps' blocks no longer fit."""
-        run = self._run
-        if run is None or run.pending_alloc or not run.private:
-            self._sync()
-            return self.scheduler.reserve_remote(transfer_id, num_blocks) is not None
-        if self.scheduler.reserve_remote(transfer_id, num_blocks) is None:
-            return False
-        if run.alloc_total - run.alloc_started > self.pool.num_free:
-            run.limit = run.started  # the steps begun allocate nothing still to come
-        return True
+        """Decode side of a hand-off: reserve blocks for incoming KV (False: too few free)."""
+        return self.scheduler.reserve_remote(transfer_id, num_blocks) is not None
 
     def admit_received(
         self, transfer_id: str, request_id: str, prompt: list[int], max_tokens: int, seed: int = 0
@@ -277,7 +238,6 @@ class SimEngine:
         """The transfer landed: the reservation becomes RECEIVED and a prefilled request with
         first token `TOKEN` takes its blocks over (`Engine.admit_received`). True when that
         first token already ended the request."""
-        self._sync()
         received = self.scheduler.remote_result(transfer_id, ok=True)
         assert received, transfer_id
         request = _request(request_id, prompt, max_tokens, seed)
@@ -287,16 +247,16 @@ class SimEngine:
     def release_held(self, request_id: str) -> None:
         """The prefill worker's transfer is done: free the finished request's blocks (the
         send's result)."""
-        self._sync()
         self.scheduler.send_result(_send_id(request_id))
 
     def drop(self, request_id: str, transfer_id: str = "") -> None:
         """Give up whatever this worker holds for a request (an aborted drain): abort it if
         unfinished, free its held blocks, abandon and fail its reservation."""
-        self._sync()
         s = self.scheduler
         self._senders.discard(request_id)
         if request_id in s.requests:
+            if self._clock is not None:
+                self._clock.forget(request_id)
             s.abort(request_id)  # an open send keeps the blocks, ABANDONED
         send = _send_id(request_id)
         if s.send_state(send) is not None:
@@ -308,76 +268,31 @@ class SimEngine:
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def _sync(self) -> list[RequestOutput]:
-        """Give the scheduler what the decode run did so far (module docstring): the ended
-        steps, and the first half of the one in progress; the run then ends with that step.
-        Returns the applied steps' outputs."""
-        run = self._run
-        if run is None:
-            return []
-        k = run.ended - run.applied
-        in_progress = run.started > run.ended
-        then_schedule = in_progress and (k > 0 or not run.first_half)
-        outs: list[RequestOutput] = []
-        if k or then_schedule:
-            outs = self.scheduler.decode_steps(k, TOKEN, run.first_half, then_schedule)
-        run.applied, run.first_half = run.ended, in_progress
-        run.pending_alloc = run.promoted = 0
-        if not run.ending:  # the run ends here: how long it lasted
-            run.ending = True
-            self._run_len = 0.75 * self._run_len + 0.25 * run.started
-            if self._run_len < MIN_RUN:
-                self._pause, self._run_len = PAUSE_STEPS, float(MIN_RUN)
-        if not in_progress:
-            self._run = None
-        return outs
-
-    def _start_run(self) -> _Run | None:
-        """A decode run from the scheduler's state, when its next steps are decode-only."""
-        s = self.scheduler
-        limit = s.decode_run_limit(TOKEN)
-        if limit < 2:
-            return None
-        cap = s.config.max_num_seqs
-        promoted = min(len(s.ready), max(0, cap - len(s.running)))
-        rows = [*s.running, *itertools.islice(s.ready, promoted)]
-        if any(r.request_id in self._senders for r in rows):
-            return None
-        bs = s.config.block_size
-        firsts: list[list[int]] = [[] for _ in range(bs)]
-        context = 0
-        for r in rows:
-            n = r.num_tokens
-            f = len(r.block_ids) * bs - n + 2
-            if f <= limit:
-                firsts[f % bs].append(f)
-            context += n
-        total = sum((limit - f) // bs + 1 for fs in firsts for f in fs)
-        private = all(isinstance(r, LeanRequest) and r.private for r in rows)
-        return _Run(
-            len(rows), context, limit, bs, firsts, promoted, private=private, alloc_total=total
-        )
+    def _stop_clock(self) -> None:
+        """The decode clock stops (between steps): the scheduler's requests are up to date."""
+        clock = self._clock
+        assert clock is not None
+        clock.stop()
+        self._clock = None
+        self._clock_len = 0.75 * self._clock_len + 0.25 * clock.step
+        if self._clock_len < MIN_RUN:
+            self._pause, self._clock_len = PAUSE_STEPS, float(MIN_RUN)
 
     def step(self, fast: bool = True) -> Step | None:
         """The next engine step (`Scheduler.schedule`), or None when it has nothing to run.
-        `fast`: a step of a decode run where one can run (module docstring)."""
-        run = self._run
-        if run is not None and (run.ending or run.started >= run.limit):
-            self._sync()
-            run = self._run = None
-        if run is None and fast:
+        `fast`: a step of the decode clock where one can run (module docstring)."""
+        if self._clock is None and fast and not self._senders:
             if self._pause:
                 self._pause -= 1
             else:
-                run = self._run = self._start_run()
-        if run is not None:
-            run.started += 1
-            allocs = run.allocs(run.started)
-            run.pending_alloc += allocs
-            run.alloc_started += allocs
-            batch = Batch([], run.rows, run.context)
-            run.context += run.rows
-            return Step(None, batch)
+                self._clock = DecodeClock.start(self.scheduler, TOKEN, _private)
+        clock = self._clock
+        if clock is not None:
+            begun = clock.begin_step()
+            if begun is not None:
+                rows, context = begun
+                return Step(None, Batch([], rows, context)) if rows else None
+            self._stop_clock()
         out = self.scheduler.schedule()
         if not out.items:
             return None
@@ -399,17 +314,15 @@ class SimEngine:
     def finish(self, step: Step) -> tuple[list[Progress], int]:
         """Apply a step's results (`Scheduler.update`), one `TOKEN` per sampling item: what
         each request that sampled a token got (partial prompt chunks report nothing), and how
-        many more rows sampled one token each without being listed (a decode run's step: only
-        the rows that finish are listed)."""
+        many more rows sampled one token each without being listed (a decode clock's step:
+        only the rows that finish are listed)."""
         out = step.out
-        if out is None:  # a decode run's step
-            run = self._run
-            assert run is not None and run.started == run.ended + 1, run
-            run.ended += 1
-            if run.ended < run.limit and not run.ending:
-                return [], run.rows
-            finished = [Progress(o.request_id, 1, True) for o in self._sync()]
-            return finished, run.rows - len(finished)
+        if out is None:  # a decode clock's step
+            clock = self._clock
+            assert clock is not None and clock.stepping, clock
+            rows = clock.step_rows
+            finished = [Progress(o.request_id, 1, True) for o in clock.end_step()]
+            return finished, rows - len(finished)
         sampled = [TOKEN if item.samples else None for item in out.items]
         progress = [
             Progress(o.request_id, len(o.new_token_ids), o.finished)
@@ -421,12 +334,10 @@ class SimEngine:
         """The step in progress is dropped unfinished (every request it ran was dropped)."""
         if step.out is not None:
             return
-        run = self._run
-        assert run is not None and not self.scheduler.running, run
-        self._sync()
-        if self.scheduler.decode_scheduled:  # the second half, on no rows
-            self.scheduler.decode_steps(1, TOKEN, scheduled=True)
-        self._run = None
+        clock = self._clock
+        assert clock is not None and not clock.rows, clock
+        outs = clock.end_step()  # the second half, on no rows
+        assert not outs, outs
 
     # ---- what the router and the controller see -----------------------------------------
 
@@ -441,22 +352,17 @@ class SimEngine:
 
     @property
     def free_blocks(self) -> int:
-        run = self._run
-        return self.pool.num_free - (0 if run is None else run.pending_alloc)
-
-    def _promoted(self) -> int:
-        run = self._run
-        return 0 if run is None or run.started == 0 else run.promoted
+        return self.pool.num_free
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running) + self._promoted()
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
         """Waiting to be admitted, prefilled and waiting for a slot, and reservations."""
         s = self.scheduler
-        return len(s.waiting) + len(s.ready) - self._promoted() + len(s.remote)
+        return len(s.waiting) + len(s.ready) + len(s.remote)
 
     @property
     def num_receiving(self) -> int:
@@ -466,10 +372,11 @@ class SimEngine:
 
     def queued_tokens(self) -> int:
         """Prompt tokens still to prefill (waiting requests and unfinished prefills): the
-        requests that are not decoding (ready ones are, and so are a decode run's rows)."""
+        requests that are not decoding (ready ones are, and so are a decode clock's rows,
+        whose fields may be stale)."""
         s = self.scheduler
         total = 0
-        for r in itertools.chain(s.waiting, s.running if self._run is None else ()):
+        for r in itertools.chain(s.waiting, s.running if self._clock is None else ()):
             left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
             if left != 1 or not r.output_token_ids:
                 total += left
@@ -478,15 +385,11 @@ class SimEngine:
     def matched_blocks(self, block_hashes: list[int]) -> int:
         """Leading blocks of a hash chain this worker's prefix cache holds (what the router's
         prefix index learns from its KV events)."""
-        self._sync()
         return len(self.pool.lookup(block_hashes))
 
     def cached_tokens(self, prompt: list[int], seed: int = 0) -> int:
         """Prompt tokens this worker's prefix cache would give a new request (admission
-        reuses full blocks, never the one holding the last token). A private prompt's blocks
-        are its own: no worker holds them before it arrives, so no sync is needed."""
-        if not seed:
-            self._sync()
+        reuses full blocks, never the one holding the last token)."""
         bs = self.scheduler.config.block_size
         probe = _request("probe", prompt, 1, seed)
         probe.update_block_hashes(bs)
@@ -495,5 +398,6 @@ class SimEngine:
 
     def check(self) -> None:
         """The scheduler's own integrity check (tests)."""
-        self._sync()
+        if self._clock is not None:
+            self._clock.sync()
         self.scheduler.check_integrity()
