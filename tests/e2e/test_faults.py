@@ -10,6 +10,7 @@ Runs in the pytest process; one cluster for the module, stopped by PID at the en
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,9 +33,19 @@ pytestmark = pytest.mark.slow
 LONG = build_request(token_ids=list(range(10, 26)), max_tokens=900, ignore_eos=True)
 
 
+# Two tests freeze the decode worker (SIGSTOP) to hold a stream open on any machine: while it is
+# frozen the router must neither move the stream (stall timeout) nor mark the worker unhealthy.
+FROZEN_OK = {"router.stall_timeout_s": 120.0, "router.status_poll_misses": 1000}
+
+
 @pytest.fixture(scope="module")
 def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
-    yield from start_cluster("faults", "disagg", prefill=1, decode=1)
+    yield from start_cluster("faults", "disagg", FROZEN_OK, prefill=1, decode=1)
+
+
+def _decoder_pid(cluster: E2ECluster) -> int:
+    (decoder,) = [w for w in cluster.local.workers.workers if w.role == "decode"]
+    return decoder.process.pid
 
 
 def _serves(cluster: E2ECluster, reference: Reference) -> None:
@@ -61,13 +72,22 @@ def test_client_cancel_mid_stream_frees_blocks(cluster: E2ECluster, reference: R
 
 
 def test_deadline_expiry_frees_blocks(cluster: E2ECluster, reference: Reference) -> None:
+    """The deadline expires mid-stream on any machine: once the first tokens arrived the
+    decode worker is frozen until the client saw DEADLINE_EXCEEDED, then resumed."""
+    deadline_s = 10.0
+    pid = _decoder_pid(cluster)
     got: list[int] = []
     start = time.monotonic()
-    with pytest.raises(grpc.RpcError) as info:
-        for resp in cluster.stub.Generate(LONG, timeout=1.0):
-            got += resp.token_ids
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for resp in cluster.stub.Generate(LONG, timeout=deadline_s):
+                got += resp.token_ids
+                if got and len(got) == len(resp.token_ids):  # the first tokens: hold the rest
+                    os.kill(pid, signal.SIGSTOP)
+    finally:
+        os.kill(pid, signal.SIGCONT)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < deadline_s + 5.0
     assert 0 < len(got) < 900, "the deadline must expire mid-stream"
     cluster.wait_no_leaks()
     _serves(cluster, reference)
@@ -184,8 +204,12 @@ def test_router_sigterm_lets_running_streams_finish_within_its_grace(
     cluster: E2ECluster, reference: Reference
 ) -> None:
     """SIGTERM to a router: it stops taking calls, a stream that ends within its shutdown grace
-    (1 s here) finishes, one that does not is cut at the grace and aborted on its workers."""
-    router = cluster.local.add_router(shutdown_grace_s=1.0)
+    (10 s here) finishes, one that does not is cut at the grace and aborted on its workers.
+    Both streams decode in one batch; once the short one ended the decode worker is frozen, so
+    the long one (875 steps behind) outlasts the grace on any machine."""
+    grace_s = 10.0
+    router = cluster.local.add_router(shutdown_grace_s=grace_s)
+    pid = _decoder_pid(cluster)
     short = build_request(token_ids=list(range(30, 60)), max_tokens=25, ignore_eos=True)
     endless = build_request(token_ids=list(range(60, 90)), max_tokens=900, ignore_eos=True)
     outcomes: dict[str, object] = {}
@@ -212,12 +236,16 @@ def test_router_sigterm_lets_running_streams_finish_within_its_grace(
     assert all(e.wait(30.0) for e in events.values())
     t0 = time.monotonic()
     router.process.popen.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(30.0)
+    try:
+        threads[0].join(grace_s + 30.0)
+        os.kill(pid, signal.SIGSTOP)
+        threads[1].join(grace_s + 30.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # the router's abort of the cut stream reaches it now
     assert outcomes["short"] == ("OK", 25), outcomes
     code, n = outcomes["endless"]  # type: ignore[misc]
     assert code in ("CANCELLED", "UNAVAILABLE") and 0 < n < 900, outcomes
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < grace_s + 5.0
     assert router.process.popen.wait(10.0) == 0
     cluster.wait_no_leaks()  # the cut stream's blocks were aborted on its workers
     _serves(cluster, reference)
