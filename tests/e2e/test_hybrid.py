@@ -143,7 +143,7 @@ def test_a_local_stream_survives_its_decode_worker(
 
 
 def test_sigterm_lets_a_local_request_finish_on_its_draining_worker(cluster: E2ECluster) -> None:
-    n = 200  # long enough to be caught running; the rest well within the drain
+    n = 500  # long enough to be caught running (fused steps are fast); the rest within the drain
     req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
     tokens, final = migration._signal_decoder_mid_stream(cluster, req, after=4, sig=signal.SIGTERM)
     assert len(tokens) == n and final.migrations == 0 and final.finish_reason == "length"
