@@ -16,8 +16,13 @@ load_tokens` of the worker's view):
 1. hybrid off (`local_prefill_max_tokens` 0) -> remote, reason ``off``;
 2. D's queue plus this prompt's uncached tokens above `decode_queue_max_tokens` -> remote,
    ``decode_busy`` (a local prefill would stall D's decodes for longer than allowed);
-3. uncached tokens on D at most `local_prefill_max_tokens` -> local, ``short_prompt`` (the
-   prefill hop costs more than the few chunks it would keep off D);
+3. uncached tokens on D at most `local_prefill_max_tokens`:
+   a. D's queue plus this prompt's tokens there above P's queue plus this prompt's tokens
+      there plus `spill_margin_tokens` -> remote, ``spill`` (a burst of short prompts would
+      queue behind each other on D while P sits idle: the margin is what the hop costs, in
+      prefill tokens);
+   b. else local, ``short_prompt`` (the prefill hop costs more than the few chunks it would
+      keep off D);
 4. P's queue above `prefill_queue_max_tokens` -> local, ``prefill_busy`` (the prompt would wait
    longer for P than it costs D);
 5. otherwise remote, ``long_prompt``.
@@ -43,11 +48,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from router.prefix_index.base import PrefixMatch
 
 PrefillPath = Literal["local", "remote"]
-PathReason = Literal["off", "decode_busy", "short_prompt", "prefill_busy", "long_prompt"]
+PathReason = Literal["off", "decode_busy", "spill", "short_prompt", "prefill_busy", "long_prompt"]
 PATHS: tuple[PrefillPath, ...] = ("local", "remote")
 REASONS: dict[PrefillPath, tuple[PathReason, ...]] = {
     "local": ("short_prompt", "prefill_busy"),
-    "remote": ("off", "decode_busy", "long_prompt"),
+    "remote": ("off", "decode_busy", "spill", "long_prompt"),
 }
 """Every (path, reason) `choose_prefill_path` can return."""
 
@@ -75,6 +80,15 @@ class HybridConfig(BaseModel):
         ge=0,
         description="Never prefill on a decode worker whose queued prefill tokens plus this "
         "prompt's uncached ones would exceed this; 0 = no limit.",
+    )
+    spill_margin_tokens: int = Field(
+        default=16,
+        ge=0,
+        description="Send a short prompt through the prefill worker anyway when the decode "
+        "worker's queued prefill tokens plus the prompt's exceed the prefill worker's queued "
+        "tokens plus the prompt's (uncached on each) by more than this many: what the prefill "
+        "hop (Reserve, KV push, second call) costs, in prefill tokens. Spreads a burst of short "
+        "prompts over both workers; 0 = never.",
     )
 
     min_local_prefill_max_tokens: int = Field(
@@ -194,6 +208,9 @@ def choose_prefill_path(
     if limit and decode_queued_tokens + local > limit:
         return PathChoice("remote", "decode_busy", remote)
     if local <= config.local_prefill_max_tokens:
+        margin = config.spill_margin_tokens
+        if margin and decode_queued_tokens + local > prefill_queued_tokens + remote + margin:
+            return PathChoice("remote", "spill", remote)
         return PathChoice("local", "short_prompt", local)
     if config.prefill_queue_max_tokens and prefill_queued_tokens > config.prefill_queue_max_tokens:
         return PathChoice("local", "prefill_busy", local)

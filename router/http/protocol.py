@@ -132,7 +132,8 @@ class PdserveInfo(_Response):
     prompt's KV and sent it to the decode worker) or ``"local"`` (the decode worker prefilled
     it itself, `[router.hybrid]`); null in colocated mode, where there is one worker.
     `prefill_path_reason`: why (`router.hybrid.PathReason`: ``off``, ``decode_busy``,
-    ``long_prompt`` for remote; ``short_prompt``, ``prefill_busy`` for local); null with it."""
+    ``spill``, ``long_prompt`` for remote; ``short_prompt``, ``prefill_busy`` for local); null
+    with it."""
 
     prefill_path: Literal["local", "remote"] | None = None
     prefill_path_reason: str | None = None

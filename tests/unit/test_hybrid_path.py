@@ -44,12 +44,30 @@ def test_a_busy_prefill_side_sends_long_prompts_local_too() -> None:
 
 def test_a_busy_decode_worker_keeps_even_short_prompts_remote() -> None:
     cfg = HybridConfig(
-        local_prefill_max_tokens=64, prefill_queue_max_tokens=10, decode_queue_max_tokens=100
+        local_prefill_max_tokens=64,
+        prefill_queue_max_tokens=10,
+        decode_queue_max_tokens=100,
+        spill_margin_tokens=0,
     )
     assert choose(cfg, 40, decode_queued_tokens=60) == PathChoice("local", "short_prompt", 40)
     assert choose(cfg, 40, decode_queued_tokens=61) == PathChoice("remote", "decode_busy", 40)
     busy_both = choose(cfg, 500, prefill_queued_tokens=10**6, decode_queued_tokens=0)
     assert busy_both == PathChoice("remote", "decode_busy", 500)  # D's limit wins
+
+
+def test_a_short_prompt_spills_to_an_idler_prefill_worker() -> None:
+    # the burst: D already prefills 24 tokens, P nothing; 31 more tokens wait less on P
+    assert choose(ON, 31, decode_queued_tokens=24) == PathChoice("remote", "spill", 31)
+    # within the hop's margin (16 by default) D keeps it
+    assert choose(ON, 31, decode_queued_tokens=16) == PathChoice("local", "short_prompt", 31)
+    assert choose(ON, 31, decode_queued_tokens=17).reason == "spill"
+    # P busier than D: local
+    assert choose(ON, 31, decode_queued_tokens=24, prefill_queued_tokens=40).path == "local"
+    # D's cache makes the local side cheaper: 60 tokens of which D holds 50
+    assert choose(ON, 60, cached_on_decode=50, decode_queued_tokens=40).path == "local"
+    # 0 turns the rule off
+    off = HybridConfig(local_prefill_max_tokens=64, spill_margin_tokens=0)
+    assert choose(off, 31, decode_queued_tokens=10**6).reason == "short_prompt"
 
 
 def test_every_reason_is_declared_for_its_path() -> None:
@@ -60,6 +78,7 @@ def test_every_reason_is_declared_for_its_path() -> None:
         choose(HybridConfig(local_prefill_max_tokens=1, prefill_queue_max_tokens=1), 9,
                prefill_queued_tokens=2),
         choose(HybridConfig(local_prefill_max_tokens=1, decode_queue_max_tokens=1), 9),
+        choose(ON, 10, decode_queued_tokens=100),
     ]  # fmt: skip
     assert {(c.path, c.reason) for c in cases} == {
         (p, r) for p, reasons in REASONS.items() for r in reasons

@@ -47,8 +47,12 @@ RATIO = RatioConfig(
     cooldown_s=1.0,
     sample_interval_s=0.25,
 )
+# no spill (a short prompt sent to P while D queues more): the threshold alone picks the path
 HYBRID = HybridConfig(
-    local_prefill_max_tokens=16, min_local_prefill_max_tokens=8, max_local_prefill_max_tokens=128
+    local_prefill_max_tokens=16,
+    min_local_prefill_max_tokens=8,
+    max_local_prefill_max_tokens=128,
+    spill_margin_tokens=0,
 )
 
 

@@ -11,7 +11,9 @@ same model, block size, KV blocks and batch limits:
 | `hybrid` | 1 prefill + 1 decode | `threads // 2` each | as `disagg`, short prompts on D |
 
 `hybrid` is `disagg` with `[router.hybrid]` on: prompts of at most
-`HYBRID_LOCAL_PREFILL_TOKENS` uncached tokens are prefilled on the decode worker itself.
+`HYBRID_LOCAL_PREFILL_TOKENS` uncached tokens are prefilled on the decode worker itself
+(unless the decode worker queues more prefill than the prefill worker, by the section's
+default `spill_margin_tokens`).
 
 `bench` compares the first three by default (`DEFAULT_CONFIGS`); `hybrid` is asked for by name
 (`--configs`) and `pdserve demo` shows all four.
