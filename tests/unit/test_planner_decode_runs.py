@@ -49,7 +49,7 @@ def _run(
 ) -> tuple[list[SimOutcome], int, dict[str, float]]:
     sim = Sim(reqs, spec, COST, policy=policy, fast=fast)
     outs = sim.run()
-    return outs, sim.tokens, dict(sim.step_s)
+    return outs, sim.tokens, dict(sim.step_core_s)
 
 
 BASE = ClusterSpec(

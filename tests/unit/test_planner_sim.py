@@ -4,6 +4,8 @@ cost fit and overhead calibration; the planner's ranking. Pure, milliseconds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tooling.planner.costs import (
@@ -217,8 +219,32 @@ def test_side_cpu_and_charged_steps() -> None:
     assert [o.ttft_s for o in outs] == pytest.approx([0.21, 0.21])
     got = charged([SimRequest(0.0, 100, 3)], ONE, cost)
     assert got == pytest.approx(
-        {"prefill_steps_s": 0.110, "decode_steps_s": 2 * 0.006, "tokens": 3.0}
+        {
+            "prefill_steps_s": 0.110,
+            "decode_steps_s": 2 * 0.006,
+            "tokens": 3.0,
+            "kv_prompt_tokens": 100.0,
+        }
     )
+    # a step on a 2-thread worker takes CPU on both threads; nothing moves on a colocated one
+    two = ClusterSpec(prefill=0, decode=0, colocated=1, threads=2)
+    got = charged([SimRequest(0.0, 100, 3)], two, cost)
+    assert got["decode_steps_s"] == pytest.approx(2 * (0.110 + 2 * 0.006))
+    assert got["kv_prompt_tokens"] == 0.0
+
+
+def test_kv_side_cpu_is_charged_per_prompt_token_on_both_workers() -> None:
+    spec = ClusterSpec(prefill=1, decode=1, cores=1.0)
+    base = CostModel(prefill=COST.prefill, decode=COST.decode)
+    (alone,) = simulate([SimRequest(0.0, 100, 2)], spec, base)
+    # 1 ms of send CPU per prompt token on P: 0.1 s beside P, sharing the core with D's step
+    sent = replace(base, prefill_kv_token_cpu_s=0.001)
+    (o,) = simulate([SimRequest(0.0, 100, 2)], spec, sent)
+    assert o.ttft_s == pytest.approx(alone.ttft_s)  # sent after the step: TTFT unchanged
+    assert o.tpot_s > alone.tpot_s  # D's decode step shares the core with the send
+    received = replace(base, decode_kv_token_cpu_s=0.001)
+    (o,) = simulate([SimRequest(0.0, 100, 2)], spec, received)
+    assert o.tpot_s > alone.tpot_s
 
 
 def test_fit_cpu_overheads() -> None:
@@ -230,4 +256,22 @@ def test_fit_cpu_overheads() -> None:
     assert cal.prefill_request_s == pytest.approx(1.5 / 30)
     assert cal.decode_token_cpu_s == pytest.approx(0.43 / (390 + 40))
     assert (cal.host_request_s, cal.host_token_s) == pytest.approx((0.01, 0.002))
+    assert (cal.prefill_kv_token_cpu_s, cal.decode_kv_token_cpu_s) == (0.0, 0.0)  # none moved
     assert CostModel.from_json(cal.to_json()) == cal
+
+
+def test_fit_cpu_overheads_separates_kv_tokens_from_requests() -> None:
+    """A chat-like run (short prompts, long outputs) and a summarize-like one (long prompts):
+    per request 20 ms + 0.5 ms per KV token sent on P, 1 ms per token + 0.25 ms per KV token
+    received on D — the per-request fit of before put the long prompts' KV on every request."""
+    chat = (14, 400, 280)  # requests, tokens, KV prompt tokens
+    summ = (13, 100, 4600)
+
+    def run(requests: int, tokens: int, kv: int) -> CpuSample:
+        pre = requests * 0.020 + kv * 0.0005
+        dec = (tokens - requests) * 0.001 + kv * 0.00025
+        return CpuSample(requests, tokens, 1.0, 2.0, 1.0 + pre, 2.0 + dec, 0.5, kv)
+
+    cal = fit_cpu_overheads(COST, [run(*chat), run(*summ)])
+    assert (cal.prefill_request_s, cal.prefill_kv_token_cpu_s) == pytest.approx((0.02, 0.0005))
+    assert (cal.decode_token_cpu_s, cal.decode_kv_token_cpu_s) == pytest.approx((0.001, 0.00025))

@@ -8,10 +8,11 @@ Runs in the CLI / benchmark process. Two kinds of overhead, each measured, never
    first-token delivery) and the per-token TPOT excess;
 2. CPU (`measure_cpu`): a chat-like and a summarize-like load at a moderate rate (about half
    a core of model work per role, from the profile), with the CPU time of every process read
-   from /proc; `costs.fit_cpu_overheads` compares it with the model-step seconds the
-   simulator charges for the same requests (`sim.charged`) and fits the CPU the serving path
-   burns outside the model steps: prefill per request, decode per token, router + client per
-   request and per token. On a shared CPU this work competes with the model for cores.
+   from /proc; `costs.fit_cpu_overheads` compares it with the CPU the simulator's model steps
+   take for the same requests (`sim.charged`: step time x the worker's threads) and fits the
+   CPU the serving path burns outside the model steps: prefill per request and per KV token
+   sent, decode per token and per KV token received, router + client per request and per
+   token. On a shared CPU this work competes with the model for cores.
 
 `calibrate_local` does both on a 1 prefill + 1 decode cluster (or one colocated worker) of
 local processes that it starts and stops itself (`harness.start_cluster`).
@@ -101,6 +102,7 @@ async def measure_cpu(
                     v for k2, v in cpu.items() if workers.get(k2) in ("decode", "colocated")
                 ),
                 host_cpu_s=cpu["router"] + cpu["client"],
+                kv_prompt_tokens=int(model["kv_prompt_tokens"]),
             )
         )
     return out

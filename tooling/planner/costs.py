@@ -13,8 +13,12 @@ and serving overheads, as fitted coefficients (seconds). Pure (numpy/scipy), no 
 CPU that the serving path burns outside the model steps, on other threads (a worker's gRPC
 loop, the KV transport) and other processes (router, client): it slows everything sharing the
 cores but does not lengthen a step by itself. `prefill_request_s` per request on the prefill
-worker, `decode_token_cpu_s` per token on the decode worker, and on the host's other processes
-`host_request_s` per request + `host_token_s` per streamed token.
+worker plus `prefill_kv_token_cpu_s` per prompt token whose KV it sends, `decode_token_cpu_s`
+per token on the decode worker plus `decode_kv_token_cpu_s` per prompt token whose KV it
+receives, and on the host's other processes `host_request_s` per request + `host_token_s` per
+streamed token. (The KV terms exist because a per-request charge alone, fitted on a chat and a
+summarize load, put the summarize prompts' KV push on every chat request: 131 ms of prefill-side
+CPU per request where the chat load measured 36.)
 
 `attn` is the attention work of a chunked prefill (a chunk of `n` tokens starting at position
 `s` attends over `s + n` positions); for one whole prompt of `n` tokens it is `n**2`.
@@ -77,7 +81,9 @@ class CostModel:
     ttft_overhead: Linear = Linear((0.0, 0.0))  # (prompt tokens) -> s
     token_overhead_s: float = 0.0
     prefill_request_s: float = 0.0
+    prefill_kv_token_cpu_s: float = 0.0
     decode_token_cpu_s: float = 0.0
+    decode_kv_token_cpu_s: float = 0.0
     host_request_s: float = 0.0
     host_token_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)  # model, threads, machine, samples
@@ -139,7 +145,9 @@ class CostModel:
             ttft_overhead=lin("ttft_overhead"),
             token_overhead_s=num("token_overhead_s"),
             prefill_request_s=num("prefill_request_s"),
+            prefill_kv_token_cpu_s=num("prefill_kv_token_cpu_s"),
             decode_token_cpu_s=num("decode_token_cpu_s"),
+            decode_kv_token_cpu_s=num("decode_kv_token_cpu_s"),
             host_request_s=num("host_request_s"),
             host_token_s=num("host_token_s"),
             meta=data.get("meta", {}),
@@ -173,8 +181,10 @@ class CostModel:
                 f"transfer      = {t[0] * 1e3:.3f} ms + {t[1] * 1e6:.3f} us/prompt token",
                 f"ttft overhead = {o[0] * 1e3:.3f} ms + {o[1] * 1e6:.3f} us/prompt token; "
                 f"token overhead {self.token_overhead_s * 1e3:.3f} ms",
-                f"cpu beside the steps: prefill {self.prefill_request_s * 1e3:.3f} ms/request; "
-                f"decode {self.decode_token_cpu_s * 1e3:.3f} ms/token; host "
+                f"cpu beside the steps: prefill {self.prefill_request_s * 1e3:.3f} ms/request + "
+                f"{self.prefill_kv_token_cpu_s * 1e6:.1f} us/KV token sent; decode "
+                f"{self.decode_token_cpu_s * 1e3:.3f} ms/token + "
+                f"{self.decode_kv_token_cpu_s * 1e6:.1f} us/KV token received; host "
                 f"{self.host_request_s * 1e3:.3f} ms/request + "
                 f"{self.host_token_s * 1e3:.3f} ms/token",
             ]
@@ -233,8 +243,9 @@ def calibrate_overheads(
 
 @dataclass(frozen=True)
 class CpuSample:
-    """One loaded run: requests, generated tokens, the model-step seconds the simulator
-    charges each role for it (CPU overheads off), and the CPU seconds measured per role."""
+    """One loaded run: requests, generated tokens, the CPU seconds the simulator's model steps
+    take on each role for it (`sim.charged`: step time x threads; CPU overheads off), the
+    CPU seconds measured per role, and the prompt tokens whose KV moved from P to D."""
 
     requests: int
     tokens: int  # generated, first tokens included
@@ -243,30 +254,47 @@ class CpuSample:
     prefill_cpu_s: float
     decode_cpu_s: float
     host_cpu_s: float  # router + client
+    kv_prompt_tokens: int = 0  # 0: nothing moved (a colocated worker)
+
+
+def _rates(units: Sequence[Sequence[float]], spent: Sequence[float]) -> tuple[float, float]:
+    """Non-negative CPU seconds per unit of each of two kinds of work (`units`: one row per
+    run) that best explain `spent` (least squares). When the runs cannot tell the two apart
+    (one run, or proportional work), all of it goes to the first kind."""
+    a = np.array(units, dtype=float)
+    y = np.array(spent, dtype=float)
+    if len(y) >= 2 and np.linalg.matrix_rank(a) == 2:
+        first, second = (float(x) for x in nnls(a, y)[0])
+        return first, second
+    return max(0.0, float(y.sum() / max(a[:, 0].sum(), 1e-9))), 0.0
 
 
 def fit_cpu_overheads(cost: CostModel, runs: Sequence[CpuSample]) -> CostModel:
     """CPU beside the model steps, per unit of work, from loaded runs (>= 1; two runs with
-    different tokens per request separate the host's per-request and per-token parts):
-    prefill per request, decode per token, host per request + per token (non-negative).
-    `*_steps_s` must be the step seconds the simulator charges with `cost` (`sim.charged`)."""
+    different tokens and prompt tokens per request, e.g. a chat and a summarize load, separate
+    each role's two parts): prefill per request + per KV token sent, decode per generated token
+    + per KV token received, host per request + per token (all non-negative). `*_steps_s`
+    must be the step CPU seconds the simulator charges with `cost` (`sim.charged`)."""
     if not runs:
         raise ValueError("fit_cpu_overheads needs at least one run")
-    n = sum(r.requests for r in runs)
-    dec_tokens = sum(max(1, r.tokens - r.requests) for r in runs)
-    pre = max(0.0, sum(r.prefill_cpu_s - r.prefill_steps_s for r in runs) / n)
-    tok = max(0.0, sum(r.decode_cpu_s - r.decode_steps_s for r in runs) / dec_tokens)
-    a = np.array([[r.requests, r.tokens] for r in runs], dtype=float)
-    y = np.array([r.host_cpu_s for r in runs], dtype=float)
-    if len(runs) >= 2 and np.linalg.matrix_rank(a) == 2:
-        host_req, host_tok = (float(x) for x in nnls(a, y)[0])
-    else:
-        host_req, host_tok = 0.0, float(y.sum() / a[:, 1].sum())
+    pre, pre_kv = _rates(
+        [(r.requests, r.kv_prompt_tokens) for r in runs],
+        [r.prefill_cpu_s - r.prefill_steps_s for r in runs],
+    )
+    tok, dec_kv = _rates(
+        [(max(1, r.tokens - r.requests), r.kv_prompt_tokens) for r in runs],
+        [r.decode_cpu_s - r.decode_steps_s for r in runs],
+    )
+    host_tok, host_req = _rates(
+        [(r.tokens, r.requests) for r in runs], [r.host_cpu_s for r in runs]
+    )
     meta = {**cost.meta, "cpu_runs": [asdict(r) for r in runs]}
     return replace(
         cost,
         prefill_request_s=pre,
+        prefill_kv_token_cpu_s=pre_kv,
         decode_token_cpu_s=tok,
+        decode_kv_token_cpu_s=dec_kv,
         host_request_s=host_req,
         host_token_s=host_tok,
         meta=meta,

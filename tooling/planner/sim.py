@@ -35,7 +35,9 @@ the KV hand-offs and the shared CPU are modelled around it:
   busy entities share the cores equally (processor sharing: each advances at
   min(1, cores / busy threads) of full speed). CPU spent beside the steps runs on "side"
   entities that share the cores the same way: one per worker (its gRPC / transport threads:
-  `cost.prefill_request_s` per prompt, `cost.decode_token_cpu_s` per token) and one for the
+  `cost.prefill_request_s` per prompt plus `cost.prefill_kv_token_cpu_s` per prompt token
+  whose KV it sends, `cost.decode_token_cpu_s` per token plus `cost.decode_kv_token_cpu_s`
+  per prompt token whose KV it receives) and one for the
   router + client ("host": `cost.host_request_s` per request, `cost.host_token_s` per token).
   With `cores=None` each worker has its own device and side work is not modelled.
 - **role switches** (`switch`): a worker drains — no new work, finishes what it holds — then
@@ -140,7 +142,8 @@ class Sim:
         # router's `transfer_s`); `pairing.Links` models links that requests share
         self.handoff: Callable[[Sim, Job], float] | None = None
         self.flipped: list[Worker] = []  # flips since the caller last cleared it
-        self.step_s = {"prefill": 0.0, "decode": 0.0, "colocated": 0.0}
+        # core-seconds of model steps per worker kind: a step of `work` s on `threads` cores
+        self.step_core_s = {"prefill": 0.0, "decode": 0.0, "colocated": 0.0}
         self.routes = {r: 0 for r in Route}  # requests served each way
         self.tokens = 0  # generated tokens, first tokens included
         self.seq = 0
@@ -326,7 +329,7 @@ class Sim:
         w.step = step
         if self.on_step is not None:
             self.on_step(w, step)
-        self.step_s[w.kind] += work
+        self.step_core_s[w.kind] += work * w.threads
         self.cpu.busy(w, work, w.threads)
 
     def finish_step(self, w: Worker) -> None:
@@ -358,7 +361,8 @@ class Sim:
 
     def _prefilled(self, p: Worker, job: Job) -> None:
         """The prefill worker sampled `job`'s first token: its KV hand-off starts."""
-        self.host_work(self.cost.prefill_request_s, p)  # response + KV send
+        n = job.req.input_len
+        self.host_work(self.cost.prefill_request_s + self.cost.prefill_kv_token_cpu_s * n, p)
         moved = job.transfer_s if self.handoff is None else self.handoff(self, job)
         over = max(0.0, self.cost.ttft_overhead(job.req.input_len))
         self.timer(self.now + max(0.0, moved) + over, FIRST, job)
@@ -382,6 +386,7 @@ class Sim:
         self.ready.add(p)
         self._check_drained(p)
         finished = d.eng.admit_received(job.tid, job.rid, job.prompt, job.req.output_len, job.seed)
+        self.host_work(self.cost.decode_kv_token_cpu_s * job.req.input_len, d)  # KV received
         self._first(job, self.now)
         if finished:
             self.end(job, ok=True)
@@ -485,13 +490,17 @@ def simulate(
 
 
 def charged(requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel) -> dict[str, float]:
-    """Step seconds the simulator charges each role for `requests` (side work not included;
-    a colocated worker's steps count as decode) and the tokens generated: what
-    `costs.fit_cpu_overheads` compares measured CPU time with."""
+    """CPU seconds the simulator's model steps take on each role for `requests`: step time
+    times the worker's threads, as the shared CPU charges them (side work not included; a
+    colocated worker's steps count as decode), the tokens generated, and the prompt tokens
+    whose KV moved from a prefill to a decode worker: what `costs.fit_cpu_overheads`
+    compares measured CPU time with."""
     sim = Sim(requests, spec, cost)
     sim.run()
+    moved = sum(r.input_len for r, o in zip(requests, sim.out, strict=True) if o.path == "remote")
     return {
-        "prefill_steps_s": sim.step_s["prefill"],
-        "decode_steps_s": sim.step_s["decode"] + sim.step_s["colocated"],
+        "prefill_steps_s": sim.step_core_s["prefill"],
+        "decode_steps_s": sim.step_core_s["decode"] + sim.step_core_s["colocated"],
         "tokens": float(sim.tokens),
+        "kv_prompt_tokens": float(moved),
     }

@@ -100,8 +100,10 @@ def live_rule(live: LiveThreshold) -> Choose:
 
 
 def threshold_rule(threshold: int) -> Choose:
-    """Local when the uncached prompt is at most `threshold` tokens (llm-d's rule): the
-    router's rule with only `local_prefill_max_tokens` set (0: never local)."""
+    """Local when the uncached prompt is at most `threshold` tokens (llm-d's rule), unless
+    the decode worker queues more prefill than the prefill worker (the spill rule): the
+    router's rule with `local_prefill_max_tokens` set and the section's other defaults (0:
+    never local)."""
     return hybrid_rule(HybridConfig(local_prefill_max_tokens=threshold))
 
 
