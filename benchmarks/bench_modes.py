@@ -498,8 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{' '.join(sys.argv[1:] if argv is None else argv)}`: {args.model.name}, "
         f"{args.repeats} repeat(s), {args.duration:g} s of arrivals per rate, context 512, "
         "2 threads in every configuration (colocated 1 x 2; disagg and hybrid 1P + 1D x 1; "
-        f"hybrid `local_prefill_max_tokens` {HYBRID_THRESHOLD}, `spill_margin_tokens` "
-        f"{HybridConfig().spill_margin_tokens}), configurations interleaved "
+        f"hybrid `local_prefill_max_tokens` {HYBRID_THRESHOLD}, `spill_to_prefill` "
+        f"{str(HybridConfig().spill_to_prefill).lower()}), configurations interleaved "
         f"within each bench, no bisection. Rates (req/s): "
         + "; ".join(f"{w.name} {', '.join(f'{x:g}' for x in w.rates)}" for w in chosen.values())
         + (f". {len(ran)} benches, {sum(ran):.0f} s." if ran else ".")

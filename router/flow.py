@@ -220,7 +220,8 @@ class RequestRun:
         self, spec: LegSpec, decision: RoutingDecision, prefix: PromptPrefix
     ) -> PathChoice:
         """`router.hybrid.choose_prefill_path` for the policy's (P, D) pair: the prompt's
-        uncached tokens on each (prefix index) and both workers' queued prefill tokens."""
+        uncached tokens on each (prefix index), both workers' queued prefill tokens, and the
+        requests on D (its polled running count, or this router's requests there if more)."""
         p, d = decision.prefill, decision.decode
         assert p is not None and d is not None, decision
         n = len(spec.prompt)
@@ -234,6 +235,7 @@ class RequestRun:
             cached_on_prefill=decision.cached_tokens,
             prefill_queued_tokens=load_tokens(p),
             decode_queued_tokens=load_tokens(d),
+            decode_running=max(d.num_running, d.in_flight),
         )
 
     async def _prefix_lookup(self, spec: LegSpec) -> PromptPrefix:

@@ -17,10 +17,12 @@ load_tokens` of the worker's view):
 2. D's queue plus this prompt's uncached tokens above `decode_queue_max_tokens` -> remote,
    ``decode_busy`` (a local prefill would stall D's decodes for longer than allowed);
 3. uncached tokens on D at most `local_prefill_max_tokens`:
-   a. D's queue plus this prompt's tokens there above P's queue plus this prompt's tokens
-      there plus `spill_margin_tokens` -> remote, ``spill`` (a burst of short prompts would
-      queue behind each other on D while P sits idle: the margin is what the hop costs, in
-      prefill tokens);
+   a. with `spill_to_prefill` on, D's work above P's by more than `spill_margin_tokens` ->
+      remote, ``spill``. Work is counted in prompt tokens of one prefill step: D's queued
+      prefill tokens plus one per request decoding there (a local prompt runs inside D's
+      decode batch, where each decoding row is one more row of every matrix product, as a
+      prompt token is) plus this prompt's uncached tokens on D; P's queued tokens plus this
+      prompt's uncached tokens on P. The margin is what the hop costs, in prefill tokens;
    b. else local, ``short_prompt`` (the prefill hop costs more than the few chunks it would
       keep off D);
 4. P's queue above `prefill_queue_max_tokens` -> local, ``prefill_busy`` (the prompt would wait
@@ -81,14 +83,19 @@ class HybridConfig(BaseModel):
         description="Never prefill on a decode worker whose queued prefill tokens plus this "
         "prompt's uncached ones would exceed this; 0 = no limit.",
     )
-    spill_margin_tokens: int = Field(
-        default=16,
-        ge=0,
+    spill_to_prefill: bool = Field(
+        default=True,
         description="Send a short prompt through the prefill worker anyway when the decode "
-        "worker's queued prefill tokens plus the prompt's exceed the prefill worker's queued "
-        "tokens plus the prompt's (uncached on each) by more than this many: what the prefill "
-        "hop (Reserve, KV push, second call) costs, in prefill tokens. Spreads a burst of short "
-        "prompts over both workers; 0 = never.",
+        "worker has more work than the prefill worker (queued prefill tokens, plus one per "
+        "decoding request on D; rule 3a): a local prefill shares D's decode steps while P "
+        "may sit idle.",
+    )
+    spill_margin_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="With spill_to_prefill: how much more work (in prefill tokens) D must "
+        "have than P before a short prompt spills: what the prefill hop (Reserve, KV push, "
+        "second call) costs.",
     )
 
     min_local_prefill_max_tokens: int = Field(
@@ -190,12 +197,14 @@ def choose_prefill_path(
     cached_on_prefill: int,
     prefill_queued_tokens: int,
     decode_queued_tokens: int,
+    decode_running: int = 0,
 ) -> PathChoice:
     """The path of one request (rule in the module docstring). Pure.
 
     `cached_on_decode` / `cached_on_prefill`: prompt tokens the chosen decode / prefill worker
     is expected to hold already (prefix index; 0 when unknown); `*_queued_tokens`: the
-    workers' queued prefill tokens (`prefix_policy.load_tokens`)."""
+    workers' queued prefill tokens (`prefix_policy.load_tokens`); `decode_running`: requests
+    decoding on the decode worker."""
     assert prompt_tokens > 0 and 0 <= cached_on_decode < prompt_tokens, (
         prompt_tokens,
         cached_on_decode,
@@ -208,8 +217,9 @@ def choose_prefill_path(
     if limit and decode_queued_tokens + local > limit:
         return PathChoice("remote", "decode_busy", remote)
     if local <= config.local_prefill_max_tokens:
-        margin = config.spill_margin_tokens
-        if margin and decode_queued_tokens + local > prefill_queued_tokens + remote + margin:
+        on_d = decode_queued_tokens + decode_running + local
+        on_p = prefill_queued_tokens + remote + config.spill_margin_tokens
+        if config.spill_to_prefill and on_d > on_p:
             return PathChoice("remote", "spill", remote)
         return PathChoice("local", "short_prompt", local)
     if config.prefill_queue_max_tokens and prefill_queued_tokens > config.prefill_queue_max_tokens:

@@ -31,7 +31,12 @@ TOPOLOGIES: dict[str, tuple[str, dict[str, int], dict[str, object]]] = {
     "hybrid-1p1d": (
         "disagg",
         {"prefill": 1, "decode": 1},
-        {"router.hybrid.local_prefill_max_tokens": HYBRID_LOCAL},
+        # the path by the threshold alone (no spill to an idler prefill worker), so which
+        # path a prompt takes does not depend on what the router last polled
+        {
+            "router.hybrid.local_prefill_max_tokens": HYBRID_LOCAL,
+            "router.hybrid.spill_to_prefill": False,
+        },
     ),
 }
 

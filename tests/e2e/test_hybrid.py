@@ -1,9 +1,9 @@
 """Conditional disaggregation through a real hybrid 1P+2D cluster (issue 31): the local path.
 
-`[router.hybrid]` local_prefill_max_tokens = `LOCAL`: the 40-token `PROMPT` is prefilled on its
-decode worker (Generate), `LONG` (200 tokens) on the prefill worker. Checked on the local path,
-with the patterns of test_migration.py (victims picked by the worker's own status, never by the
-client's reading speed):
+`[router.hybrid]` local_prefill_max_tokens = `LOCAL`, no spill: the 40-token `PROMPT` is
+prefilled on its decode worker (Generate), `LONG` (200 tokens) on the prefill worker. Checked
+on the local path, with the patterns of test_migration.py (victims picked by the worker's own
+status, never by the client's reading speed):
 
 - both paths in one cluster, greedy tokens equal to the colocated engine's, counted in
   `pdserve:prefill_path_total{path,reason}` on the router's /metrics;
@@ -54,6 +54,10 @@ def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2EC
         "router.stall_timeout_s": migration.STALL_S,
         "router.http_port": 0,
         "router.hybrid.local_prefill_max_tokens": LOCAL,
+        # the path by the threshold alone: a short prompt stays local even when the polled
+        # status still shows an earlier test's request decoding (the spill rule has its own
+        # tests, on fake workers)
+        "router.hybrid.spill_to_prefill": False,
     }
     yield from start_cluster("hybrid", "disagg", overrides, prefill=1, decode=2)
 

@@ -47,7 +47,7 @@ def test_a_busy_decode_worker_keeps_even_short_prompts_remote() -> None:
         local_prefill_max_tokens=64,
         prefill_queue_max_tokens=10,
         decode_queue_max_tokens=100,
-        spill_margin_tokens=0,
+        spill_to_prefill=False,
     )
     assert choose(cfg, 40, decode_queued_tokens=60) == PathChoice("local", "short_prompt", 40)
     assert choose(cfg, 40, decode_queued_tokens=61) == PathChoice("remote", "decode_busy", 40)
@@ -55,19 +55,25 @@ def test_a_busy_decode_worker_keeps_even_short_prompts_remote() -> None:
     assert busy_both == PathChoice("remote", "decode_busy", 500)  # D's limit wins
 
 
-def test_a_short_prompt_spills_to_an_idler_prefill_worker() -> None:
-    # the burst: D already prefills 24 tokens, P nothing; 31 more tokens wait less on P
+def test_a_short_prompt_spills_to_a_prefill_worker_with_less_work() -> None:
+    # idle cluster: a tie stays local
+    assert choose(ON, 31) == PathChoice("local", "short_prompt", 31)
+    # the burst: D already prefills 24 tokens, P nothing -> the idle P takes the next one
     assert choose(ON, 31, decode_queued_tokens=24) == PathChoice("remote", "spill", 31)
-    # within the hop's margin (16 by default) D keeps it
-    assert choose(ON, 31, decode_queued_tokens=16) == PathChoice("local", "short_prompt", 31)
-    assert choose(ON, 31, decode_queued_tokens=17).reason == "spill"
+    # each request decoding on D counts as one prompt token of its next step
+    assert choose(ON, 31, decode_running=1).reason == "spill"
+    assert choose(ON, 31, decode_running=8, prefill_queued_tokens=8).reason == "short_prompt"
     # P busier than D: local
     assert choose(ON, 31, decode_queued_tokens=24, prefill_queued_tokens=40).path == "local"
     # D's cache makes the local side cheaper: 60 tokens of which D holds 50
     assert choose(ON, 60, cached_on_decode=50, decode_queued_tokens=40).path == "local"
-    # 0 turns the rule off
-    off = HybridConfig(local_prefill_max_tokens=64, spill_margin_tokens=0)
-    assert choose(off, 31, decode_queued_tokens=10**6).reason == "short_prompt"
+    # the margin: the hop's price in prefill tokens
+    hop = HybridConfig(local_prefill_max_tokens=64, spill_margin_tokens=10)
+    assert choose(hop, 31, decode_running=10).reason == "short_prompt"
+    assert choose(hop, 31, decode_running=11).reason == "spill"
+    # off: the threshold alone decides
+    off = HybridConfig(local_prefill_max_tokens=64, spill_to_prefill=False)
+    assert choose(off, 31, decode_queued_tokens=10**6, decode_running=99).reason == "short_prompt"
 
 
 def test_every_reason_is_declared_for_its_path() -> None:

@@ -155,12 +155,12 @@ def test_hybrid_routes_by_the_uncached_prompt_through_the_injected_decision() ->
     # the decode worker's own cache counts: the same 300-token prompt, once it is cached
     # there, has 300 - 288 uncached tokens and prefills locally
     same = tuple(range(300))
-    asked: list[tuple[int, int, int]] = []
+    asked: list[tuple[int, int, int, int]] = []
     rule = threshold_rule(64)
 
-    def choose(uncached: int, prefill_queued: int, decode_queued: int) -> Decision:
-        asked.append((uncached, prefill_queued, decode_queued))
-        return rule(uncached, prefill_queued, decode_queued)
+    def choose(uncached: int, prefill_queued: int, decode_queued: int, running: int) -> Decision:
+        asked.append((uncached, prefill_queued, decode_queued, running))
+        return rule(uncached, prefill_queued, decode_queued, running)
 
     twice = [SimRequest(0.0, 300, 3, tokens=same), SimRequest(5.0, 300, 3, tokens=same)]
     sim = Sim(twice, ClusterSpec(1, 1), COST, choose=choose)
@@ -244,10 +244,11 @@ def test_the_simulated_path_decision_is_the_routers_rule() -> None:
             local_prefill_max_tokens=64, prefill_queue_max_tokens=1000, decode_queue_max_tokens=500
         )
     )
-    assert rule(64, 0, 0) == "local" and rule(65, 0, 0) == "remote"
-    assert rule(400, 1001, 0) == "local"  # the prefill worker is busy
-    assert rule(64, 0, 437) == "remote"  # the decode worker is busy
-    assert threshold_rule(0)(1, 0, 0) == "remote"
+    assert rule(64, 0, 0, 0) == "local" and rule(65, 0, 0, 0) == "remote"
+    assert rule(400, 1001, 0, 0) == "local"  # the prefill worker is busy
+    assert rule(64, 0, 437, 0) == "remote"  # the decode worker is busy
+    assert rule(64, 0, 0, 1) == "remote"  # ... decoding: the idle prefill worker takes it
+    assert threshold_rule(0)(1, 0, 0, 0) == "remote"
     cluster = {
         "mode": "disagg",
         "torch_threads": 1,

@@ -52,7 +52,7 @@ HYBRID = HybridConfig(
     local_prefill_max_tokens=16,
     min_local_prefill_max_tokens=8,
     max_local_prefill_max_tokens=128,
-    spill_margin_tokens=0,
+    spill_to_prefill=False,
 )
 
 

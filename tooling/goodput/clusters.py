@@ -12,8 +12,8 @@ same model, block size, KV blocks and batch limits:
 
 `hybrid` is `disagg` with `[router.hybrid]` on: prompts of at most
 `HYBRID_LOCAL_PREFILL_TOKENS` uncached tokens are prefilled on the decode worker itself
-(unless the decode worker queues more prefill than the prefill worker, by the section's
-default `spill_margin_tokens`).
+(unless the decode worker has more work than the prefill worker: the section's default
+`spill_to_prefill`).
 
 `bench` compares the first three by default (`DEFAULT_CONFIGS`); `hybrid` is asked for by name
 (`--configs`) and `pdserve demo` shows all four.

@@ -16,7 +16,8 @@ the KV hand-offs and the shared CPU are modelled around it:
   room: the request fails, as RESOURCE_EXHAUSTED;
 - **hybrid** (`ClusterSpec.hybrid_threshold`): after the pair is picked, `choose(uncached
   prompt tokens on the decode worker, the prefill worker's queued prompt tokens, the decode
-  worker's)` (`sim_routing.Choose`, default `threshold_rule`) sends the request either
+  worker's, its running requests)` (`sim_routing.Choose`, default `threshold_rule`) sends the
+  request either
   "local" — it enters the decode worker's scheduler as a new request and prefills there,
   chunked inside its decode batches, and the policy that picked the pair is told
   (`prefilled_elsewhere`, as `router.flow` does: `prefix_aware` moves its pending cache credit
@@ -247,7 +248,8 @@ class Sim:
         if self.choose is not None:
             prompt = job.prompt
             uncached = r.input_len - d.eng.cached_tokens(prompt, job.seed)
-            if self.choose(uncached, p.eng.queued_tokens(), d.eng.queued_tokens()) == "local":
+            loads = (p.eng.queued_tokens(), d.eng.queued_tokens(), d.eng.num_running)
+            if self.choose(uncached, *loads) == "local":
                 job = Job(i, r, d, Route.LOCAL)
                 if self.pair_policy is not None:  # as `router.flow` does: the prompt's
                     # blocks land on the decode worker, and so does the policy's cache credit

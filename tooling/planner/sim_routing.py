@@ -13,7 +13,7 @@ workers, and the hybrid path decision. Pure; used by `sim.Sim`, `sim_adaptive` a
   prefix index would answer, how many leading blocks each candidate's pool holds; a private
   prompt (no token ids) has no chain to look up, so such a policy routes it by load;
 - `colocated_pick`: the same policy's colocated choice;
-- `Choose`: the hybrid decision, one pure function of three numbers; `hybrid_rule(config)` is
+- `Choose`: the hybrid decision, one pure function of four numbers; `hybrid_rule(config)` is
   the router's own `router.hybrid.choose_prefill_path` under a `[router.hybrid]` config,
   `live_rule(live)` the same under the router's live threshold (which the ratio controller
   moves: `sim_adaptive`), and `threshold_rule(t)` that rule with only the threshold set (the
@@ -58,11 +58,12 @@ and its KV hand-off delay, or None (no capacity: the request fails, as RESOURCE_
 Default: `policy_router` of the simulator's policy (`sim_policy`)."""
 
 Decision = Literal["local", "remote"]
-Choose = Callable[[int, int, int], Decision]
-"""`choose(uncached_tokens, prefill_queued_tokens, decode_queued_tokens)` -> "local" (prefill on
-the decode worker, chunked inside its decode batches) or "remote" (through the prefill worker).
-`uncached_tokens`: the prompt's tokens the chosen decode worker's prefix cache lacks;
-`*_queued_tokens`: prompt tokens still to prefill on the chosen prefill / decode worker."""
+Choose = Callable[[int, int, int, int], Decision]
+"""`choose(uncached_tokens, prefill_queued_tokens, decode_queued_tokens, decode_running)` ->
+"local" (prefill on the decode worker, chunked inside its decode batches) or "remote" (through
+the prefill worker). `uncached_tokens`: the prompt's tokens the chosen decode worker's prefix
+cache lacks; `*_queued_tokens`: prompt tokens still to prefill on the chosen prefill / decode
+worker; `decode_running`: requests running on the decode worker."""
 
 
 def hybrid_rule(config: HybridConfig) -> Choose:
@@ -71,7 +72,10 @@ def hybrid_rule(config: HybridConfig) -> Choose:
     on the prefill side does not change the path."""
 
     def choose(
-        uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int
+        uncached_tokens: int,
+        prefill_queued_tokens: int,
+        decode_queued_tokens: int,
+        decode_running: int,
     ) -> Decision:
         return choose_prefill_path(
             config,
@@ -80,6 +84,7 @@ def hybrid_rule(config: HybridConfig) -> Choose:
             cached_on_prefill=0,
             prefill_queued_tokens=prefill_queued_tokens,
             decode_queued_tokens=decode_queued_tokens,
+            decode_running=decode_running,
         ).path
 
     return choose
@@ -90,10 +95,13 @@ def live_rule(live: LiveThreshold) -> Choose:
     for every request as the router's request path reads it: the ratio controller moves it."""
 
     def choose(
-        uncached_tokens: int, prefill_queued_tokens: int, decode_queued_tokens: int
+        uncached_tokens: int,
+        prefill_queued_tokens: int,
+        decode_queued_tokens: int,
+        decode_running: int,
     ) -> Decision:
         return hybrid_rule(live.config())(
-            uncached_tokens, prefill_queued_tokens, decode_queued_tokens
+            uncached_tokens, prefill_queued_tokens, decode_queued_tokens, decode_running
         )
 
     return choose
@@ -101,7 +109,7 @@ def live_rule(live: LiveThreshold) -> Choose:
 
 def threshold_rule(threshold: int) -> Choose:
     """Local when the uncached prompt is at most `threshold` tokens (llm-d's rule), unless
-    the decode worker queues more prefill than the prefill worker (the spill rule): the
+    the decode worker has more work than the prefill worker (the spill rule): the
     router's rule with `local_prefill_max_tokens` set and the section's other defaults (0:
     never local)."""
     return hybrid_rule(HybridConfig(local_prefill_max_tokens=threshold))
