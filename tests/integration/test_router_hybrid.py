@@ -97,13 +97,13 @@ def test_a_short_prompt_spills_to_the_prefill_worker_while_d_prefills(
     tiny_model_dir: Path,
 ) -> None:
     async def scenario() -> None:
-        hybrid = HybridConfig(local_prefill_max_tokens=64)  # spill margin: 16 (default)
+        hybrid = HybridConfig(local_prefill_max_tokens=64)  # spill on, margin 0 (defaults)
         async with fake_cluster(tiny_model_dir, hybrid=hybrid) as c:
             p, d = c.prefill[0], c.decode[0]
             d.hang.add("Generate")  # 1. a local prefill stays queued on D
             stuck = asyncio.create_task(c.generate(req("stuck"), timeout=None))
             await wait_until(lambda: d.calls["Generate"] == 1, what="a local request on D")
-            # 2. D: 30 queued + 30 > P: 0 + 30 + 16 -> the idle P takes it
+            # 2. D: 30 queued + 1 request there + 30 > P: 0 + 30 -> the idle P takes it
             got = final(await c.generate(req("b")))
             assert (got.prefill_path, got.prefill_path_reason) == ("remote", "spill")
             assert got.prefill_worker == worker_id(p) and p.calls["Prefill"] == 1

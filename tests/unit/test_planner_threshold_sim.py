@@ -47,7 +47,7 @@ RATIO = RatioConfig(
     cooldown_s=1.0,
     sample_interval_s=0.25,
 )
-# no spill (a short prompt sent to P while D queues more): the threshold alone picks the path
+# no spill (a short prompt sent to P while D has more work): the threshold alone picks the path
 HYBRID = HybridConfig(
     local_prefill_max_tokens=16,
     min_local_prefill_max_tokens=8,
