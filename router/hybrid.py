@@ -197,7 +197,7 @@ def choose_prefill_path(
     cached_on_prefill: int,
     prefill_queued_tokens: int,
     decode_queued_tokens: int,
-    decode_running: int = 0,
+    decode_running: int,
 ) -> PathChoice:
     """The path of one request (rule in the module docstring). Pure.
 

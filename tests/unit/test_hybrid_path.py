@@ -16,7 +16,7 @@ ON = HybridConfig(local_prefill_max_tokens=64)
 
 def choose(config: HybridConfig, prompt: int, **kw: int) -> PathChoice:
     args = {"cached_on_decode": 0, "cached_on_prefill": 0}
-    args |= {"prefill_queued_tokens": 0, "decode_queued_tokens": 0} | kw
+    args |= {"prefill_queued_tokens": 0, "decode_queued_tokens": 0, "decode_running": 0} | kw
     return choose_prefill_path(config, prompt, **args)
 
 

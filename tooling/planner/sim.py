@@ -499,7 +499,8 @@ def charged(requests: Sequence[SimRequest], spec: ClusterSpec, cost: CostModel) 
     compares measured CPU time with."""
     sim = Sim(requests, spec, cost)
     sim.run()
-    moved = sum(r.input_len for r, o in zip(requests, sim.out, strict=True) if o.path == "remote")
+    remote = Route.REMOTE.value
+    moved = sum(r.input_len for r, o in zip(requests, sim.out, strict=True) if o.path == remote)
     return {
         "prefill_steps_s": sim.step_core_s["prefill"],
         "decode_steps_s": sim.step_core_s["decode"] + sim.step_core_s["colocated"],
