@@ -25,6 +25,7 @@ environment once read, so nothing it starts inherits it) or `--cluster-secret-fi
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import os
 import signal
@@ -47,6 +48,13 @@ log = logging.getLogger("pdserve.worker")
 ORPHAN_GRACE_S = 1.0  # the stop grace of a worker whose launcher died
 THREAD_EXIT_WAIT_S = 2.0  # how long a stopped worker waits for its threads before leaving
 SIGNAL_CHECK_S = 0.2  # how often the main thread wakes to run signal handlers (see main)
+
+
+class StopReason(enum.Enum):
+    """What ended the worker's serving."""
+
+    SIGNAL = "signal received"  # SIGTERM or SIGINT
+    LAUNCHER_GONE = "launcher gone"  # `ParentWatch` saw the launcher die
 
 
 NOT_CONFIG_FLAGS = ("--config", "--log-level", "--cluster-secret-file")
@@ -159,21 +167,22 @@ def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = No
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     grace_s = config.stop_grace_s
-    stop = threading.Event()
+    # Why to stop, appended by a signal handler or the parent watch. Lock-free on purpose: a
+    # Python signal handler runs on the main thread between any two bytecodes, even inside
+    # an Event's own lock, so one that set an Event could wait on itself forever.
+    requested: list[StopReason] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: requested.append(StopReason.SIGNAL))
     try:
         parent = parent_pid_from_env()
     except ValueError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
-    orphaned = threading.Event()
-
-    def on_orphaned() -> None:
-        orphaned.set()
-        stop.set()
-
-    watch = ParentWatch(parent, on_orphaned) if parent is not None else None
+    watch = (
+        ParentWatch(parent, lambda: requested.append(StopReason.LAUNCHER_GONE))
+        if parent is not None
+        else None
+    )
     server = WorkerServer(config, roles, secret)
     try:
         server.start()
@@ -184,14 +193,15 @@ def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = No
     # A signal may land on any thread (one sent while the process was stopped goes to whichever
     # thread runs first after SIGCONT), and its Python handler runs only when the main thread
     # next runs bytecode: an untimed wait here would never see that SIGTERM.
-    while not stop.wait(SIGNAL_CHECK_S):
-        pass
+    while not requested:
+        time.sleep(SIGNAL_CHECK_S)
     if watch is not None:
         watch.stop()
-    if orphaned.is_set():  # nobody is left to wait for this worker's answers
+    # Nobody is left to wait for an orphan's answers, whatever else asked it to stop.
+    why = StopReason.LAUNCHER_GONE if StopReason.LAUNCHER_GONE in requested else requested[0]
+    if why is StopReason.LAUNCHER_GONE:
         grace_s = min(grace_s, ORPHAN_GRACE_S)
-    why = "launcher gone" if orphaned.is_set() else "signal received"
-    log.info("%s; stopping (grace %.1f s)", why, grace_s)
+    log.info("%s; stopping (grace %.1f s)", why.value, grace_s)
     server.stop(grace_s)
     if not wait_for_threads(THREAD_EXIT_WAIT_S):
         # A helper is still inside native code (a KV store connect to a frozen or dead peer

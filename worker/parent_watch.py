@@ -9,17 +9,22 @@ without it, is not watched. Two ways, either one enough:
 - Linux: ``prctl(PR_SET_PDEATHSIG)`` (through ctypes) makes the kernel send `SIGNAL` the moment
   the parent goes. The kernel counts the parent *thread* that forked the worker (a launcher's
   supervisor thread restarts workers), so the signal only wakes the watch, which then checks
-  that the parent *process* is really gone;
+  that the parent *process* is really gone. The handler only writes a byte to a pipe the watch
+  thread waits on: a Python handler runs on the main thread between any two bytecodes, nested
+  when a second signal comes, so one that took a lock (``Event.set``) could wait on itself
+  forever, and the watch thread with it (the worker then outlived its launcher);
 - everywhere: the watch thread compares ``os.getppid()`` with the launcher's pid every
   `POLL_S` (an orphan is re-parented to init or a subreaper).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -56,11 +61,12 @@ class ParentWatch:
     def __init__(self, parent_pid: int, on_gone: Callable[[], None]) -> None:
         self.parent_pid = parent_pid
         self._on_gone = on_gone
-        self._wake = threading.Event()
+        # The wake: a byte on this pipe (lock-free, so safe from a signal handler).
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopped = False
         self.kernel_signal = _set_parent_death_signal()
         if self.kernel_signal:
-            signal.signal(SIGNAL, lambda *_: self._wake.set())
+            signal.signal(SIGNAL, lambda *_: self._wake())
         self._thread = threading.Thread(target=self._run, name="parent-watch", daemon=True)
         self._thread.start()  # checks at once: the parent may have died before the prctl
 
@@ -69,7 +75,11 @@ class ParentWatch:
 
     def stop(self) -> None:
         self._stopped = True
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: the watch wakes anyway
+            os.write(self._wake_w, b"\0")
 
     def _run(self) -> None:
         while not self._stopped:
@@ -81,8 +91,10 @@ class ParentWatch:
                 )
                 self._on_gone()
                 return
-            self._wake.wait(POLL_S)
-            self._wake.clear()
+            readable, _, _ = select.select([self._wake_r], [], [], POLL_S)
+            if readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
 
 
 def _set_parent_death_signal() -> bool:

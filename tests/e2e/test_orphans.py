@@ -37,6 +37,13 @@ def _kill_by_pid(pids: list[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def _still_alive(workers: list[int], log_dir: Path) -> str:
+    """The failure message: which workers stayed, and the end of every worker's log (whether
+    it saw its launcher go, and how far its stop got)."""
+    tails = [f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log"))]
+    return f"workers still alive: {[p for p in workers if pid_alive(p)]}\n" + "\n".join(tails)
+
+
 def _open_stream(address: str) -> threading.Thread:
     """A long stream, open while the launcher dies (its end does not matter here)."""
     req = build_request(token_ids=list(range(10, 26)), max_tokens=900, ignore_eos=True)
@@ -56,7 +63,8 @@ def test_workers_exit_when_pdserve_up_no_ray_is_killed(
 ) -> None:
     argv = [sys.executable, "-m", "deploy.cli", "up", "--no-ray", "--model", str(tiny_model_dir)]
     argv += ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", "0"]
-    argv += ["--log-dir", str(tmp_path / "workers")]
+    log_dir = tmp_path / "workers"
+    argv += ["--log-dir", str(log_dir)]
     up = spawn("pdserve-up", argv, tmp_path, child_env(1))
     workers: list[int] = []
     try:
@@ -69,7 +77,7 @@ def test_workers_exit_when_pdserve_up_no_ray_is_killed(
         wait_until(
             lambda: not any(pid_alive(p) for p in workers),
             GONE_WITHIN_S,
-            lambda: f"workers still alive: {[p for p in workers if pid_alive(p)]}",
+            lambda: _still_alive(workers, log_dir),
         )
     finally:
         stop_processes([up])

@@ -1,0 +1,82 @@
+"""A worker's stop signals in real processes, each under a storm of the signal. A Python signal
+handler runs on the main thread between any two bytecodes, nested when signals come fast; the
+handlers once took a lock (``Event.set``) and could wait on themselves forever (CI, 2026-11-26:
+a worker outlived its launcher). The storms are the regression tests:
+
+- `worker.parent_watch`: a child watching its parent (through a middle process the test kills
+  with SIGKILL) reports the parent gone after a storm of the wake signal its kernel
+  parent-death request uses;
+- `worker.cli`: a worker process hit by a storm of SIGTERM stops cleanly (exit 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.e2e.helpers import pid_alive, wait_until
+from worker.parent_watch import SIGNAL
+from worker.process import WorkerProcess
+
+STORM = 3000  # signals sent back to back; enough to nest handlers on every run seen
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, threading
+    from worker.parent_watch import ParentWatch
+    gone = threading.Event()
+    watch = ParentWatch(os.getppid(), gone.set)
+    print("watching", os.getpid(), watch.kernel_signal, flush=True)
+    while not gone.wait(0.2):
+        pass
+    print("gone", flush=True)
+    """
+)
+MIDDLE = textwrap.dedent(
+    f"""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", {CHILD!r}])
+    time.sleep(3600)
+    """
+)
+
+
+def test_the_watch_survives_a_signal_storm_and_sees_its_parent_die() -> None:
+    middle = subprocess.Popen(
+        [sys.executable, "-c", MIDDLE], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    assert middle.stdout is not None
+    child = 0
+    try:
+        words = middle.stdout.readline().split()
+        assert words[0] == "watching", words
+        child, kernel_signal = int(words[1]), words[2] == "True"
+        if kernel_signal:  # each signal runs the handler; many land while one is running
+            for _ in range(STORM):
+                os.kill(child, SIGNAL)
+        middle.kill()
+        middle.wait(10)
+        wait_until(lambda: not pid_alive(child), 30, "the child did not see its parent die")
+        assert middle.stdout.read().split() == ["gone"]  # the watch fired; no error either
+    finally:
+        middle.kill()
+        if child and pid_alive(child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_stops_cleanly_under_a_storm_of_sigterm(tiny_model_dir: Path) -> None:
+    worker = WorkerProcess.spawn(["--model", str(tiny_model_dir), "--role", "decode"])
+    try:
+        for _ in range(STORM):
+            if worker.popen.poll() is not None:
+                break
+            os.kill(worker.pid, signal.SIGTERM)
+        assert worker.popen.wait(60) == 0
+    finally:
+        worker.kill()
