@@ -14,9 +14,10 @@ plan` subprocess. Steps:
    spreads over every workload alike): one `pdserve bench` with `--configs
    colocated,disagg,hybrid` (interleaved by the bench itself), the same total threads (2:
    colocated one worker of 2, disagg and hybrid 1P + 1D of 1 each; hybrid's
-   `local_prefill_max_tokens` is the bench's 128), fixed rates, no bisection, into
-   `OUT/<workload>-r<k>/` (a folder that already holds a `results.json` is kept, so an
-   interrupted matrix resumes);
+   `local_prefill_max_tokens` is the bench's 128), fixed rates, no bisection, on its own
+   trace (seed ``--seed`` + k - 1: lengths and arrivals; one trace for all three repeats let
+   one burst cap every repeat at the same rate), into `OUT/<workload>-r<k>/` (a folder that
+   already holds a `results.json` of the same seed is kept, so an interrupted matrix resumes);
 2. per workload and configuration: max goodput of each repeat (`tooling.goodput.analysis.
    max_goodput`: the highest tested rate meeting the attainment target below the first failing
    one) and their median; hybrid's median over the better of colocated's and disagg's;
@@ -361,16 +362,25 @@ def python() -> list[str]:
     return [sys.executable, "-m", "deploy.cli"]
 
 
-def bench(w: Workload, out: Path, args: argparse.Namespace) -> float:
-    """One `pdserve bench` of the three configurations into `out`; its wall seconds (0 when
-    `out` already held a finished run)."""
+def repeat_seed(base: int, k: int) -> int:
+    """The trace seed of repeat `k` (1-based): each repeat draws its own trace (lengths and
+    arrivals), so a burst in one draw caps one repeat's max goodput, not all three."""
+    return base + k - 1
+
+
+def bench(w: Workload, out: Path, seed: int, args: argparse.Namespace) -> float:
+    """One `pdserve bench` of the three configurations on trace `seed` into `out`; its wall
+    seconds (0 when `out` already held a finished run)."""
     if (out / "results.json").is_file():
+        kept = json.loads((out / "results.json").read_text())["meta"]["config"].get("seed", 0)
+        if kept != seed:
+            raise SystemExit(f"bench_modes: {out} holds a run of trace seed {kept}, not {seed}")
         print(f"bench_modes: keeping {out} (has results.json)", file=sys.stderr)
         return 0.0
     cmd = [*python(), "bench", "--model", str(args.model), "--configs", ",".join(CONFIGS)]
     cmd += w.bench_flags()
     cmd += ["--duration", f"{args.duration:g}", "--bisect-steps", "0", "--threads", "2"]
-    cmd += ["--seed", str(args.seed), "--out", str(out), "--title", f"bench_modes {out.name}"]
+    cmd += ["--seed", str(seed), "--out", str(out), "--title", f"bench_modes {out.name}"]
     print("bench_modes: " + " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -455,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(f"--slo-{name}", default=f"{w.ttft_slo_ms:g}:{w.tpot_slo_ms:g}",
                        metavar="TTFT_MS:TPOT_MS")  # fmt: skip
     p.add_argument("--min-requests", type=int, default=10, help="fewest requests per rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="repeat k runs trace seed SEED+k-1")
     p.add_argument(
         "--profile", type=Path, default=ROOT / "docs/planner/validation/small.profile.json"
     )
@@ -486,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.analyze_only:
         for k in range(1, args.repeats + 1):
             for n, w in chosen.items():
-                walls.append(bench(w, out / f"{n}-r{k}", args))
+                walls.append(bench(w, out / f"{n}-r{k}", repeat_seed(args.seed, k), args))
     dirs = {n: finished(out, n, args.repeats) for n in chosen}
     results = [analyze(chosen[n], ds, out, args) for n, ds in dirs.items() if ds]
     every = [d for ds in dirs.values() for d in ds]
@@ -496,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"## Hybrid beside the fixed modes, and the planner's choice (issue 31, "
         f"{time.strftime('%Y-%m-%d %H:%M')})\n\n`python -m benchmarks.bench_modes "
         f"{' '.join(sys.argv[1:] if argv is None else argv)}`: {args.model.name}, "
-        f"{args.repeats} repeat(s), {args.duration:g} s of arrivals per rate, context 512, "
+        f"{args.repeats} repeat(s) (repeat k on trace seed {args.seed}+k-1), "
+        f"{args.duration:g} s of arrivals per rate, context 512, "
         "2 threads in every configuration (colocated 1 x 2; disagg and hybrid 1P + 1D x 1; "
         f"hybrid `local_prefill_max_tokens` {HYBRID_THRESHOLD}, `spill_to_prefill` "
         f"{str(HybridConfig().spill_to_prefill).lower()}), configurations interleaved "

@@ -4,6 +4,9 @@ and the summary's tables. Milliseconds; no bench or plan runs."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from benchmarks.bench_modes import (
     WORKLOADS,
     WorkloadResult,
+    bench,
     config_of_row,
     hybrid_ratio,
     markdown,
@@ -18,6 +22,7 @@ from benchmarks.bench_modes import (
     median_goodput,
     planner_verdict,
     points_of,
+    repeat_seed,
 )
 from tooling.goodput.records import RequestRecord, RunResult
 
@@ -139,3 +144,14 @@ def test_markdown_has_the_tables_and_the_verdicts() -> None:
     assert "**1 of 2 points (50%) inside the measured band**" in text
     assert "| hybrid | 1/1 |" in text and "| disagg | 0/1 |" in text
     assert "| colocated | 100% |" in text and "| disagg | — |" in text
+
+
+def test_each_repeat_runs_its_own_trace_and_a_kept_run_must_match_it(tmp_path: Path) -> None:
+    assert [repeat_seed(5, k) for k in (1, 2, 3)] == [5, 6, 7]
+    kept = tmp_path / "mixed-r2"
+    kept.mkdir()
+    (kept / "results.json").write_text(json.dumps({"meta": {"config": {"seed": 0}}}))
+    args = argparse.Namespace()  # a kept run starts nothing, so no flag is read
+    assert bench(WORKLOADS["mixed"], kept, 0, args) == 0.0
+    with pytest.raises(SystemExit, match="trace seed 0, not 1"):
+        bench(WORKLOADS["mixed"], kept, 1, args)
