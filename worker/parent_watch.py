@@ -12,7 +12,9 @@ without it, is not watched. Two ways, either one enough:
   that the parent *process* is really gone. The handler only writes a byte to a pipe the watch
   thread waits on: a Python handler runs on the main thread between any two bytecodes, nested
   when a second signal comes, so one that took a lock (``Event.set``) could wait on itself
-  forever, and the watch thread with it (the worker then outlived its launcher);
+  forever, and the watch thread with it (the worker then outlived its launcher). Signals do
+  come in bursts: when a launcher dies, the kernel re-parents the worker to each of its
+  remaining threads in turn, and sends `SIGNAL` at each step;
 - everywhere: the watch thread compares ``os.getppid()`` with the launcher's pid every
   `POLL_S` (an orphan is re-parented to init or a subreaper).
 """
@@ -61,7 +63,8 @@ class ParentWatch:
     def __init__(self, parent_pid: int, on_gone: Callable[[], None]) -> None:
         self.parent_pid = parent_pid
         self._on_gone = on_gone
-        # The wake: a byte on this pipe (lock-free, so safe from a signal handler).
+        # The wake: a byte on this pipe (lock-free, so safe from a signal handler). Never
+        # closed: a signal after `stop()` must not write into a reused descriptor number.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopped = False
         self.kernel_signal = _set_parent_death_signal()
