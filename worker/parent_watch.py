@@ -65,7 +65,9 @@ class ParentWatch:
         self._on_gone = on_gone
         # The wake: a byte on this pipe (lock-free, so safe from a signal handler). Never
         # closed: a signal after `stop()` must not write into a reused descriptor number.
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r, self._wake_w = os.pipe()  # not inherited by children (PEP 446)
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._stopped = False
         self.kernel_signal = _set_parent_death_signal()
         if self.kernel_signal:
