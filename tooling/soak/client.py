@@ -11,6 +11,11 @@ body of `oversized_mb` MiB and records the status as ``HTTP_<status>`` with the 
 ``param`` as `details`; `disconnect` posts a streaming completion and resets the connection
 (SO_LINGER 0) once the first event arrived — `CANCELLED` with `client_cancelled` — or records a
 refusal before that under the gRPC name of its HTTP status.
+
+A burst's requests are held by a `BurstGate`: they ask for many tokens, and the client cancels
+them (`CANCELLED`, `client_cancelled`) once the router has decided the whole burst, so the
+burst's admitted requests still hold their slots when its last request reaches the router,
+however long that takes on this machine.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -77,30 +83,94 @@ def build_request(r: PlannedRequest) -> inference_pb2.GenerateRequest:
     return req
 
 
+class BurstGate:
+    """Holds one burst's requests until the router has decided all of them, then ends them.
+
+    A burst proves admission control only while its admitted requests hold their slots: the
+    router accepts calls one at a time on its event loop, so a burst "sent at one instant"
+    reaches admission over a span that depends on the machine, and admitted requests that
+    finished inside that span would let the rest in. So burst requests ask for many tokens,
+    and none is let go before the gate opens.
+
+    The router runs at most `max_inflight` and queues at most `max_queued`; the rest of the
+    burst is refused. The gate opens once the client has seen that: `size - max_inflight -
+    max_queued` refusals, or `size - max_queued` requests *seen* (first response arrived, or
+    ended any way; only queued ones stay unseen). Either means every request of the burst has
+    reached admission, give or take the slots that requests running before the burst freed
+    to it. When it opens, every started request still open is cancelled; one whose first
+    response comes later is cancelled then.
+
+    Runs on the soak's event loop (no locks)."""
+
+    def __init__(self, size: int, max_inflight: int, max_queued: int) -> None:
+        if size <= max_inflight + max_queued:
+            raise ValueError(
+                f"a burst of {size} must exceed what the router admits "
+                f"({max_inflight} running + {max_queued} queued)"
+            )
+        self._refusals_needed = size - max_inflight - max_queued
+        self._seen_needed = size - max_queued
+        self._seen: set[int] = set()
+        self._refused = 0
+        self._holding: dict[int, Callable[[], None]] = {}  # index -> cancel: started, open
+        self.is_open = False
+
+    def started(self, index: int, cancel: Callable[[], None]) -> None:
+        """Request `index` got its first response; `cancel` ends it (now, if the gate is open)."""
+        if self.is_open:
+            cancel()
+        else:
+            self._holding[index] = cancel
+        self._see(index)
+
+    def ended(self, index: int, code: str) -> None:
+        """Request `index` ended with `code` (a grpc status name, or "OK")."""
+        self._holding.pop(index, None)
+        if code == "RESOURCE_EXHAUSTED":
+            self._refused += 1
+        self._see(index)
+
+    def _see(self, index: int) -> None:
+        self._seen.add(index)
+        decided = self._refused >= self._refusals_needed or len(self._seen) >= self._seen_needed
+        if decided and not self.is_open:
+            self.is_open = True
+            holding, self._holding = self._holding, {}
+            for cancel in holding.values():
+                cancel()
+
+
 async def send_one(
     stub: inference_pb2_grpc.InferenceStub,
     r: PlannedRequest,
     t0: float,
     default_timeout_s: float,
     hang_grace_s: float,
+    gate: BurstGate | None = None,
 ) -> Outcome:
-    """Send `r` now and follow it to its end (never raises for the request's own failure)."""
+    """Send `r` now and follow it to its end (never raises for the request's own failure).
+    A burst request is held by its `gate` (class docstring)."""
     deadline = r.timeout_s if r.timeout_s is not None else default_timeout_s
     out = Outcome(r.index, time.monotonic() - t0, deadline)
     call = stub.Generate(build_request(r), timeout=r.timeout_s)
 
     def cancel() -> None:
-        out.client_cancelled = True
-        call.cancel()
+        if not call.done():
+            out.client_cancelled = True
+            call.cancel()
 
     timer = (
         asyncio.get_running_loop().call_later(r.cancel_after_s, cancel)
         if (r.cancel_after_s is not None)
         else None
     )
+    started = False
     try:
         async with asyncio.timeout(deadline + hang_grace_s):
             async for resp in call:
+                if gate is not None and not started:
+                    started = True
+                    gate.started(r.index, cancel)
                 out.tokens += resp.token_ids
                 out.text += resp.text
                 if resp.HasField("final"):
@@ -127,6 +197,8 @@ async def send_one(
         if timer is not None:
             timer.cancel()
         out.ended_at = time.monotonic() - t0
+        if gate is not None:
+            gate.ended(r.index, out.code)
     return out
 
 
@@ -218,11 +290,18 @@ async def run_load(
     channels: int = 4,
     http: HttpFront | None = None,
     oversized_mb: int = 10,
+    router_admits: tuple[int, int] | None = None,
 ) -> list[Outcome]:
     """Send every request at its `at_s` after `t0` (now when None), open-loop; return the
     outcomes in plan order once every request has ended. `on_sent(r)` runs right after each
     send starts (the fault injector uses it to follow probes). The HTTP kinds go to `http`
-    (host, port), which must be given when the plan has any."""
+    (host, port), which must be given when the plan has any; a plan with bursts needs
+    `router_admits`, the router's (max_inflight, max_queued) (`BurstGate`)."""
+    sizes = Counter(r.burst for r in requests if r.burst is not None)
+    gates: dict[int, BurstGate] = {}
+    if sizes:
+        assert router_admits is not None, "the plan has bursts: pass what the router admits"
+        gates = {b: BurstGate(n, *router_admits) for b, n in sizes.items()}
     oversized = b""
     if any(r.kind == "oversized" for r in requests):
         oversized = oversized_chat_body(oversized_mb)
@@ -240,7 +319,8 @@ async def run_load(
                 coro = send_http(http, r, start, oversized, default_timeout_s + hang_grace_s)
             else:
                 stub = stubs[r.index % len(stubs)]
-                coro = send_one(stub, r, start, default_timeout_s, hang_grace_s)
+                gate = gates.get(r.burst) if r.burst is not None else None
+                coro = send_one(stub, r, start, default_timeout_s, hang_grace_s, gate)
             tasks.append(asyncio.create_task(coro, name=f"soak-{r.index}"))
             if on_sent is not None:
                 on_sent(r)

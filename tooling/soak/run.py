@@ -103,6 +103,7 @@ async def run_soak_async(config: SoakConfig, launch: LaunchWorkers) -> SoakResul
             t0,
             http=cluster.http_front,
             oversized_mb=config.oversized_mb,
+            router_admits=(config.max_inflight, config.max_queued),
         )
         _progress(f"load done after {time.monotonic() - t0:.0f} s; waiting for faults")
         try:

@@ -11,7 +11,8 @@ Runs in the soak process (`pdserve soak`). Request kinds, as fractions of the Po
   delay (0..300 ms: while `Reserve` may still be in flight), a short deadline (0.15..2 s);
 - `burst`: `config.num_bursts` groups of `config.burst_size` requests sent at one instant,
   more than the router admits, so the excess must get RESOURCE_EXHAUSTED; placed away from
-  worker kills and freezes (`burst_times`);
+  worker kills and freezes (`burst_times`). They ask for `BURST_MAX_TOKENS` and the client
+  cancels the admitted ones once the burst is decided (`client.BurstGate`);
 - `probe`: one per `kv-stall` fault: a long prompt with a short deadline, sent at the fault's
   time; the injector stalls its KV transfer (see `faults`);
 - hostile clients, which must hurt nobody but themselves (`blast` checks that every other
@@ -45,6 +46,9 @@ OVERSIZED_MAX_S = 2.0
 VOCAB_FLOOR = 4  # ids 0..3 are the random model's special tokens
 PROBE_PROMPT = 800
 PROBE_TIMEOUT_S = 1.5
+BURST_MAX_TOKENS = 256
+"""A burst request's length: far more than it may generate while its burst reaches the router,
+so it holds its slot until the client's `BurstGate` ends it (`client`)."""
 _PREFIX_LENGTHS = (48, 96, 160, 256)
 # How long a killed worker takes to be restarted and rejoin, or a thawed one to be polled
 # healthy again (tiny model, process launcher): bursts keep this far from such faults.
@@ -200,7 +204,8 @@ def make_plan(config: SoakConfig, vocab: int) -> SoakPlan:
     for b, at in enumerate(burst_times(faults, config.num_bursts, duration)):
         for _ in range(config.burst_size):
             ids = tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(rng.randint(16, 64)))
-            out.append(PlannedRequest(0, at, "burst", ids, max_tokens=32, ignore_eos=True, burst=b))
+            out.append(PlannedRequest(0, at, "burst", ids, max_tokens=BURST_MAX_TOKENS,
+                                      ignore_eos=True, burst=b))  # fmt: skip
     for f in faults:
         if f.kind == "kv-stall":
             ids = tuple(rng.randrange(VOCAB_FLOOR, vocab) for _ in range(PROBE_PROMPT))
