@@ -22,10 +22,11 @@ plan` subprocess. Steps:
    max_goodput`: the highest tested rate meeting the attainment target below the first failing
    one) and their median; hybrid's median over the better of colocated's and disagg's;
 3. per workload: `pdserve plan --search-rate` on the same workload flags, SLOs, routing policy,
-   `--profile` (default `docs/planner/validation/small.profile.json`) and `--cores 2`, over the
-   measured alternatives (`--chunk-tokens 256 --hybrid-thresholds 128`; colocated whole prompts
-   is always simulated too but was not measured); its recommendation among the measured
-   configurations against the best measured median (`--tolerance`, 10 %);
+   `--profile` (default `docs/planner/validation/small-contended.profile.json`) and
+   `--cores 2`, over the measured alternatives (`--chunk-tokens 256 --hybrid-thresholds
+   128`; colocated whole prompts is always simulated too but was not measured); its
+   recommendation among the measured configurations against the best measured median
+   (`--tolerance`, 10 %);
 4. `pdserve plan --validate` over every run folder: the share of (workload, configuration,
    rate) points whose predicted attainment lies inside the measured band (min..max over the
    repeats, widened by 5 points);
@@ -467,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=10, help="fewest requests per rate")
     p.add_argument("--seed", type=int, default=0, help="repeat k runs trace seed SEED+k-1")
     p.add_argument(
-        "--profile", type=Path, default=ROOT / "docs/planner/validation/small.profile.json"
+        "--profile",
+        type=Path,
+        default=ROOT / "docs/planner/validation/small-contended.profile.json",
     )
     p.add_argument("--cores", type=float, default=2.0)
     p.add_argument("--plan-requests", type=int, default=100, help="requests per planner simulation")

@@ -10,6 +10,7 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
                  [--adaptive] [--json OUT.json]
     pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--anchor-unloaded]
                  [--cores 2] [--report validation.md] [--json validation.json]
+                 [--fit-contention FITTED.json]
 
 `plan` simulates the alternatives for a budget of --workers workers of --threads threads:
 colocated (--colocated-workers workers sharing the same threads; each chunk budget, and whole
@@ -21,7 +22,9 @@ each with its predicted goodput (with --search-rate: its max rate meeting the at
 target, DistServe's goodput), the best of each mode, and the recommended (mode, ratio,
 threshold, chunk budget).
 `plan --validate` replays the exact requests of saved `pdserve bench` runs and compares
-predicted with measured attainment and latency percentiles (`tooling.planner.validate`).
+predicted with measured attainment and latency percentiles (`tooling.planner.validate`);
+`--fit-contention` first fits the profile's contended efficiencies to those runs
+(`tooling.planner.fit_contention`) and validates with the fitted profile.
 Exit codes: 0 ok, 2 bad arguments, 1 failure.
 """
 
@@ -31,6 +34,8 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +151,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "costs)",
     )
     p.add_argument(
+        "--fit-contention",
+        metavar="OUT",
+        help="--validate: first fit the contended efficiencies of the profile's multi-thread "
+        "cost models to the runs, write the fitted profile to OUT and validate with it",
+    )
+    p.add_argument(
         "--json", help="write the rows (or the validation) as JSON here (default: print only)"
     )
     p.set_defaults(func=plan_main)
@@ -181,9 +192,10 @@ def _profile(args: argparse.Namespace) -> Any:
 def validate_main(args: argparse.Namespace, profile: Any) -> int:
     from tooling.planner.validate import validate, validation_markdown
 
-    v = validate(
-        args.validate, profile, args.cores if args.cores > 0 else None, anchor=args.anchor_unloaded
-    )
+    cores = args.cores if args.cores > 0 else None
+    if args.fit_contention:
+        profile = _fit_contention(args, profile, cores)
+    v = validate(args.validate, profile, cores, anchor=args.anchor_unloaded)
     text = validation_markdown(v, args.profile or args.model)
     print(text)
     if args.report:
@@ -191,6 +203,27 @@ def validate_main(args: argparse.Namespace, profile: Any) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(v.to_json(), indent=1) + "\n")
     return 0
+
+
+def _fit_contention(args: argparse.Namespace, profile: Any, cores: float | None) -> Any:
+    """`--fit-contention OUT`: print the candidates, write and return the fitted profile."""
+    from tooling.planner.fit_contention import fit_contention, fit_markdown
+
+    fitted, rows = fit_contention(args.validate, profile, cores)
+    best = rows[0]
+    print(f"## Contended efficiencies fitted to {len(args.validate)} run folder(s)\n")
+    print(fit_markdown(rows) + "\n")
+    fitted = replace(
+        fitted,
+        derivation=(
+            *fitted.derivation,
+            f"contended efficiencies (prefill {best.prefill_eff:g}, decode {best.decode_eff:g}) "
+            f"fitted on {date.today().isoformat()} by `pdserve plan --validate "
+            f"{' '.join(map(str, args.validate))} --fit-contention`",
+        ),
+    )
+    print(f"wrote {fitted.save(args.fit_contention)}\n")
+    return fitted
 
 
 def plan_main(args: argparse.Namespace) -> int:

@@ -4,14 +4,12 @@ diagnosis names the decode step; the CLI writes the report. Pure, well under a s
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from deploy.plan_cli import add_plan_parser
-from tooling.goodput.records import RequestRecord, RunResult
+from tests.unit.planner_runs import cluster_json, plan_cli, simulated_bench
 from tooling.planner.costs import CostModel, Linear
 from tooling.planner.profiles import Profile
 from tooling.planner.sim import ClusterSpec, simulate
@@ -20,19 +18,7 @@ from tooling.planner.validate import anchored_cost, load_cases, validate
 
 COST = CostModel(prefill=Linear((0.010, 0.001, 0.0)), decode=Linear((0.005, 0.001, 0.0)))
 SLOW_DECODE = CostModel(prefill=COST.prefill, decode=Linear((0.030, 0.001, 0.0)))
-CLUSTER = {
-    "mode": "disagg",
-    "workers": {"prefill": 1, "decode": 1, "colocated": 0},
-    "torch_threads": 1,
-    "engine": {
-        "max_num_batched_tokens": 256,
-        "max_num_seqs": 32,
-        "num_kv_blocks": 1024,
-        "block_size": 16,
-        "enable_chunked_prefill": True,
-    },
-    "router": {"max_inflight": 64, "max_queued": 256},
-}
+CLUSTER = cluster_json("disagg", 1, 1, 0, threads=1)
 
 
 def bench_folder(path: Path, cost: CostModel, rate: float, probe: bool = False) -> Path:
@@ -40,30 +26,7 @@ def bench_folder(path: Path, cost: CostModel, rate: float, probe: bool = False) 
     `probe`: with the bench's unloaded probe of the configuration (one request alone)."""
     reqs = [SimRequest(i / rate, 50 + 10 * (i % 5), 10) for i in range(30)]
     outs = simulate(reqs, ClusterSpec(1, 1), cost)
-    records = []
-    for i, (r, o) in enumerate(zip(reqs, outs, strict=True)):
-        assert o.ok and o.ttft_s is not None and o.end_s is not None
-        records.append(
-            RequestRecord(
-                index=i,
-                request_id=f"r{i}",
-                scheduled_s=r.arrival_s,
-                sent_s=r.arrival_s,
-                input_len=r.input_len,
-                output_len=r.output_len,
-                num_tokens=r.output_len,
-                ttft_ms=o.ttft_s * 1e3,
-                tpot_ms=(o.tpot_s or 0) * 1e3,
-                e2e_ms=(o.end_s - r.arrival_s) * 1e3,
-            )
-        )
-    run = RunResult("disagg", rate, "poisson", 0, 0, records, 5.0, 0.0, 0.0)
-    meta = {
-        "config": {"workload": "chat", "trace": None, "output_len": 10},
-        "context": 512,
-        "slo": {"ttft_ms": 200.0, "tpot_ms": 12.0},
-        "clusters": {"disagg": {"config": CLUSTER}},
-    }
+    meta = {}
     if probe:
         (alone,) = simulate([SimRequest(0.0, 60, 10)], ClusterSpec(1, 1), cost)
         assert alone.ttft_s is not None and alone.tpot_s is not None
@@ -75,9 +38,7 @@ def bench_folder(path: Path, cost: CostModel, rate: float, probe: bool = False) 
                 "decode_ms": alone.tpot_s * 1e3,
             }
         }
-    path.mkdir(parents=True)
-    (path / "results.json").write_text(json.dumps({"meta": meta, "runs": [run.to_json()]}))
-    return path
+    return simulated_bench(path, reqs, outs, "disagg", CLUSTER, rate, (200.0, 12.0), 10, **meta)
 
 
 def test_runs_replayed_with_their_costs_fall_in_their_band(tmp_path: Path) -> None:
@@ -121,11 +82,8 @@ def test_anchoring_to_the_unloaded_probe_scales_the_steps_to_the_environment(
 def test_plan_validate_cli_writes_the_report(tmp_path: Path) -> None:
     d = bench_folder(tmp_path / "run", COST, 5.0)
     prof = Profile(costs={1: COST}).save(tmp_path / "p.json")
-    p = argparse.ArgumentParser()
-    add_plan_parser(p.add_subparsers(dest="command"))
     report, out = tmp_path / "validation.md", tmp_path / "validation.json"
-    args = p.parse_args(["plan", "--validate", str(d), "--profile", str(prof), "--cores", "0",
-                         "--report", str(report), "--json", str(out)])  # fmt: skip
-    assert args.func(args) == 0
+    assert plan_cli("--validate", str(d), "--profile", str(prof), "--cores", "0",
+                    "--report", str(report), "--json", str(out)) == 0  # fmt: skip
     assert "1 of 1 points" in report.read_text()
     assert json.loads(out.read_text())["share_inside"] == 1.0

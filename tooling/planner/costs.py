@@ -20,6 +20,11 @@ streamed token. (The KV terms exist because a per-request charge alone, fitted o
 summarize load, put the summarize prompts' KV push on every chat request: 131 ms of prefill-side
 CPU per request where the chat load measured 36.)
 
+A step on several threads meets at a barrier after every parallel operation, so while the
+cores are oversubscribed it turns only part of its processor share into progress:
+`contended_prefill_eff` for a step whose arithmetic dominates, `contended_decode_eff` otherwise
+(`contended_eff`; 1 = processor sharing; fitted to served runs by `fit_contention`).
+
 `attn` is the attention work of a chunked prefill (a chunk of `n` tokens starting at position
 `s` attends over `s + n` positions); for one whole prompt of `n` tokens it is `n**2`.
 
@@ -86,6 +91,11 @@ class CostModel:
     decode_kv_token_cpu_s: float = 0.0
     host_request_s: float = 0.0
     host_token_s: float = 0.0
+    # Share of its processor time a multi-thread step turns into progress while the cores are
+    # oversubscribed (1: processor sharing; fitted to served runs by `fit_contention`; which
+    # one a step takes: `contended_eff`).
+    contended_prefill_eff: float = 1.0
+    contended_decode_eff: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)  # model, threads, machine, samples
 
     def prefill_s(self, chunks: list[tuple[int, int]]) -> float:
@@ -125,6 +135,20 @@ class CostModel:
             return self.prefill_s(chunks)
         return self.mixed_s(chunks, batch, context)
 
+    def contended_eff(self, chunks: list[tuple[int, int]], batch: int, context: int) -> float:
+        """The efficiency under contention of a step of this composition: the prefill one
+        when its arithmetic dominates (as `mixed_s` decides: a prompt-only step, or one whose
+        prefill part outweighs its decode part), the decode one otherwise."""
+        if not chunks:
+            return self.contended_decode_eff
+        if not batch:
+            return self.contended_prefill_eff
+        tokens = sum(n for _, n in chunks) + batch
+        attn = sum(n * (s + n) for s, n in chunks) + context
+        if self.prefill(tokens, attn) > self.decode(batch, context):
+            return self.contended_prefill_eff
+        return self.contended_decode_eff
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -150,6 +174,8 @@ class CostModel:
             decode_kv_token_cpu_s=num("decode_kv_token_cpu_s"),
             host_request_s=num("host_request_s"),
             host_token_s=num("host_token_s"),
+            contended_prefill_eff=float(data.get("contended_prefill_eff", 1.0)),
+            contended_decode_eff=float(data.get("contended_decode_eff", 1.0)),
             meta=data.get("meta", {}),
         )
 
@@ -187,6 +213,8 @@ class CostModel:
                 f"{self.decode_kv_token_cpu_s * 1e6:.1f} us/KV token received; host "
                 f"{self.host_request_s * 1e3:.3f} ms/request + "
                 f"{self.host_token_s * 1e3:.3f} ms/token",
+                f"contended efficiency: prefill {self.contended_prefill_eff:.2f}, decode "
+                f"{self.contended_decode_eff:.2f}",
             ]
         )
 

@@ -40,7 +40,9 @@ the KV hand-offs and the shared CPU are modelled around it:
   whose KV it sends, `cost.decode_token_cpu_s` per token plus `cost.decode_kv_token_cpu_s`
   per prompt token whose KV it receives) and one for the
   router + client ("host": `cost.host_request_s` per request, `cost.host_token_s` per token).
-  With `cores=None` each worker has its own device and side work is not modelled.
+  A step of a multi-thread worker turns only `cost.contended_eff(...)` of its share into
+  progress while the cores are oversubscribed (`sim_cpu`). With `cores=None` each worker has
+  its own device and side work is not modelled.
 - **role switches** (`switch`): a worker drains — no new work, finishes what it holds — then
   comes back in its new role `role_switch_s` later with an empty cache; past
   `drain_timeout_s` what it still holds is aborted (those requests fail), as `SetRole` does.
@@ -332,7 +334,8 @@ class Sim:
         if self.on_step is not None:
             self.on_step(w, step)
         self.step_core_s[w.kind] += work * w.threads
-        self.cpu.busy(w, work, w.threads)
+        eff = self.cost.contended_eff(b.chunks, b.decode, b.context) if w.threads > 1 else 1.0
+        self.cpu.busy(w, work, w.threads, eff)
 
     def finish_step(self, w: Worker) -> None:
         step, w.step = w.step, None

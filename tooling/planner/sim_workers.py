@@ -36,6 +36,8 @@ class Entity:
     version: int = 0  # heap entries of older versions are stale
     busy: bool = False
     threads_busy: float = 0.0  # threads the work in progress keeps busy
+    efficiency: float = 1.0  # share turned into progress while the cores are oversubscribed
+    remaining: float = 0.0  # work left (seconds at full speed), when efficiency < 1
 
 
 @dataclass(eq=False)

@@ -313,12 +313,23 @@ def validate(
     anchor: bool = False,
 ) -> Validation:
     """Replay every run of `run_dirs` and judge every point (module docstring)."""
+    cases = [case for d in run_dirs for case in load_cases(d)]
+    return judge(cases, profile, machine_cores, margin, anchor)
+
+
+def judge(
+    cases: Sequence[RunCase],
+    profile: Profile,
+    machine_cores: float | None,
+    margin: float = 0.05,
+    anchor: bool = False,
+) -> Validation:
+    """Replay `cases` (loaded runs) and judge every point they form (`validate`)."""
     checks: dict[tuple[str, float], list[RunCheck]] = {}
-    for d in run_dirs:
-        for case in load_cases(d):
-            checks.setdefault((case.key, round(case.rate, 6)), []).append(
-                check_run(case, profile, machine_cores, anchor)
-            )
+    for case in cases:
+        checks.setdefault((case.key, round(case.rate, 6)), []).append(
+            check_run(case, profile, machine_cores, anchor)
+        )
     out = Validation(margin=margin, anchored=anchor)
     for (key, rate), runs in sorted(checks.items()):
         meas = [float(r.measured["attainment"] or 0.0) for r in runs]
