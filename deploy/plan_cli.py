@@ -154,7 +154,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "--fit-contention",
         metavar="OUT",
         help="--validate: first fit the contended efficiencies of the profile's multi-thread "
-        "cost models to the runs, write the fitted profile to OUT and validate with it",
+        "cost models to the runs, write the fitted profile to OUT and validate with it "
+        "(default: validate with the profile as it is)",
     )
     p.add_argument(
         "--json", help="write the rows (or the validation) as JSON here (default: print only)"
