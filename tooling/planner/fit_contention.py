@@ -7,7 +7,7 @@ cores are oversubscribed (`sim_cpu`, `CostModel.contended_prefill_eff`). How muc
 served cluster is not what a bare microbenchmark shows: beside a competitor busy half the
 time in 2 ms bursts, a 2-thread 256-token prefill of `models/small` kept 0.44-0.56 of its
 share and a batch-8 decode step 0.79-0.87, but a simulator charging that predicted the served
-colocated runs far slower than measured (docs/planner/README.md). So the efficiencies are
+colocated runs far slower than measured (docs/performance.md, 2026-11-27). So they are
 fitted, like the serving overheads, to served runs:
 
 1. the runs of multi-thread workers among `run_dirs` are loaded once (runs of 1-thread workers

@@ -11,10 +11,11 @@ device per worker), rate 1.
 **Contended multi-thread steps.** A step on several threads synchronizes them at every
 parallel operation: while the cores are oversubscribed, a thread the OS has descheduled holds
 the others at the next barrier, so the step turns only part of its share into progress
-(`efficiency` < 1; measured by `pdserve profile`, `costs.CostModel.contended_prefill_eff`).
-Such an entity cannot ride the common virtual clock: it keeps its own remaining work, which
-advances at rate x efficiency while demand exceeds the cores and at rate otherwise. There are
-few of them (one per multi-thread worker), so they are scanned, not heaped.
+(`efficiency` < 1: `costs.CostModel.contended_eff`, fitted to served runs by
+`fit_contention`). Such an entity cannot ride the common virtual clock: it keeps its own
+remaining work, which advances at rate x efficiency while demand exceeds the cores and at full
+speed otherwise. There are few of them (one per multi-thread worker), so they are scanned, not
+heaped.
 """
 
 from __future__ import annotations
