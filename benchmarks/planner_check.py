@@ -93,7 +93,7 @@ def predicted(meta: dict[str, Any], profile_path: Path, cores: float) -> list[di
         raise ValueError(f"the bench's clusters route with different policies: {policies}")
     rows = plan_alternatives(
         make(max(meta["sweep_rates"])), profile.cost, [a for _, a in alts],
-        slo["ttft_ms"] / 1e3, slo["tpot_ms"] / 1e3, rate_search=make, target=cfg["target"],
+        slo["ttft_ms"] / 1e3, slo["tpot_ms"] / 1e3, rate_search=[make], target=cfg["target"],
         rate_bounds=(0.05, 4 * max(meta["sweep_rates"])), policy=policies.pop(),
     )  # fmt: skip
     out = []

@@ -6,7 +6,7 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
                  --slo-ttft-ms MS --slo-tpot-ms MS (--profile PROFILE.json | --model DIR)
                  [--workers 2] [--threads 1] [--colocated-workers 1] [--context 1024]
                  [--num-requests 200] [--cores 2] [--chunk-tokens 128,256] [--search-rate]
-                 [--hybrid-thresholds 128,512 | --no-hybrid] [--policy prefix_aware]
+                 [--seeds 3] [--hybrid-thresholds 128,512 | --no-hybrid] [--policy prefix_aware]
                  [--adaptive] [--json OUT.json]
     pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--anchor-unloaded]
                  [--cores 2] [--report validation.md] [--json validation.json]
@@ -119,6 +119,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--max-queued", type=int, default=256, help="router's waiting limit")
     p.add_argument("--search-rate", action="store_true", help="also find each max rate")
     p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="--search-rate: the max rate is the median over trace seeds SEED .. SEED+N-1 "
+        "(as a bench's repeats on different seeds; default: 1, --seed only)",
+    )
+    p.add_argument(
         "--policy",
         default="prefix_aware",
         help="the router's routing policy to simulate (default: the router's, prefix_aware)",
@@ -227,6 +234,17 @@ def _fit_contention(args: argparse.Namespace, profile: Any, cores: float | None)
     return fitted
 
 
+def _request_maker(args: argparse.Namespace, seed: int) -> Any:
+    """--search-rate's requests of --workload at a given rate, on trace seed `seed`."""
+    from tooling.planner.workload import requests, to_sim
+
+    def make(rate: float) -> list[Any]:
+        n = max(args.num_requests, 1)
+        return to_sim(requests(args.workload, n, rate, args.context, seed, args.output_len))
+
+    return make
+
+
 def plan_main(args: argparse.Namespace) -> int:
     from tooling.planner.planner import (
         alternatives,
@@ -236,7 +254,7 @@ def plan_main(args: argparse.Namespace) -> int:
         threshold_grid,
     )
     from tooling.planner.sim import ClusterSpec
-    from tooling.planner.workload import requests, to_sim
+    from tooling.planner.workload import to_sim
 
     try:
         if args.validate:
@@ -282,16 +300,13 @@ def plan_main(args: argparse.Namespace) -> int:
             args.context,
             thresholds,
         )
-        search = None
+        search = []
         if args.search_rate:
             if not args.workload:
                 raise ValueError("--search-rate needs --workload (a rate-free request list)")
-
-            def search(rate: float) -> list[Any]:
-                n = max(args.num_requests, 1)
-                return to_sim(
-                    requests(args.workload, n, rate, args.context, args.seed, args.output_len)
-                )
+            if args.seeds < 1:
+                raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+            search = [_request_maker(args, args.seed + k) for k in range(args.seeds)]
 
         rows = plan_alternatives(
             reqs,

@@ -7,6 +7,7 @@ and the planner recommends the best predicted mode. Pure, about a second."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,13 @@ from model_runtime.request import Request
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import Scheduler, SchedulerConfig
 from tooling.planner.costs import CostModel, Linear
-from tooling.planner.planner import alternatives, best_by_mode, plan_alternatives, threshold_grid
+from tooling.planner.planner import (
+    Alternative,
+    alternatives,
+    best_by_mode,
+    plan_alternatives,
+    threshold_grid,
+)
 from tooling.planner.sim import ClusterSpec, Sim, SimRequest
 from tooling.planner.sim_engine import TOKEN, Step, prompt_tokens
 from tooling.planner.sim_routing import Decision, threshold_rule
@@ -293,3 +300,21 @@ def test_a_local_prefill_moves_the_policys_cache_credit_to_the_decode_worker() -
     assert sim.routes[Route.REMOTE] == 1
     assert policy.pending.credited(f"w{sim.role('prefill')[0].index}") > 0
     assert policy.pending.credited(f"w{sim.role('decode')[0].index}") == 0
+
+
+def test_the_max_rate_is_the_median_over_the_trace_seeds() -> None:
+    """Three request makers (trace seeds) whose prompts differ in length: each alone gives a
+    different max rate, and the row keeps the middle one."""
+    alt = Alternative(ClusterSpec(1, 1), threads=1)
+
+    def maker(prompt: int) -> Callable[[float], list[SimRequest]]:
+        return lambda rate: [SimRequest(i / rate, prompt, 8) for i in range(30)]
+
+    makers = [maker(n) for n in (400, 50, 200)]
+    alone = [
+        plan_alternatives(m(1.0), lambda t: COST, [alt], 0.7, 0.03, rate_search=[m])[0].max_rate
+        for m in makers
+    ]
+    assert len(set(alone)) == 3  # the seeds disagree: the median is a real choice
+    (row,) = plan_alternatives(makers[0](1.0), lambda t: COST, [alt], 0.7, 0.03, rate_search=makers)
+    assert row.max_rate == sorted(alone)[1]

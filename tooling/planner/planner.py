@@ -9,7 +9,10 @@ each point is simulated (`sim.simulate`) on the very requests a real run would s
   (requests meeting both SLOs per second of the run);
 - with `rate_search`, each point also gets its *max rate*: the highest offered rate whose
   attainment is >= `target` (bisection between `lo` and `hi`, assuming attainment falls as
-  the rate rises — DistServe's per-GPU goodput, here per cluster).
+  the rate rises — DistServe's per-GPU goodput, here per cluster). `plan_alternatives` takes
+  one request maker per trace seed and keeps the median of their max rates, as a bench's
+  repeats on different seeds are summarized: one seed's arrivals can be much gentler (or
+  burstier) than another's at the same rate.
 
 `alternatives` lists the configurations a user can choose between for a budget of N workers of
 t threads: colocated (its workers share the same threads; each chunk budget, and whole prompts),
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -242,24 +246,26 @@ def plan_alternatives(
     alts: Sequence[Alternative],
     slo_ttft_s: float,
     slo_tpot_s: float,
-    rate_search: Callable[[float], list[SimRequest]] | None = None,
+    rate_search: Sequence[Callable[[float], list[SimRequest]]] = (),
     target: float = 0.9,
     rate_bounds: tuple[float, float] = (0.05, 50.0),
     policy: str = "least_load",
 ) -> list[PlanRow]:
-    """Simulate every alternative (at the workload's rate; with `rate_search`, also its max
-    rate = predicted max goodput) and rank them (`rank`). `costs(threads)`: the cost model;
-    `policy`: the router's policy by name."""
+    """Simulate every alternative (at the workload's rate; with `rate_search`, one request
+    maker per trace seed, also its max rate = predicted max goodput, the median over the
+    seeds) and rank them (`rank`). `costs(threads)`: the cost model; `policy`: the router's
+    policy by name."""
     rows = []
     for alt in alts:
         spec, cost = alt.spec, costs(alt.threads)
         outs = simulate(reqs, spec, cost, policy=policy)
         ttft, tpot, both = attainment(outs, slo_ttft_s, slo_tpot_s)
         rate = None
-        if rate_search is not None:
+        if rate_search:
             lo, hi = rate_bounds
-            rate = max_rate(
-                rate_search, spec, cost, slo_ttft_s, slo_tpot_s, target, lo, hi, policy=policy
+            rate = statistics.median(
+                max_rate(make, spec, cost, slo_ttft_s, slo_tpot_s, target, lo, hi, policy=policy)
+                for make in rate_search
             )
         good = goodput_rps(reqs, outs, slo_ttft_s, slo_tpot_s)
         rows.append(
