@@ -22,7 +22,8 @@ plan` subprocess. Steps:
    max_goodput`: the highest tested rate meeting the attainment target below the first failing
    one) and their median; hybrid's median over the better of colocated's and disagg's;
 3. per workload: `pdserve plan --search-rate` on the same workload flags, SLOs, routing policy,
-   trace seeds (`--seeds R`: the median max rate over the repeats' seeds),
+   trace seeds and duration (`--seeds R --search-duration D`: the median max rate over the
+   repeats' seeds, each simulated rate at least D seconds of arrivals),
    `--profile` (default `docs/planner/validation/small-contended.profile.json`) and
    `--cores 2`, over the measured alternatives (`--chunk-tokens 256 --hybrid-thresholds
    128`; colocated whole prompts is always simulated too but was not measured); its
@@ -399,6 +400,7 @@ def plan(w: Workload, results: Mapping[str, Any], out: Path, args: argparse.Name
     cmd += ["--slo-ttft-ms", f"{w.ttft_slo_ms:g}", "--slo-tpot-ms", f"{w.tpot_slo_ms:g}"]
     cmd += ["--target", f"{results['meta']['config']['target']:g}", "--seed", str(args.seed)]
     cmd += ["--seeds", str(args.repeats)]  # the repeats' trace seeds, as they were run
+    cmd += ["--search-duration", f"{args.duration:g}"]  # and their seconds of arrivals per rate
     cmd += ["--profile", str(args.profile), "--cores", f"{args.cores:g}", "--workers", "2"]
     cmd += ["--threads", "1", "--chunk-tokens", str(CHUNK_TOKENS), "--search-rate"]
     cmd += ["--hybrid-thresholds", str(HYBRID_THRESHOLD), "--json", str(out)]

@@ -6,7 +6,8 @@ Runs in the CLI process. Heavy imports happen inside the subcommand.
                  --slo-ttft-ms MS --slo-tpot-ms MS (--profile PROFILE.json | --model DIR)
                  [--workers 2] [--threads 1] [--colocated-workers 1] [--context 1024]
                  [--num-requests 200] [--cores 2] [--chunk-tokens 128,256] [--search-rate]
-                 [--seeds 3] [--hybrid-thresholds 128,512 | --no-hybrid] [--policy prefix_aware]
+                 [--seeds 3] [--search-duration 30] [--policy prefix_aware]
+                 [--hybrid-thresholds 128,512 | --no-hybrid]
                  [--adaptive] [--json OUT.json]
     pdserve plan --validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--anchor-unloaded]
                  [--cores 2] [--report validation.md] [--json validation.json]
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -118,6 +120,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--max-inflight", type=int, default=64, help="router's running limit")
     p.add_argument("--max-queued", type=int, default=256, help="router's waiting limit")
     p.add_argument("--search-rate", action="store_true", help="also find each max rate")
+    p.add_argument(
+        "--search-duration",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="--search-rate: each simulated rate sends max(--num-requests, rate x S) requests, "
+        "as a bench of S seconds of arrivals per rate (default: 0, --num-requests only)",
+    )
     p.add_argument(
         "--seeds",
         type=int,
@@ -234,12 +244,12 @@ def _fit_contention(args: argparse.Namespace, profile: Any, cores: float | None)
     return fitted
 
 
-def _request_maker(args: argparse.Namespace, seed: int) -> Any:
+def request_maker(args: argparse.Namespace, seed: int) -> Any:
     """--search-rate's requests of --workload at a given rate, on trace seed `seed`."""
     from tooling.planner.workload import requests, to_sim
 
     def make(rate: float) -> list[Any]:
-        n = max(args.num_requests, 1)
+        n = max(args.num_requests, math.ceil(rate * args.search_duration), 1)
         return to_sim(requests(args.workload, n, rate, args.context, seed, args.output_len))
 
     return make
@@ -304,9 +314,12 @@ def plan_main(args: argparse.Namespace) -> int:
         if args.search_rate:
             if not args.workload:
                 raise ValueError("--search-rate needs --workload (a rate-free request list)")
-            if args.seeds < 1:
-                raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-            search = [_request_maker(args, args.seed + k) for k in range(args.seeds)]
+            if args.seeds < 1 or args.search_duration < 0:
+                raise ValueError(
+                    f"--seeds must be >= 1 and --search-duration >= 0, got {args.seeds} and "
+                    f"{args.search_duration}"
+                )
+            search = [request_maker(args, args.seed + k) for k in range(args.seeds)]
 
         rows = plan_alternatives(
             reqs,
