@@ -296,11 +296,13 @@ async def run_load(
     outcomes in plan order once every request has ended. `on_sent(r)` runs right after each
     send starts (the fault injector uses it to follow probes). The HTTP kinds go to `http`
     (host, port), which must be given when the plan has any; a plan with bursts needs
-    `router_admits`, the router's (max_inflight, max_queued) (`BurstGate`)."""
+    `router_admits`, the router's (max_inflight, max_queued) (`BurstGate`; ValueError
+    without it)."""
     sizes = Counter(r.burst for r in requests if r.burst is not None)
     gates: dict[int, BurstGate] = {}
     if sizes:
-        assert router_admits is not None, "the plan has bursts: pass what the router admits"
+        if router_admits is None:
+            raise ValueError("the plan has bursts: pass router_admits, what the router admits")
         gates = {b: BurstGate(n, *router_admits) for b, n in sizes.items()}
     oversized = b""
     if any(r.kind == "oversized" for r in requests):
