@@ -1,8 +1,10 @@
 """Issue 31's measured targets: hybrid beside colocated and disaggregated, and the planner's
-choice, on the TPOT-tight, TTFT-tight and mixed workloads.
+choice, on the TPOT-tight, TTFT-tight and mixed workloads (mixed twice: under one SLO pair for
+every request, and as `mixed-classes`, each request judged by its application's SLOs).
 
     python -m benchmarks.bench_modes [--model /work/main/models/small] [--repeats 3]
-        [--workloads summarize,chat,mixed] [--duration 12] [--rates-chat 0.5,1,1.5,2] ...
+        [--workloads summarize,chat,mixed,mixed-classes] [--duration 12]
+        [--rates-chat 0.5,1,1.5,2] [--rates-mixed-classes 1.2,2,2.8] ...
         [--out runs/modes-YYYYmmdd-HHMMSS]
     python -m benchmarks.bench_modes --analyze-only --out runs/modes-...   # tables again
 
@@ -35,9 +37,9 @@ plan` subprocess. Steps:
 5. `OUT/summary.md` (tables in `benchmarks/RESULTS.md`'s form) and `OUT/summary.json`.
 
 Duration: the defaults (12 s of arrivals and at least 10 requests per rate, four rates per
-workload) run the whole matrix (3 workloads x 3 configurations x 3 repeats) in about 45 minutes
-on a 2-vCPU host, at most about 50 when no configuration gives up early (sizing in
-`docs/performance.md`).
+workload) ran the first three workloads (3 configurations x 3 repeats) in about 45 minutes on
+a 2-vCPU host, at most about 50 when no configuration gives up early (sizing in
+`docs/performance.md`); `mixed-classes` adds about a third.
 
 The pure parts (`max_goodputs`, `median_goodput`, `hybrid_ratio`, `config_of_row`,
 `planner_verdict`, `markdown`) are unit-tested on fixture data (`tests/unit/test_bench_modes.py`).
@@ -57,8 +59,9 @@ from pathlib import Path
 from typing import Any
 
 from router.hybrid import HybridConfig
-from tooling.goodput.analysis import SLO, attainment, max_goodput
+from tooling.goodput.analysis import SLO, LongPromptSLO, attainment, max_goodput
 from tooling.goodput.records import RunResult
+from tooling.goodput.workloads import summarize_min_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("colocated", "disagg", "hybrid")
@@ -75,9 +78,11 @@ class Workload:
     (`docs/planner/README.md`); mixed loosens the 1000 ms TTFT of the first hybrid run
     (`docs/performance.md`) to 1500 ms, because a 300-430-token summarization prompt alone
     takes about 1000 ms on the 1-thread prefill worker: at 1000 ms every remote request missed
-    by construction, which favoured colocated trivially."""
+    by construction, which favoured colocated trivially. mixed-classes sends the same requests
+    but judges each by its own application's SLOs (chat turns by chat's, summarization prompts
+    by summarize's), as DistServe defines goodput per application."""
 
-    name: str  # the bench's --workload
+    name: str  # the matrix's name for it (run folders NAME-rK)
     label: str  # what the table calls it
     ttft_slo_ms: float
     tpot_slo_ms: float
@@ -85,10 +90,21 @@ class Workload:
     output_len: int | None = None
     context: int = 512
     min_requests: int = 10
+    lengths: str = ""  # the bench's --workload (default: `name`)
+    long_prompt_slo: str | None = None  # the bench's --long-prompt-slo N:TTFT_MS:TPOT_MS
+
+    @property
+    def bench_workload(self) -> str:
+        return self.lengths or self.name
+
+    def slo_flags(self) -> list[str]:
+        """The SLO flags `pdserve bench` and `pdserve plan` share (but for their names)."""
+        return [] if self.long_prompt_slo is None else ["--long-prompt-slo", self.long_prompt_slo]
 
     def bench_flags(self) -> list[str]:
-        out = ["--workload", self.name, "--context", str(self.context)]
+        out = ["--workload", self.bench_workload, "--context", str(self.context)]
         out += ["--ttft-slo-ms", f"{self.ttft_slo_ms:g}", "--tpot-slo-ms", f"{self.tpot_slo_ms:g}"]
+        out += self.slo_flags()
         out += ["--rates", ",".join(f"{r:g}" for r in self.rates)]
         out += ["--min-requests", str(self.min_requests)]
         if self.output_len is not None:
@@ -97,8 +113,15 @@ class Workload:
 
     def slo_text(self) -> str:
         out = f", output {self.output_len}" if self.output_len else ""
+        if self.long_prompt_slo is not None:
+            lp = LongPromptSLO.parse(self.long_prompt_slo)
+            out += f"; prompts >= {lp.min_prompt_tokens}: {lp.ttft_ms:g} / {lp.tpot_ms:g} ms"
         return f"TTFT {self.ttft_slo_ms:g} / TPOT {self.tpot_slo_ms:g} ms{out}"
 
+
+MIXED_SUMMARIZE_FROM = summarize_min_prompt(512)
+"""`mixed-classes`: prompts this long are the summarization ones, judged by summarize's SLOs;
+the chat turns keep chat's."""
 
 WORKLOADS: dict[str, Workload] = {
     "summarize": Workload(
@@ -106,6 +129,15 @@ WORKLOADS: dict[str, Workload] = {
     ),
     "chat": Workload("chat", "TTFT-tight (chat)", 300, 240, (0.5, 1.0, 1.5, 2.0)),
     "mixed": Workload("mixed", "mixed (chat + 30 % summarize)", 1500, 100, (0.4, 0.8, 1.2, 1.6)),
+    "mixed-classes": Workload(
+        "mixed-classes",
+        "mixed, per-class SLOs (chat + 30 % summarize)",
+        300,
+        240,
+        (1.2, 2.0, 2.8, 3.6),
+        lengths="mixed",
+        long_prompt_slo=f"{MIXED_SUMMARIZE_FROM}:6000:85",
+    ),
 }
 
 
@@ -114,7 +146,7 @@ WORKLOADS: dict[str, Workload] = {
 
 def points_of(results: Mapping[str, Any]) -> dict[str, list[tuple[float, float]]]:
     """(rate, attainment of both SLOs) per configuration of one bench's `results.json`."""
-    slo = SLO(float(results["meta"]["slo"]["ttft_ms"]), float(results["meta"]["slo"]["tpot_ms"]))
+    slo = SLO.from_json(results["meta"]["slo"])
     out: dict[str, list[tuple[float, float]]] = {}
     for r in results["runs"]:
         run = RunResult.from_json(r)
@@ -395,9 +427,10 @@ def plan(w: Workload, results: Mapping[str, Any], out: Path, args: argparse.Name
     meta = results["meta"]
     policies = {c["config"]["router"].get("policy") for c in meta["clusters"].values()}
     policy = policies.pop() if len(policies) == 1 else None
-    cmd = [*python(), "plan", "--workload", w.name, "--rate", f"{max(w.rates):g}"]
+    cmd = [*python(), "plan", "--workload", w.bench_workload, "--rate", f"{max(w.rates):g}"]
     cmd += ["--num-requests", str(args.plan_requests), "--context", str(w.context)]
     cmd += ["--slo-ttft-ms", f"{w.ttft_slo_ms:g}", "--slo-tpot-ms", f"{w.tpot_slo_ms:g}"]
+    cmd += w.slo_flags()
     cmd += ["--target", f"{results['meta']['config']['target']:g}", "--seed", str(args.seed)]
     cmd += ["--seeds", str(args.repeats)]  # the repeats' trace seeds, as they were run
     cmd += ["--search-duration", f"{args.duration:g}"]  # and their seconds of arrivals per rate
@@ -494,9 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     chosen = {}
     for n in names:
-        ttft, _, tpot = getattr(args, f"slo_{n}").partition(":")
+        dest = n.replace("-", "_")  # argparse's attribute for --rates-NAME / --slo-NAME
+        ttft, _, tpot = getattr(args, f"slo_{dest}").partition(":")
         chosen[n] = replace(
-            WORKLOADS[n], rates=getattr(args, f"rates_{n}"), ttft_slo_ms=float(ttft),
+            WORKLOADS[n], rates=getattr(args, f"rates_{dest}"), ttft_slo_ms=float(ttft),
             tpot_slo_ms=float(tpot), min_requests=args.min_requests,
         )  # fmt: skip
     walls: list[float] = []

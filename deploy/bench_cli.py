@@ -92,6 +92,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
       help="TTFT SLO = this x the unloaded TTFT, unless --ttft-slo-ms")  # fmt: skip
     a("--tpot-scale", type=float, default=5.0,
       help="TPOT SLO = this x the unloaded decode step, unless --tpot-slo-ms")  # fmt: skip
+    a("--long-prompt-slo", metavar="N:TTFT_MS:TPOT_MS",
+      help="judge prompts of >= N tokens by these SLOs instead, e.g. 300:6000:85 for "
+      "summarization beside chat (default: one SLO for every request)")  # fmt: skip
     a("--target", type=float, default=0.9, help="attainment target: share meeting both SLOs")
     a("--bisect-steps", type=int, default=2,
       help="bisection steps between the last passing and first failing rate")  # fmt: skip
@@ -128,7 +131,8 @@ def bench_config(args: argparse.Namespace) -> Any:
         rates=args.rates, rel_rates=args.rel_rates, duration_s=args.duration,
         min_requests=args.min_requests, ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms, ttft_scale=args.ttft_scale, tpot_scale=args.tpot_scale,
-        target=args.target, bisect_steps=args.bisect_steps, calibrate_on=args.calibrate_on,
+        long_prompt_slo=args.long_prompt_slo, target=args.target,
+        bisect_steps=args.bisect_steps, calibrate_on=args.calibrate_on,
         threads=args.threads, chunk_tokens=args.chunk_tokens, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, device=args.device,
         request_timeout_s=args.request_timeout_s, title=args.title,

@@ -89,6 +89,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument(
         "--slo-tpot-ms", type=float, help="TPOT SLO in ms (required unless --validate; no default)"
     )
+    p.add_argument(
+        "--long-prompt-slo",
+        metavar="N:TTFT_MS:TPOT_MS",
+        help="judge prompts of >= N tokens by these SLOs instead, as `pdserve bench "
+        "--long-prompt-slo` (default: one SLO for every request)",
+    )
     p.add_argument("--target", type=float, default=0.9, help="attainment target")
     p.add_argument("--workers", type=int, default=2, help="workers of a disaggregated cluster")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -196,6 +202,13 @@ def _specs(args: argparse.Namespace) -> list[Any]:
     )
 
 
+def _long_prompt(args: argparse.Namespace) -> Any:
+    """--long-prompt-slo as a `LongPromptSLO` (None when not given); ValueError when malformed."""
+    from tooling.goodput.analysis import LongPromptSLO
+
+    return None if args.long_prompt_slo is None else LongPromptSLO.parse(args.long_prompt_slo)
+
+
 def _profile(args: argparse.Namespace) -> Any:
     from tooling.planner.profiles import Profile, load_profile
 
@@ -271,6 +284,10 @@ def plan_main(args: argparse.Namespace) -> int:
             return validate_main(args, _profile(args))
         if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
             raise ValueError("--slo-ttft-ms and --slo-tpot-ms are required")
+        long_prompt = _long_prompt(args)
+        if long_prompt is not None and args.adaptive:
+            raise ValueError("--adaptive judges by one SLO pair (the controller's); drop "
+                             "--long-prompt-slo")  # fmt: skip
         if args.workers < 2:
             raise ValueError(f"--workers must be >= 2, got {args.workers}")
         specs = _specs(args)
@@ -330,6 +347,7 @@ def plan_main(args: argparse.Namespace) -> int:
             rate_search=search,
             target=args.target,
             policy=args.policy,
+            long_prompt=long_prompt,
         )
         adaptive = None
         if args.adaptive:
@@ -337,7 +355,7 @@ def plan_main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KeyError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
-    print(table(rows, args.slo_ttft_ms, args.slo_tpot_ms))
+    print(table(rows, args.slo_ttft_ms, args.slo_tpot_ms, long_prompt))
     if adaptive is not None:
         print(
             f"\nadaptive controller from {adaptive['start']}: predicted attainment "

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from benchmarks.bench_modes import (
@@ -24,7 +25,10 @@ from benchmarks.bench_modes import (
     points_of,
     repeat_seed,
 )
+from tooling.goodput.analysis import LongPromptSLO
 from tooling.goodput.records import RequestRecord, RunResult
+from tooling.goodput.workloads import WORKLOADS as WORKLOAD_LENGTHS
+from tooling.goodput.workloads import summarize_min_prompt
 
 # three repeats of one workload: (rate, attainment of both SLOs) per configuration
 REPEATS: list[dict[str, list[tuple[float, float]]]] = [
@@ -155,3 +159,38 @@ def test_each_repeat_runs_its_own_trace_and_a_kept_run_must_match_it(tmp_path: P
     assert bench(WORKLOADS["mixed"], kept, 0, args) == 0.0
     with pytest.raises(SystemExit, match="trace seed 0, not 1"):
         bench(WORKLOADS["mixed"], kept, 1, args)
+
+
+def test_mixed_classes_judges_each_application_by_its_own_slos() -> None:
+    w = WORKLOADS["mixed-classes"]
+    flags = w.bench_flags()
+    assert flags[flags.index("--workload") + 1] == "mixed"  # the same requests as mixed
+    assert flags[flags.index("--long-prompt-slo") + 1] == "307:6000:85"
+    chat, summarize = WORKLOADS["chat"], WORKLOADS["summarize"]
+    assert (w.ttft_slo_ms, w.tpot_slo_ms) == (chat.ttft_slo_ms, chat.tpot_slo_ms)
+    lp = LongPromptSLO.parse(w.long_prompt_slo or "")
+    assert (lp.ttft_ms, lp.tpot_ms) == (summarize.ttft_slo_ms, summarize.tpot_slo_ms)
+    assert "prompts >= 307: 6000 / 85 ms" in w.slo_text()
+    assert WORKLOADS["mixed"].slo_flags() == []
+
+
+def test_the_long_prompt_class_of_mixed_is_exactly_its_summarization_prompts() -> None:
+    rng = np.random.default_rng(0)
+    context = WORKLOADS["mixed-classes"].context
+    cut = summarize_min_prompt(context)
+    chat = WORKLOAD_LENGTHS["chat"].lengths(rng, 2000, context)
+    summarize = WORKLOAD_LENGTHS["summarize"].lengths(rng, 2000, context)
+    assert max(r[0] for r in chat) < cut <= min(r[0] for r in summarize)
+
+
+def test_points_of_judges_by_the_runs_long_prompt_slo() -> None:
+    records = [
+        RequestRecord(0, "r0", 0.0, 0.0, 8, 4, num_tokens=4, ttft_ms=500.0, tpot_ms=10.0),
+        RequestRecord(1, "r1", 0.0, 0.0, 400, 4, num_tokens=4, ttft_ms=500.0, tpot_ms=10.0),
+    ]
+    run = RunResult("hybrid", 1.0, "poisson", 0, 0, records, 10.0, 0.0, 0.0).to_json()
+    slo = {"ttft_ms": 300.0, "tpot_ms": 240.0}
+    long = {"min_prompt_tokens": 307, "ttft_ms": 6000.0, "tpot_ms": 85.0}
+    assert points_of({"meta": {"slo": slo}, "runs": [run]}) == {"hybrid": [(1.0, 0.0)]}
+    classes = {"meta": {"slo": slo | {"long_prompt": long}}, "runs": [run]}
+    assert points_of(classes) == {"hybrid": [(1.0, 0.5)]}

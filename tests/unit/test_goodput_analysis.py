@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from tooling.goodput.analysis import (
     SLO,
+    LongPromptSLO,
     attainment,
     latency_summary,
     max_goodput,
@@ -107,3 +109,40 @@ def test_max_goodput_takes_highest_pass_below_first_fail() -> None:
 def test_slo_validation() -> None:
     with pytest.raises(ValueError, match="ttft"):
         SLO(0.0, 1.0)
+
+
+CLASSES = SLO(ttft_ms=100.0, tpot_ms=10.0, long_prompt=LongPromptSLO(300, 1000.0, 5.0))
+
+
+def test_long_prompts_are_judged_by_their_own_slos() -> None:
+    short_slow = replace(rec(0, 500, 8), input_len=299)  # chat: TTFT 500 > 100 misses
+    long_slow = replace(rec(1, 500, 8), input_len=300)  # summarize: TTFT 500 <= 1000, TPOT 8 > 5
+    long_fast = replace(rec(2, 500, 4), input_len=400)  # summarize: meets both
+    a = attainment([short_slow, long_slow, long_fast], CLASSES)
+    assert (a.ttft, a.tpot, a.good) == (2 / 3, 2 / 3, 1)
+    assert CLASSES.for_prompt(299) == (100.0, 10.0) and CLASSES.for_prompt(300) == (1000.0, 5.0)
+    # tightest scale per class: request 0 needs 5x, 1 needs 1.6x, 2 needs 0.8x
+    assert tightest_scale([short_slow, long_slow, long_fast], CLASSES, 2 / 3) == pytest.approx(1.6)
+    scaled = CLASSES.scaled(2.0)
+    assert scaled.long_prompt == LongPromptSLO(300, 2000.0, 10.0)
+    assert attainment([long_slow], scaled).good == 1
+
+
+def test_slo_json_round_trip_keeps_old_files_readable() -> None:
+    assert SLO.from_json(CLASSES.to_json()) == CLASSES
+    assert SLO_.to_json() == {"ttft_ms": 100.0, "tpot_ms": 10.0}  # as older results.json files
+    assert SLO.from_json({"ttft_ms": 100, "tpot_ms": 10}) == SLO_
+    assert "prompts >= 300 tokens: TTFT <= 1000 ms" in CLASSES.text()
+
+
+@pytest.mark.parametrize(
+    "text", ["300:6000", "300:6000:85:1", "x:6000:85", "0:6000:85", "300:0:85"]
+)
+def test_long_prompt_slo_parse_rejects_malformed_text(text: str) -> None:
+    with pytest.raises(ValueError):
+        LongPromptSLO.parse(text)
+
+
+def test_long_prompt_slo_parse() -> None:
+    assert LongPromptSLO.parse("307:6000:85") == LongPromptSLO(307, 6000.0, 85.0)
+    assert LongPromptSLO.parse("307:6000:85").text() == "307:6000:85"

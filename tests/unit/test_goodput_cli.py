@@ -35,6 +35,10 @@ def test_bench_flags_become_a_config(tmp_path: Path) -> None:
     assert cfg.configs == ("colocated", "disagg") and cfg.rates == (0.5, 1.0)
     assert (cfg.ttft_slo_ms, cfg.tpot_slo_ms, cfg.out) == (900.0, 80.0, tmp_path)
     assert cfg.workload == "summarize" and cfg.target == 0.9
+    assert cfg.long_prompt_slo is None
+    args = parse(["bench", "--ttft-slo-ms", "300", "--tpot-slo-ms", "240", "--long-prompt-slo",
+                  "307:6000:85", "--out", str(tmp_path)])  # fmt: skip
+    assert bench_config(args).long_prompt_slo == "307:6000:85"
 
 
 def test_bench_against_an_address_names_it_external() -> None:
@@ -50,6 +54,7 @@ def test_bench_against_an_address_names_it_external() -> None:
         (["bench", "--configs", "colocated,fancy"], "configs"),
         (["bench", "--calibrate-on", "disagg", "--configs", "colocated"], "calibrate_on"),
         (["bench", "--model", "/nonexistent/model"], "not a model folder"),
+        (["bench", "--long-prompt-slo", "307:6000"], "MIN_PROMPT_TOKENS:TTFT_MS:TPOT_MS"),
     ],
 )
 def test_bad_bench_arguments_exit_2(

@@ -87,3 +87,17 @@ def test_plan_validate_cli_writes_the_report(tmp_path: Path) -> None:
                     "--report", str(report), "--json", str(out)) == 0  # fmt: skip
     assert "1 of 1 points" in report.read_text()
     assert json.loads(out.read_text())["share_inside"] == 1.0
+
+
+def test_a_run_with_a_long_prompt_slo_is_judged_by_it_on_both_sides(tmp_path: Path) -> None:
+    reqs = [SimRequest(i / 5.0, 50 + 10 * (i % 5), 10) for i in range(30)]
+    outs = simulate(reqs, ClusterSpec(1, 1), COST)
+    slo = {"ttft_ms": 1.0, "tpot_ms": 1.0}  # nothing meets it
+    long = {"min_prompt_tokens": 70, "ttft_ms": 5000.0, "tpot_ms": 500.0}  # 70-90: all meet
+    path = simulated_bench(tmp_path / "r", reqs, outs, "disagg", CLUSTER, 5.0, (1.0, 1.0), 10,
+                           slo=slo | {"long_prompt": long})  # fmt: skip
+    (case,) = load_cases(path)
+    assert case.slo.long_prompt is not None and case.slo.long_prompt.min_prompt_tokens == 70
+    (point,) = validate([path], Profile(costs={1: COST}), machine_cores=None).points
+    assert point.runs[0].measured["attainment"] == pytest.approx(0.6)  # 70, 80, 90 of 50..90
+    assert point.predicted == pytest.approx(0.6) and point.inside

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from security.channels import ClientSecurity
 from tooling.cpu import CpuMeter
-from tooling.goodput.analysis import SLO, attainment, slo_goodput_rps
+from tooling.goodput.analysis import SLO, LongPromptSLO, attainment, slo_goodput_rps
 from tooling.goodput.arrivals import ArrivalKind
 from tooling.goodput.calibrate import calibrate
 from tooling.goodput.clusters import (
@@ -115,6 +115,11 @@ class BenchConfig(BaseModel):
     tpot_slo_ms: float | None = Field(default=None, gt=0, description="TPOT SLO in ms.")
     ttft_scale: float = Field(default=5.0, gt=0, description="TTFT SLO / unloaded prefill.")
     tpot_scale: float = Field(default=5.0, gt=0, description="TPOT SLO / unloaded decode step.")
+    long_prompt_slo: str | None = Field(
+        default=None,
+        description="'N:TTFT_MS:TPOT_MS': prompts of >= N tokens are judged by these SLOs "
+        "instead (per-class SLOs, e.g. summarization beside chat); None = one SLO for all.",
+    )
     target: float = Field(default=0.9, gt=0, le=1, description="Attainment target.")
     bisect_steps: int = Field(default=2, ge=0, description="Bisection runs per configuration.")
     calibrate_on: str | None = Field(
@@ -150,6 +155,8 @@ class BenchConfig(BaseModel):
             raise ValueError(f"calibrate_on={self.calibrate_on!r} is not in {self.configs}")
         if self.rates is not None and (not self.rates or min(self.rates) <= 0):
             raise ValueError(f"rates must be positive, got {self.rates}")
+        if self.long_prompt_slo is not None:
+            LongPromptSLO.parse(self.long_prompt_slo)  # ValueError names the expected form
         return self
 
 
@@ -179,12 +186,14 @@ def specs_for(cfg: BenchConfig, context: int, rate: float) -> list[RequestSpec]:
 
 
 def _slo(cfg: BenchConfig, calib: dict[str, Any] | None) -> SLO:
+    long = None if cfg.long_prompt_slo is None else LongPromptSLO.parse(cfg.long_prompt_slo)
     if cfg.ttft_slo_ms is not None and cfg.tpot_slo_ms is not None:
-        return SLO(cfg.ttft_slo_ms, cfg.tpot_slo_ms)
-    assert calib is not None, "relative SLOs need a calibration"
+        return SLO(cfg.ttft_slo_ms, cfg.tpot_slo_ms, long)
+    if calib is None:
+        raise ValueError("relative SLOs need a calibration")
     ttft = cfg.ttft_slo_ms or cfg.ttft_scale * calib["prefill_ms"]
     tpot = cfg.tpot_slo_ms or cfg.tpot_scale * calib["decode_ms"]
-    return SLO(round(ttft, 1), round(tpot, 1))
+    return SLO(round(ttft, 1), round(tpot, 1), long)
 
 
 class Bench:
@@ -227,14 +236,14 @@ class Bench:
         say(f"unloaded on {ref}: prefill {c['prefill_ms']:.1f} ms ({prompt} tokens), "
             f"decode step {c['decode_ms']:.1f} ms")  # fmt: skip
         self.slo = _slo(cfg, c)
-        self.meta["slo"] = {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms}
+        self.meta["slo"] = self.slo.to_json()
         if cfg.rates is not None:
             rates = list(cfg.rates)
         else:
             base = 1000.0 / c["prefill_ms"]
             rates = [round(base * r, 3) for r in cfg.rel_rates]
         self.meta["sweep_rates"] = rates
-        say(f"SLOs: TTFT <= {self.slo.ttft_ms} ms, TPOT <= {self.slo.tpot_ms} ms; rates {rates}")
+        say(f"SLOs: {self.slo.text()}; rates {rates}")
 
     def _security(self, name: str) -> dict[str, Any]:
         """Client credentials for cluster `name`: the configured ones for the external router,
@@ -246,7 +255,10 @@ class Bench:
             return self.cfg.request_timeout_s
         assert self.slo is not None
         out = float(self.meta["lengths"]["output_max"])
-        return max(30.0, 5 * (self.slo.ttft_ms + out * self.slo.tpot_ms) / 1e3)
+        classes = [(self.slo.ttft_ms, self.slo.tpot_ms)]
+        if self.slo.long_prompt is not None:
+            classes.append((self.slo.long_prompt.ttft_ms, self.slo.long_prompt.tpot_ms))
+        return max(30.0, max(5 * (ttft + out * tpot) / 1e3 for ttft, tpot in classes))
 
     def run_point(self, name: str, rate: float, k: int, context: int) -> float:
         """One run of configuration `name` at `rate` in its own load-generator process."""

@@ -47,7 +47,7 @@ class Source:
 
     @property
     def slo(self) -> SLO:
-        return SLO(self.meta["slo"]["ttft_ms"], self.meta["slo"]["tpot_ms"])
+        return SLO.from_json(self.meta["slo"])
 
     @property
     def target(self) -> float:
@@ -114,10 +114,7 @@ def headline(src: Source, mgs: dict[str, MaxGoodput]) -> str:
                               f"target at no tested rate)")  # fmt: skip
             else:
                 ratios.append(f"{top}/{base} = n/a ({base} met the target at no tested rate)")
-    text = (
-        f"max goodput (>= {src.target:.0%} of requests with TTFT <= {slo.ttft_ms:g} ms and "
-        f"TPOT <= {slo.tpot_ms:g} ms): " + ", ".join(parts)
-    )
+    text = f"max goodput (>= {src.target:.0%} of requests with {slo.text()}): " + ", ".join(parts)
     return text + ("; " + ", ".join(ratios) if ratios else "")
 
 
@@ -173,8 +170,7 @@ def _setup(src: Source) -> list[str]:
         "{input_p50:.0f} / {output_p50:.0f}, max {input_max:.0f} / {output_max:.0f}".format(
             **m["lengths"]
         ),
-        f"- SLOs: TTFT <= {src.slo.ttft_ms:g} ms, TPOT <= {src.slo.tpot_ms:g} ms; attainment "
-        f"target {src.target:.0%}",
+        f"- SLOs: {src.slo.text()}; attainment target {src.target:.0%}",
     ]
     if calib:
         lines.append(
@@ -306,7 +302,7 @@ def _series_json(src: Source, runs: Sequence[RunResult], mg: MaxGoodput) -> dict
         "max_goodput_rps": mg.rate,
         "first_failing_rate_rps": mg.first_fail,
         "max_goodput_is_lower_bound": mg.lower_bound,
-        "slo": {"ttft_ms": src.slo.ttft_ms, "tpot_ms": src.slo.tpot_ms, "target": src.target},
+        "slo": src.slo.to_json() | {"target": src.target},
         "runs": [
             {
                 "offered_rate_rps": r.rate,

@@ -70,10 +70,21 @@ def _code(rng: np.random.Generator, n: int, L: int) -> Lengths:
     return rows
 
 
+SUMMARIZE_PROMPT_SHARE = (0.6, 0.85)
+"""`summarize` prompts draw uniformly between these shares of the context."""
+
+
+def summarize_min_prompt(context: int) -> int:
+    """The shortest `summarize` prompt at `context`. Chat prompts stop at context / 2, so in
+    `mixed` a prompt this long or longer is a summarization one (its SLO class)."""
+    return int(SUMMARIZE_PROMPT_SHARE[0] * context)
+
+
 def _summarize(rng: np.random.Generator, n: int, L: int) -> Lengths:
     rows: Lengths = []
+    lo, hi = SUMMARIZE_PROMPT_SHARE
     for _ in range(n):
-        inp = int(rng.uniform(0.6 * L, 0.85 * L))
+        inp = int(rng.uniform(lo * L, hi * L))
         out = _ln(rng, L / 64, 0.3, 2, L / 16)
         rows.append((*_fit(inp, out, L), None, None))
     return rows

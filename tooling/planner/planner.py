@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from tooling.goodput.analysis import LongPromptSLO
 from tooling.planner.costs import CostModel
 from tooling.planner.sim import ClusterSpec, SimOutcome, SimRequest, attainment, simulate
 
@@ -79,13 +80,18 @@ class PlanRow:
 
 
 def goodput_rps(
-    reqs: Sequence[SimRequest], outs: Sequence[SimOutcome], slo_ttft_s: float, slo_tpot_s: float
+    reqs: Sequence[SimRequest],
+    outs: Sequence[SimOutcome],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    long_prompt: LongPromptSLO | None = None,
 ) -> float:
-    """Requests meeting both SLOs per second, over t = 0 .. the last request's end."""
+    """Requests meeting both SLOs (`long_prompt`: see `attainment`) per second, over t = 0 ..
+    the last request's end."""
     if not reqs:
         return 0.0
     span = max([o.end_s or 0.0 for o in outs] + [r.arrival_s for r in reqs])
-    _, _, both = attainment(outs, slo_ttft_s, slo_tpot_s)
+    _, _, both = attainment(outs, slo_ttft_s, slo_tpot_s, long_prompt)
     return both * len(reqs) / span if span > 0 else 0.0
 
 
@@ -100,14 +106,15 @@ def max_rate(
     hi: float,
     steps: int = 8,
     policy: str = "least_load",
+    long_prompt: LongPromptSLO | None = None,
 ) -> float:
     """Highest rate in [lo, hi] whose attainment is >= target (0.0 when even `lo` fails;
     `hi` when `hi` passes); geometric bisection, `steps` simulations after the two ends.
-    `policy`: the router's policy by name."""
+    `policy`: the router's policy by name; `long_prompt`: see `attainment`."""
 
     def ok(rate: float) -> bool:
         outs = simulate(make(rate), spec, cost, policy=policy)
-        return attainment(outs, slo_ttft_s, slo_tpot_s)[2] >= target
+        return attainment(outs, slo_ttft_s, slo_tpot_s, long_prompt)[2] >= target
 
     if not ok(lo):
         return 0.0
@@ -250,24 +257,28 @@ def plan_alternatives(
     target: float = 0.9,
     rate_bounds: tuple[float, float] = (0.05, 50.0),
     policy: str = "least_load",
+    long_prompt: LongPromptSLO | None = None,
 ) -> list[PlanRow]:
     """Simulate every alternative (at the workload's rate; with `rate_search`, one request
     maker per trace seed, also its max rate = predicted max goodput, the median over the
     seeds) and rank them (`rank`). `costs(threads)`: the cost model; `policy`: the router's
-    policy by name."""
+    policy by name; `long_prompt`: the SLOs of long prompts (see `attainment`)."""
     rows = []
+    slo = (slo_ttft_s, slo_tpot_s)
     for alt in alts:
         spec, cost = alt.spec, costs(alt.threads)
         outs = simulate(reqs, spec, cost, policy=policy)
-        ttft, tpot, both = attainment(outs, slo_ttft_s, slo_tpot_s)
+        ttft, tpot, both = attainment(outs, *slo, long_prompt)
         rate = None
         if rate_search:
             lo, hi = rate_bounds
             rate = statistics.median(
-                max_rate(make, spec, cost, slo_ttft_s, slo_tpot_s, target, lo, hi, policy=policy)
+                max_rate(
+                    make, spec, cost, *slo, target, lo, hi, policy=policy, long_prompt=long_prompt
+                )
                 for make in rate_search
             )
-        good = goodput_rps(reqs, outs, slo_ttft_s, slo_tpot_s)
+        good = goodput_rps(reqs, outs, *slo, long_prompt)
         rows.append(
             PlanRow(
                 spec.prefill,
@@ -314,7 +325,12 @@ def best_by_mode(rows: Sequence[PlanRow]) -> dict[str, PlanRow]:
     return best
 
 
-def table(rows: Sequence[PlanRow], slo_ttft_ms: float, slo_tpot_ms: float) -> str:
+def table(
+    rows: Sequence[PlanRow],
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    long_prompt: LongPromptSLO | None = None,
+) -> str:
     """A Markdown table of `rows` (best first) for the CLI and reports."""
     searched = any(r.max_rate is not None for r in rows)
     head = (
@@ -325,7 +341,13 @@ def table(rows: Sequence[PlanRow], slo_ttft_ms: float, slo_tpot_ms: float) -> st
     if searched:
         head += " max rate req/s (predicted max goodput) |"
         line += "---|"
-    out = [f"SLOs: TTFT {slo_ttft_ms:g} ms, TPOT {slo_tpot_ms:g} ms", "", head, line]
+    slos = f"SLOs: TTFT {slo_ttft_ms:g} ms, TPOT {slo_tpot_ms:g} ms"
+    if long_prompt is not None:
+        slos += (
+            f"; prompts >= {long_prompt.min_prompt_tokens} tokens: TTFT "
+            f"{long_prompt.ttft_ms:g} ms, TPOT {long_prompt.tpot_ms:g} ms"
+        )
+    out = [slos, "", head, line]
     for r in rows:
         row = (
             f"| {r.mode} | {r.ratio} | {r.threshold_label} | {r.threads} | {r.chunk_label} | "

@@ -126,7 +126,7 @@ class Sim:
             None if threshold is None else threshold_rule(threshold)
         )
         self.drain_timeout_s = drain_timeout_s
-        self.out = [SimOutcome() for _ in reqs]
+        self.out = [SimOutcome(input_len=r.input_len) for r in reqs]
         kinds = ["prefill"] * spec.prefill + ["decode"] * spec.decode
         kinds += ["colocated"] * spec.colocated
         nodes = spec.nodes or ("",) * len(kinds)
@@ -289,7 +289,7 @@ class Sim:
         self.host_work(self.cost.host_request_s)
 
     def _reject(self, i: int) -> None:
-        self.out[i] = SimOutcome(ok=False, end_s=self.now)
+        self.out[i] = SimOutcome(ok=False, end_s=self.now, input_len=self.out[i].input_len)
         if self.on_end is not None:
             self.on_end(i, self.out[i])
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tooling.goodput.analysis import LongPromptSLO
+
 
 @dataclass(frozen=True)
 class SimRequest:
@@ -117,17 +119,30 @@ class SimOutcome:
     tpot_s: float | None = None
     end_s: float | None = None
     path: str = ""  # how it was served: colocated | local | remote ("": not started)
+    input_len: int = 0  # its prompt's tokens (which SLO class judges it)
 
 
 def attainment(
-    outcomes: Sequence[SimOutcome], slo_ttft_s: float, slo_tpot_s: float
+    outcomes: Sequence[SimOutcome],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    long_prompt: LongPromptSLO | None = None,
 ) -> tuple[float, float, float]:
     """(TTFT, TPOT, both) attainment, the goodput bench's definition (failed requests miss
-    both; a one-token request has no TPOT and meets it). 1.0 each for no requests."""
+    both; a one-token request has no TPOT and meets it; with `long_prompt`, a request whose
+    prompt has >= its `min_prompt_tokens` is judged by its SLOs instead). 1.0 each for no
+    requests."""
     if not outcomes:
         return 1.0, 1.0, 1.0
-    ttft = [o.ok and o.ttft_s is not None and o.ttft_s <= slo_ttft_s for o in outcomes]
-    tpot = [o.ok and (o.tpot_s is None or o.tpot_s <= slo_tpot_s) for o in outcomes]
+
+    def slos(o: SimOutcome) -> tuple[float, float]:
+        if long_prompt is not None and o.input_len >= long_prompt.min_prompt_tokens:
+            return long_prompt.ttft_ms / 1e3, long_prompt.tpot_ms / 1e3
+        return slo_ttft_s, slo_tpot_s
+
+    judged = [(o, *slos(o)) for o in outcomes]
+    ttft = [o.ok and o.ttft_s is not None and o.ttft_s <= t for o, t, _ in judged]
+    tpot = [o.ok and (o.tpot_s is None or o.tpot_s <= p) for o, _, p in judged]
     n = len(outcomes)
     both = sum(a and b for a, b in zip(ttft, tpot, strict=True))
     return sum(ttft) / n, sum(tpot) / n, both / n

@@ -152,7 +152,7 @@ def load_cases(run_dir: str | Path) -> list[RunCase]:
     data = json.loads(path.read_text())
     meta = data["meta"]
     cfg = meta["config"]
-    slo = SLO(float(meta["slo"]["ttft_ms"]), float(meta["slo"]["tpot_ms"]))
+    slo = SLO.from_json(meta["slo"])
     workload = cfg.get("trace") or cfg["workload"]
     out = []
     for run_json in data["runs"]:
@@ -163,7 +163,8 @@ def load_cases(run_dir: str | Path) -> list[RunCase]:
         spec, threads = spec_of(cluster)
         key = (
             f"{workload} (context {meta['context']}, output {cfg.get('output_len') or 'drawn'}); "
-            f"TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms; {run.config}"
+            f"TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms{_long_prompt_text(slo)}; "
+            f"{run.config}"
         )
         reqs = [SimRequest(r.sent_s, r.input_len, r.output_len) for r in run.records]
         cpu = run.meta.get("cpu") or {}
@@ -184,6 +185,13 @@ def load_cases(run_dir: str | Path) -> list[RunCase]:
             )
         )
     return out
+
+
+def _long_prompt_text(slo: SLO) -> str:
+    lp = slo.long_prompt
+    if lp is None:
+        return ""
+    return f" (prompts >= {lp.min_prompt_tokens}: {lp.ttft_ms:g} / {lp.tpot_ms:g} ms)"
 
 
 def measured_stats(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float | None]:
@@ -209,7 +217,9 @@ def _stats(
 
 
 def predicted_stats(outs: Sequence[SimOutcome], slo: SLO) -> dict[str, float | None]:
-    ttft_att, tpot_att, both = sim_attainment(outs, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3)
+    ttft_att, tpot_att, both = sim_attainment(
+        outs, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, slo.long_prompt
+    )
     ok = [o for o in outs if o.ok]
     ttft = [o.ttft_s * 1e3 for o in ok if o.ttft_s is not None]
     tpot = [o.tpot_s * 1e3 for o in ok if o.tpot_s is not None]
