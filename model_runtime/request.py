@@ -127,6 +127,9 @@ class Request:
     send_transfer_id: str | None = None
     """The transfer reading this request's blocks (`Scheduler.open_send`); set by the
     scheduler only."""
+    queued_seq: int = 0
+    """The order in which its scheduler took it (`add` / `add_prefilled`): waiting and
+    prefilled requests take free running slots in this order. Set by the scheduler only."""
 
     @property
     def num_prompt_tokens(self) -> int:

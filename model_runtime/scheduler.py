@@ -11,6 +11,14 @@ Runs in the engine thread of a colocated worker. Each `schedule()` builds one st
    remaining token budget (`max_num_batched_tokens`), oldest first.
 3. **Admission.** If nothing was preempted, waiting requests are admitted in FIFO order while
    budget, `max_num_seqs` and free blocks allow (the head blocks the queue: no skipping ahead).
+   Free running slots go first come, first served between waiting requests and prefilled ones
+   (`ready`, below), in the order the scheduler took them (`Request.queued_seq`): prefilled
+   requests that came before the waiting head take slots at step 0 (and decode in that step),
+   and admission stops at a waiting request that came after the oldest prefilled one. So a
+   decode worker that also prefills locally (hybrid) never starves its local prompts behind a
+   stream of prefilled arrivals. One exception keeps slots from waiting on a head that cannot
+   run: when the free blocks (which prefilled requests may hold) cannot cover the head's
+   admission, prefilled requests take the free slots regardless of age.
    Admission reuses prefix-cached blocks — only full blocks, and never the block holding the
    last token, since at least one token must run to produce logits — and allocates blocks for
    *all* of the request's remaining known tokens at once, so a prefill never stalls for blocks.
@@ -24,8 +32,8 @@ Two entry/exit paths serve disaggregated workers:
 
 - **Prefilled requests** (`add_prefilled`, decode worker): the prompt's KV is already in blocks
   the caller allocated and hands over, and the first token is known. The request waits in
-  `ready` (holding its blocks) until `max_num_seqs` allows, then joins `running` as a decoding
-  request (step 0 of `schedule()`, before the decodes).
+  `ready` (holding its blocks) until a running slot is its turn (step 3's order), then joins
+  `running` as a decoding request.
 - **Sending KV** (prefill worker; vLLM v1's connector `request_finished` delayed free):
   `open_send(request_id, transfer_id)` records, in the step that samples a request's first
   token, that the transport now reads its blocks (state SENDING, keyed by transfer id). When
@@ -122,6 +130,7 @@ class Scheduler:
         self.ready: deque[Request] = deque()  # prefilled, holding blocks, waiting for a slot
         self.sending: dict[str, SendingKV] = {}  # sends the transport reads, by transfer id
         self.remote: dict[str, RemoteKV] = {}  # reserved for incoming KV, by transfer id
+        self._queued = itertools.count()  # Request.queued_seq: first come, first served
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -160,6 +169,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         request.update_block_hashes(cfg.block_size)
+        request.queued_seq = next(self._queued)
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -192,6 +202,7 @@ class Scheduler:
             return request.make_output()
         request.status = RequestStatus.WAITING
         request.update_block_hashes(bs)
+        request.queued_seq = next(self._queued)
         self.requests[rid] = request
         self.ready.append(request)
         return None
@@ -344,11 +355,9 @@ class Scheduler:
         scheduled: set[str] = set()
         preempted: list[str] = []
 
-        # 0. prefilled requests take free running slots (their blocks are already held)
-        while self.ready and len(self.running) < self.config.max_num_seqs:
-            request = self.ready.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+        # 0. prefilled requests take free running slots in their turn (their blocks are
+        #    already held); they decode in this step
+        self.promote_ready()
 
         # 1. one token for every decoding request
         for request in list(self.running):
@@ -371,16 +380,53 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= n
 
-        # 3. admission, unless this step had to preempt
+        # 3. admission, unless this step had to preempt; a waiting request that came after
+        #    the oldest prefilled one leaves the slot to it (taken at the next step's step 0)
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                admitted = self._admit(self.waiting[0], budget)
+                head = self.waiting[0]
+                if self.ready and self.ready[0].queued_seq < head.queued_seq:
+                    break
+                admitted = self._admit(head, budget)
                 if admitted is None:
                     break
-                request = self.waiting.popleft()
-                items.append(self._item(request, admitted))
+                self.waiting.popleft()
+                items.append(self._item(head, admitted))
                 budget -= admitted
         return SchedulerOutput(items, preempted)
+
+    def promote_ready(self) -> list[Request]:
+        """Step 0 of `schedule()`: prefilled requests take free running slots, oldest first,
+        while they came before the waiting head — or the head cannot be admitted for want of
+        free blocks (which the prefilled requests may be holding: a slot never waits on a
+        head that cannot run). Returns them, in order."""
+        out = []
+        for _ in range(self._promotable()):
+            out.append(self._promote(self.ready.popleft()))
+        return out
+
+    def _promotable(self) -> int:
+        """How many `ready` requests `promote_ready` moves now (it changes nothing)."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        n = min(free, len(self.ready))
+        if not self.waiting or n == 0 or not self._fits(self.waiting[0]):
+            return n
+        head = self.waiting[0].queued_seq
+        return sum(1 for _, r in zip(range(n), self.ready, strict=False) if r.queued_seq < head)
+
+    def _fits(self, request: Request) -> bool:
+        """Whether the free blocks (prefix hits included) cover the waiting `request`'s
+        admission, as `_admit` counts them."""
+        bs = self.config.block_size
+        pool = self.block_pool
+        hits = pool.lookup(request.block_hashes[: (request.num_tokens - 1) // bs])
+        revived = sum(1 for b in hits if pool.ref_count(b) == 0)
+        return _blocks_for(request.num_tokens, bs) - len(hits) + revived <= pool.num_free
+
+    def _promote(self, request: Request) -> Request:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
 
     def update(
         self,
@@ -659,12 +705,10 @@ class DecodeClock:
 
     @staticmethod
     def decode_only(scheduler: Scheduler) -> bool:
-        """After `schedule()`'s promotion, no admission could follow: no waiting request, or
-        no free slot. (Every running request decoding is the caller's to know.)"""
+        """After `schedule()`'s promotion (step 0), no admission could follow: no waiting
+        request, or no free slot. (Every running request decoding is the caller's to know.)"""
         s = scheduler
-        cap = s.config.max_num_seqs
-        promote = min(len(s.ready), max(0, cap - len(s.running)))
-        return not s.waiting or len(s.running) + promote >= cap
+        return not s.waiting or len(s.running) + s._promotable() >= s.config.max_num_seqs
 
     @classmethod
     def start(
@@ -710,12 +754,8 @@ class DecodeClock:
         s = self.scheduler
         if not self.decode_only(s):
             return None
-        cap = s.config.max_num_seqs
         i = self.step + 1
-        while s.ready and len(s.running) < cap:  # `schedule()` step 0
-            request = s.ready.popleft()
-            request.status = RequestStatus.RUNNING
-            s.running.append(request)
+        for request in s.promote_ready():  # `schedule()` step 0
             self._join(request, updated=False)
         if not self.rows:
             return 0, 0
