@@ -68,6 +68,10 @@ class LongPromptSLO:
     def text(self) -> str:
         return f"{self.min_prompt_tokens}:{self.ttft_ms:g}:{self.tpot_ms:g}"
 
+    def judges(self, prompt_tokens: int) -> bool:
+        """Whether a request with `prompt_tokens` prompt tokens belongs to this class."""
+        return prompt_tokens >= self.min_prompt_tokens
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -90,7 +94,7 @@ class SLO:
     def for_prompt(self, prompt_tokens: int) -> tuple[float, float]:
         """(TTFT ms, TPOT ms) that a request with `prompt_tokens` prompt tokens is judged by."""
         lp = self.long_prompt
-        if lp is not None and prompt_tokens >= lp.min_prompt_tokens:
+        if lp is not None and lp.judges(prompt_tokens):
             return lp.ttft_ms, lp.tpot_ms
         return self.ttft_ms, self.tpot_ms
 

@@ -136,7 +136,7 @@ def attainment(
         return 1.0, 1.0, 1.0
 
     def slos(o: SimOutcome) -> tuple[float, float]:
-        if long_prompt is not None and o.input_len >= long_prompt.min_prompt_tokens:
+        if long_prompt is not None and long_prompt.judges(o.input_len):
             return long_prompt.ttft_ms / 1e3, long_prompt.tpot_ms / 1e3
         return slo_ttft_s, slo_tpot_s
 
