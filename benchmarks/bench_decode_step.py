@@ -49,7 +49,7 @@ import torch
 from benchmarks.bench_engine import prompts_for, weight_bytes
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
-from model_runtime.kernels.decode_step import decoder_layers
+from model_runtime.fused_decode import decoder_layers
 from model_runtime.sampling_params import SamplingParams
 from tooling.machine import MachineInfo, measure_machine
 

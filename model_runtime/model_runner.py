@@ -17,7 +17,7 @@ import torch
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
-from model_runtime.kernels.decode_step import FusedDecode
+from model_runtime.fused_decode import FusedDecode
 from model_runtime.kv_cache import KVCache
 from model_runtime.linear import Linear, LinearKernel, pack_linears
 from model_runtime.model import LlamaModel

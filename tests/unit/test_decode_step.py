@@ -1,4 +1,4 @@
-"""`model_runtime.kernels.decode_step`: the whole decode step in C against the torch model.
+"""`model_runtime.fused_decode` over `kernels/decode_step`: the decode step in C against torch.
 
 Two runners on the same tiny model and the same packed ('avx2') weights, one on the fused step
 and one on the torch modules, are prefilled with the same prompts (the torch path in both:
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_runtime.fused_decode import decoder_layers
 from model_runtime.kernels import build, decode_step
 from model_runtime.linear import Linear, keeps_panels, resolve_linear_kernel
 from model_runtime.model_runner import ModelRunner, StepInput
@@ -235,7 +236,7 @@ def test_a_model_the_fused_step_cannot_take_frees_the_panel_copy(tiny_model_dir:
     ):
         pytest.skip("'auto' keeps no panel copy on this host")
     loaded = ModelRunner.from_model_dir(tiny_model_dir, 8, BLOCK)
-    o_proj = decode_step.decoder_layers(loaded.model)[0].self_attn.o_proj
+    o_proj = decoder_layers(loaded.model)[0].self_attn.o_proj
     assert o_proj.panels is not None
     o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
     runner = ModelRunner(loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "onednn")

@@ -190,6 +190,20 @@ def test_the_worker_host_core_knows_no_role_package() -> None:
     assert _violations({"worker"}, {"prefill_worker", "decode_worker", "worker_main"}) == []
 
 
+def test_model_runtime_kernels_import_nothing_above_them() -> None:
+    """The compiled kernels and their bindings sit below the model and the runner: a kernel
+    module that imported `model_runtime.model` (a back-arrow) would make the kernels package
+    depend on what depends on it."""
+    found = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("model_runtime.kernels")
+        for target in targets
+        if _top(target) == "model_runtime" and not target.startswith("model_runtime.kernels")
+    )
+    assert found == []
+
+
 def test_the_router_never_imports_torch() -> None:
     assert _violations({"router"}, {"torch", "triton"}) == []
 
