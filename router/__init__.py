@@ -25,8 +25,9 @@ Module map:
                 cleanup aborts, outcome hooks
 - `flow`        one request's legs: routing, retries before the first token, migration to
                 another worker after a mid-stream failure, cleanup aborts
-- `worker_calls` one leg's worker calls (Reserve/Prefill/Decode or colocated Generate) and how
-                their failures are classified (retryable, migratable, final)
+- `leg`         `Leg`: one attempt's worker calls (Reserve/Prefill/Decode or colocated
+                Generate), holders and timings, and how their failures are classified
+                (retryable, migratable, final)
 - `client_stream` what the client sees: tokens -> text deltas (+ logprobs), the final info
 - `ratio`       prefill:decode ratio controller (config, metric windows, pure `decide`, the
                 hybrid threshold's control, the driver task, the `SetRole` actuator); fed by

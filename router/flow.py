@@ -2,7 +2,7 @@
 and the move to another decode worker when one fails mid-stream.
 
 Runs in the router process, inside the `Generate` handler's task. A `RequestRun` is the one
-owner of a request's router-side state: it owns its legs (`worker_calls.Leg`: one attempt to
+owner of a request's router-side state: it owns its legs (`leg.Leg`: one attempt to
 place the request on workers, with that attempt's holders, in-flight counts and measurements)
 and reads them; the client's stream and final facts are written only here. The first leg's
 prompt is the client's. Steps (disagg):
@@ -47,12 +47,12 @@ import grpc
 from router.client_stream import ClientStream, RunTimings
 from router.errors import Retryable, RouterError
 from router.hybrid import HybridConfig, PathChoice, choose_prefill_path, indexed_tokens
+from router.leg import Chunks, Leg, LegSpec, WorkerLost
 from router.policy import Role, RouteRequest, RoutingDecision, RoutingPolicy, WorkerView
 from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex, PromptPrefix
 from router.prefix_policy import load_tokens
 from router.validation import ValidatedRequest
-from router.worker_calls import Chunks, Leg, LegSpec, WorkerLost
 
 __all__ = ["RequestRun", "RunTimings"]
 
@@ -191,7 +191,7 @@ class RequestRun:
                     return leg, await leg.start_colocated(decision.colocated)
                 assert decision.prefill is not None and decision.decode is not None
                 choice = self._prefill_path(spec, decision, prefix)
-                leg.report.prefill_path, leg.report.path_reason = choice.path, choice.reason
+                leg.take_path(choice)
                 if choice.path == "local":  # Generate on D: it prefills, then decodes
                     # the prompt's blocks land on D: the policy's cache credit goes there
                     self.policy.prefilled_elsewhere(self.request_id, decision.decode)
@@ -205,9 +205,8 @@ class RequestRun:
                 last = exc
                 self.excluded.add(exc.address)
                 leg.close()
-                if leg.holders:  # nothing reached the client: undo, then try elsewhere
-                    holders = sorted(leg.holders)
-                    leg.holders.clear()
+                holders = leg.give_up()
+                if holders:  # nothing reached the client: undo, then try elsewhere
                     # the failed worker is not tried again here: no need to wait for it
                     self.abort_later(self.request_id, [a for a in holders if a in self.excluded])
                     await self.abort_now(

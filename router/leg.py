@@ -33,6 +33,7 @@ import grpc
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from proto.pdserve.v1.trailers import failed_peer
 from router.errors import Retryable, RouterError, worker_error
+from router.hybrid import PathChoice
 from router.policy import WorkerView
 from router.pool import WorkerPool
 from router.validation import ValidatedRequest
@@ -154,6 +155,17 @@ class Leg:
     def _place_on(self, address: str) -> None:
         if address not in self.placed:
             self.placed.append(address)
+
+    def take_path(self, choice: PathChoice) -> None:
+        """The prefill path the router chose for this leg (`router.hybrid`), for its report."""
+        self.report.prefill_path, self.report.path_reason = choice.path, choice.reason
+
+    def give_up(self) -> list[str]:
+        """The leg failed before anything reached the client: every worker that may still
+        hold it (sorted; the caller aborts them), and from now on none."""
+        holders = sorted(self.holders)
+        self.holders.clear()
+        return holders
 
     def release(self, address: str) -> bool:
         """`address` no longer holds this leg (it failed, or was aborted by the caller);
