@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
+from model_runtime.decode_clock import DecodeClock
 from model_runtime.request import RequestOutput
-from model_runtime.scheduler import DecodeClock
 from tooling.planner.costs import CostModel, Linear
 from tooling.planner.sim import ClusterSpec, Sim, SimOutcome, SimRequest, attainment
 

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from model_runtime.block_pool import BlockPool, KVCacheEvent
+from model_runtime.decode_clock import DecodeClock
 from model_runtime.request import Request
 from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler import DecodeClock, Scheduler, SchedulerConfig
+from model_runtime.scheduler import Scheduler, SchedulerConfig
 
 TOKEN = 3
 

@@ -45,15 +45,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from model_runtime.block_pool import BlockPool
+from model_runtime.decode_clock import DecodeClock
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
-from model_runtime.scheduler import (
-    DecodeClock,
-    Receive,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from model_runtime.scheduler import Receive, Scheduler, SchedulerConfig, SchedulerOutput
 
 TOKEN = 1  # what the simulated model samples
 MAX_MODEL_LEN = 1 << 30  # lengths are the planner's to check, not the simulator's
