@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.tool_launchers import launch_cluster
-from proto.pdserve.v1.roles import ROLES
+from proto.pdserve.v1.roles import ROLE_NAMES
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from tooling.cpu import CpuMeter
@@ -280,7 +280,7 @@ async def main_async(args: argparse.Namespace) -> int:
         os.nice(-10)  # after the children started: the load generator's sends are not delayed
     try:
         addresses = cluster.workers.addresses()
-        roles = {a: r for r in ROLES for a in addresses[r]}
+        roles = {a: r for r in ROLE_NAMES for a in addresses[r]}
         sc = Sidecar(roles, internal=cluster.workers.internal)
         await sc.start()
         warm = shifting([(phases[0][0], 1.0, 4.0), ("summarize", 1.0, 2.0)], args.context, 99)

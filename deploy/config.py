@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
-from proto.pdserve.v1.roles import ROLES, Role
+from proto.pdserve.v1.roles import ROLE_NAMES, Role
 from router.config import RouterConfig, RouterSettings
 from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
@@ -303,7 +303,7 @@ class ClusterConfig(_Frozen):
         """(worker_id, role) of every worker to start, in a stable order:
         prefill-0.., decode-0.., colocated-0.."""
         out: list[tuple[str, Role]] = []
-        for role in ROLES:
+        for role in ROLE_NAMES:
             out += [(f"{role}-{i}", role) for i in range(getattr(self.workers, role))]
         return out
 

@@ -100,7 +100,7 @@ def spawn_worker(
 
 
 @dataclass
-class WorkerProcess:
+class LaunchedWorker:
     """One running worker: its id, role (at launch), address and process."""
 
     worker_id: str
@@ -117,7 +117,7 @@ class ProcessWorkers:
     them all (idempotent). `internal`: how to call them (the cluster secret's token, the
     cluster certificate)."""
 
-    workers: list[WorkerProcess]
+    workers: list[LaunchedWorker]
     log_dir: Path
     config: ClusterConfig
     supervisor: ProcessSupervisor | None = None
@@ -204,7 +204,7 @@ def launch_workers(
             started.append((worker_id, role, proc))
         matches = wait_for_lines([p for _, _, p in started], WORKER_READY, timeout_s)
         workers = [
-            WorkerProcess(wid, role, m.group(1), proc)
+            LaunchedWorker(wid, role, m.group(1), proc)
             for (wid, role, proc), m in zip(started, matches, strict=True)
         ]
         for w in workers:

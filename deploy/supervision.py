@@ -174,7 +174,7 @@ class EventLog:
 
 
 class Supervised(Protocol):
-    """A worker the process supervisor watches (`deploy.launcher.WorkerProcess`); the
+    """A worker the process supervisor watches (`deploy.launcher.LaunchedWorker`); the
     supervisor replaces `process` when it restarts the worker."""
 
     process: ManagedProcess

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.pair_scoring import PairScoringConfig, PrefillCandidate, choose_pair
-from router.views import ROLES, Role, RouteRequest, WorkerView
+from router.views import ROLE_NAMES, Role, RouteRequest, WorkerView
 
 __all__ = [
-    "ROLES",
+    "ROLE_NAMES",
     "LeastLoadPolicy",
     "Role",
     "RoundRobinPolicy",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from proto.pdserve.v1 import worker_pb2
-from router.policy import ROLES, Role
+from router.policy import ROLE_NAMES, Role
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class InMemoryWorkerRegistry:
 
     async def register(self, address: str, role: Role) -> None:
         """Add `address` with `role` (unhealthy until its first heartbeat)."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {list(ROLES)}, got {role!r}")
+        if role not in ROLE_NAMES:
+            raise ValueError(f"role must be one of {list(ROLE_NAMES)}, got {role!r}")
         old = self._records.get(address)
         self._records[address] = (
             WorkerRecord(address, role) if old is None else replace(old, role=role)
@@ -89,7 +89,7 @@ class InMemoryWorkerRegistry:
             )
             return
         role: Role = old.role
-        for known in ROLES:
+        for known in ROLE_NAMES:
             if status.role == known:
                 role = known
         self._records[address] = replace(

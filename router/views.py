@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 
 from model_runtime.hashing import BlockHash
-from proto.pdserve.v1.roles import ROLES, Role
+from proto.pdserve.v1.roles import ROLE_NAMES, Role
 from router.prefix_index.base import PrefixMatch
 
-__all__ = ["ROLES", "Role", "RouteRequest", "WorkerView"]
+__all__ = ["ROLE_NAMES", "Role", "RouteRequest", "WorkerView"]
 
 
 @dataclass(frozen=True)

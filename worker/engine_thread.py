@@ -106,7 +106,7 @@ class EngineThread:
 
     `roles` maps every role name this worker may take (`role` first, then any `SetRole`
     target) to its class; the worker host plugs the role packages in here
-    (`worker.server.ROLES`), so this module depends on the `RoleHandler` contract only.
+    (`worker_main.ROLES`), so this module depends on the `RoleHandler` contract only.
     """
 
     def __init__(

@@ -30,7 +30,7 @@ from model_runtime.hashing import BlockHash
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class PublisherHeartbeat:
     """The publisher's position: `seq` is the latest event's seq (0: none yet)."""
 
     seq: int
@@ -111,13 +111,13 @@ class KVEventPublisher:
 
     async def stream(
         self, from_seq: int, heartbeat_s: float
-    ) -> AsyncIterator[tuple[int, KVCacheEvent] | Heartbeat]:
-        """Heartbeat, buffered events with seq >= `from_seq` (0, or beyond the latest seq:
+    ) -> AsyncIterator[tuple[int, KVCacheEvent] | PublisherHeartbeat]:
+        """A heartbeat, buffered events with seq >= `from_seq` (0, or beyond the latest seq:
         none), live events, and a heartbeat after each idle `heartbeat_s`. Runs until closed."""
         changed = self._bind()
         with self._lock:
             now = self._seq
-        yield Heartbeat(now)
+        yield PublisherHeartbeat(now)
         next_seq = from_seq if 0 < from_seq <= now + 1 else now + 1
         while True:
             events = self._since(next_seq)
@@ -132,4 +132,4 @@ class KVEventPublisher:
             try:
                 await asyncio.wait_for(changed.wait(), heartbeat_s)
             except TimeoutError:
-                yield Heartbeat(self._seq)
+                yield PublisherHeartbeat(self._seq)

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from kvtransfer.types import TransferResult
 from model_runtime.request import RequestOutput
-from proto.pdserve.v1.roles import ROLES
+from proto.pdserve.v1.roles import ROLE_NAMES
 from worker.engine_thread import Snapshot
 
 P = "pdserve:"
@@ -72,7 +72,7 @@ class _SnapshotGauges(Collector):
         role = GaugeMetricFamily(
             P + "worker_role", "1 for the worker's current role.", labels=["model_name", "role"]
         )
-        for r in ROLES:
+        for r in ROLE_NAMES:
             role.add_metric([*m, r], 1.0 if s.role == r else 0.0)
         return [
             gauge("num_requests_running", "Requests running in the engine.", s.num_running),

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2
 from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from worker.engine_thread import EngineThread
-from worker.kv_events import Heartbeat, KVEventPublisher
+from worker.kv_events import KVEventPublisher, PublisherHeartbeat
 from worker.sinks import StreamSink, UnarySink, WorkerError
 
 SERVICE_NAME = "pdserve.v1.Worker"
@@ -155,7 +155,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         heartbeat_s = request.heartbeat_s if request.heartbeat_s > 0 else 1.0
         async for item in pub.stream(int(request.from_seq), heartbeat_s):
             msg = worker_pb2.KVEvent(worker_id=self._worker_id, epoch=self._epoch)
-            if isinstance(item, Heartbeat):
+            if isinstance(item, PublisherHeartbeat):
                 msg.seq, msg.kind = item.seq, "heartbeat"
             else:
                 seq, event = item

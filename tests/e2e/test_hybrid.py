@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import tests.e2e.test_migration as migration
 from deploy.client import build_request
-from deploy.launcher import WorkerProcess
+from deploy.launcher import LaunchedWorker
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
@@ -161,7 +161,7 @@ def test_a_drain_timeout_moves_a_local_request_and_refuses_new_local_work(
 ) -> None:
     seen: dict[str, str] = {}
 
-    def while_draining(victim: WorkerProcess) -> None:
+    def while_draining(victim: LaunchedWorker) -> None:
         deadline = time.monotonic() + 10.0
         while migration._health(victim.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "still serving after SIGTERM"

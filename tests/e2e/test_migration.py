@@ -31,7 +31,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.client import CHANNEL_OPTIONS, build_request
-from deploy.launcher import WorkerProcess
+from deploy.launcher import LaunchedWorker
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
@@ -75,8 +75,8 @@ def _until_the_router_uses_every_decoder(cluster: E2ECluster, n: int) -> None:
 
 
 def _freeze_the_decoder_that_runs_it(
-    cluster: E2ECluster, decoders: list[WorkerProcess], stream: Future[object], after: int
-) -> WorkerProcess:
+    cluster: E2ECluster, decoders: list[LaunchedWorker], stream: Future[object], after: int
+) -> LaunchedWorker:
     """Poll every (idle) decode worker's status, one open channel each, until one runs a
     request and has run `after` engine steps since; SIGSTOP it at once and return it. The
     request is seen running on the worker itself, not inferred from what the client has read
@@ -107,7 +107,7 @@ def _signal_decoder_mid_stream(
     req: inference_pb2.GenerateRequest,
     after: int,
     sig: signal.Signals = signal.SIGKILL,
-    while_draining: Callable[[WorkerProcess], None] | None = None,
+    while_draining: Callable[[LaunchedWorker], None] | None = None,
 ) -> tuple[list[int], inference_pb2.FinalInfo]:
     """Stream `req`; once a decode worker runs it and ran `after` steps, freeze that worker
     (SIGSTOP) and send it `sig` (SIGTERM: then SIGCONT, then `while_draining(the worker)`);
@@ -210,7 +210,7 @@ def test_sigterm_drain_flips_health_takes_no_new_work_and_moves_the_rest(
 ) -> None:
     seen: dict[str, object] = {}
 
-    def while_draining(victim: WorkerProcess) -> None:
+    def while_draining(victim: LaunchedWorker) -> None:
         # The signal is handled asynchronously: wait on the state, never read it once right
         # after `kill` and hope it was handled.
         deadline = time.monotonic() + 10.0

@@ -23,7 +23,7 @@ import pytest
 
 from deploy.tool_launchers import launch_cluster
 from model_runtime.config import ModelConfig
-from proto.pdserve.v1.roles import ROLES
+from proto.pdserve.v1.roles import ROLE_NAMES
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from tooling.goodput.records import RequestRecord, RequestSpec
@@ -47,7 +47,7 @@ async def _scenario(model: Path, tmp: Path) -> None:
     cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs", launch_cluster)
     try:
         addresses = cluster.workers.addresses()
-        roles = {a: r for r in ROLES for a in addresses[r]}
+        roles = {a: r for r in ROLE_NAMES for a in addresses[r]}
         sc = Sidecar(roles, internal=cluster.workers.internal)
         await sc.start()
         config = RatioConfig(

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 from model_runtime.block_pool import BlockPool, KVCacheEvent
 from model_runtime.hashing import block_hash_chain
-from worker.kv_events import Heartbeat, KVEventPublisher
+from worker.kv_events import KVEventPublisher, PublisherHeartbeat
 
-Item = tuple[int, KVCacheEvent] | Heartbeat
+Item = tuple[int, KVCacheEvent] | PublisherHeartbeat
 
 
 def stored(*hashes: int) -> KVCacheEvent:
@@ -28,7 +28,7 @@ async def take(stream: AsyncIterator[Item], n: int, timeout_s: float = 2.0) -> l
 
 
 def seqs(items: list[Item]) -> list[int | str]:
-    return [f"hb{i.seq}" if isinstance(i, Heartbeat) else i[0] for i in items]
+    return [f"hb{i.seq}" if isinstance(i, PublisherHeartbeat) else i[0] for i in items]
 
 
 def test_numbering_and_snapshot_follow_a_block_pool() -> None:

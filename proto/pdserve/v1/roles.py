@@ -10,4 +10,6 @@ from __future__ import annotations
 from typing import Literal
 
 Role = Literal["prefill", "decode", "colocated"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+ROLE_NAMES: tuple[Role, ...] = ("prefill", "decode", "colocated")
+"""Every role name, in this order (the worker process maps each to its handler class:
+`worker_main.ROLES`)."""
