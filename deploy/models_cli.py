@@ -20,11 +20,19 @@ def add_convert_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         description="Dequantize a GGUF file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q2_K..Q6_K) into an HF folder (config.json, model.safetensors, tokenizer.json, "
         "tokenizer_config.json with the chat template, generation_config.json) that pdserve "
-        "and HF transformers load. Nothing is written when the file cannot be converted.",
+        "and HF transformers load. Nothing is written when the file cannot be converted (corrupt, "
+        "unsupported, or weights holding NaN/Inf without --allow-non-finite): one line on "
+        "stderr and exit status 2.",
     )
     p.add_argument("--gguf", required=True, help="the .gguf file")
     p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     p.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="weight dtype")
+    p.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="convert weights that hold NaN or Inf (refused by default: such a model gives "
+        "garbage or NaN logits)",
+    )
     p.set_defaults(func=convert_main)
 
 
@@ -32,7 +40,7 @@ def convert_main(args: argparse.Namespace) -> int:
     from tooling.models.gguf_convert import convert_gguf
 
     try:
-        out = convert_gguf(args.gguf, args.out, args.dtype)
+        out = convert_gguf(args.gguf, args.out, args.dtype, args.allow_non_finite)
     except ValueError as exc:
         print(f"pdserve convert: {exc}", file=sys.stderr)
         return 2

@@ -20,8 +20,12 @@ Contract:
 - Everything is checked before anything is written: an architecture other than `llama`, a
   tensor type or tensor name this module does not know, RoPE scaling, or a tokenizer model or
   pre-tokenizer it cannot rebuild is a `GGUFConversionError` naming the value and what is
-  supported. The folder is written into a temporary sibling and renamed into place at the end,
-  so a failure (or Ctrl-C) never leaves a half-written `--out`.
+  supported. A corrupt file (truncated, flipped bytes, impossible counts, metadata numbers out
+  of range, tensor shapes the metadata does not imply) is a `GGUFConversionError` too
+  (`gguf_input`), and so are weights holding NaN or Inf unless `allow_non_finite`
+  (`--allow-non-finite`). The folder is written into a temporary sibling and renamed into
+  place at the end, so a failure (or Ctrl-C) never leaves a half-written `--out`; an `--out`
+  that cannot be written (read-only, under a file) is named in a `GGUFConversionError`.
 
 The layout choices follow llama.cpp's gguf-py (names, permutation) and transformers' own GGUF
 loader (tokenizer reconstruction); the code is ours.
@@ -39,6 +43,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from tooling.models.gguf_input import (
+    GGUFConversionError as GGUFConversionError,  # raised by everything here; re-exported
+)
+from tooling.models.gguf_input import (
+    check_finite,
+    check_shapes,
+    count,
+    open_gguf,
+    positive_float,
+    read_metadata,
+    token_id,
+)
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 DTYPES: tuple[Dtype, ...] = ("bfloat16", "float16", "float32")
@@ -103,10 +120,6 @@ _PRE_TOKENIZERS: dict[str, tuple[bool, str]] = {
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-class GGUFConversionError(ValueError):
-    """The file cannot be converted; the message names the field or tensor and the value."""
-
-
 @dataclass(frozen=True)
 class GGUFTensorInfo:
     """One tensor of the file, as llama.cpp names and stores it."""
@@ -116,31 +129,10 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]  # row-major (numpy) order: (rows, cols) for a matrix
 
 
-def _metadata(reader: Any) -> dict[str, Any]:
-    """Every key-value field of the file, decoded (strings, numbers, lists)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        out[key] = field.contents()
-    return out
-
-
 def _require(meta: dict[str, Any], key: str) -> Any:
     if key not in meta:
         raise GGUFConversionError(f"GGUF metadata: required key {key!r} is missing")
     return meta[key]
-
-
-def _open(path: Path) -> Any:
-    import gguf
-
-    if not path.is_file():
-        raise GGUFConversionError(f"{path}: no such file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:  # bad magic, truncated file
-        raise GGUFConversionError(f"{path}: not a readable GGUF file: {exc}") from exc
 
 
 def tensor_infos(reader: Any) -> list[GGUFTensorInfo]:
@@ -182,10 +174,10 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: Dtype) -> dict[str, Any]:
             f"{list(SUPPORTED_ARCHITECTURES)}"
         )
     p = f"{arch}."
-    heads = int(_require(meta, p + "attention.head_count"))
-    hidden = int(_require(meta, p + "embedding_length"))
-    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
-    rope_dim = int(meta.get(p + "rope.dimension_count", head_dim))
+    heads = count(meta, p + "attention.head_count")
+    hidden = count(meta, p + "embedding_length")
+    head_dim = count(meta, p + "attention.key_length", hidden // heads or None)
+    rope_dim = count(meta, p + "rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise GGUFConversionError(
             f"GGUF {p}rope.dimension_count={rope_dim} differs from the head size {head_dim}; "
@@ -197,25 +189,26 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: Dtype) -> dict[str, Any]:
             f"GGUF {p}rope.scaling.type={scaling!r} is not supported; supported: 'none'"
         )
     tokens = _require(meta, "tokenizer.ggml.tokens")
-    vocab = int(meta.get(p + "vocab_size", len(tokens)))
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFConversionError("GGUF tokenizer.ggml.tokens is not a list of tokens")
+    vocab = count(meta, p + "vocab_size", len(tokens))
 
     def special(key: str) -> int | None:
-        v = meta.get(f"tokenizer.ggml.{key}")
-        return None if v is None else int(v)
+        return token_id(meta, f"tokenizer.ggml.{key}", len(tokens))
 
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(_require(meta, p + "feed_forward_length")),
-        "num_hidden_layers": int(_require(meta, p + "block_count")),
+        "intermediate_size": count(meta, p + "feed_forward_length"),
+        "num_hidden_layers": count(meta, p + "block_count", least=0),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(p + "attention.head_count_kv", heads)),
+        "num_key_value_heads": count(meta, p + "attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "max_position_embeddings": int(meta.get(p + "context_length", 2048)),
-        "rms_norm_eps": float(_require(meta, p + "attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": count(meta, p + "context_length", 2048),
+        "rms_norm_eps": positive_float(meta, p + "attention.layer_norm_rms_epsilon"),
+        "rope_theta": positive_float(meta, p + "rope.freq_base", 10000.0),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -256,15 +249,21 @@ def dequantize(reader_tensor: Any) -> np.ndarray:
 
 
 def _check_tensors(infos: list[GGUFTensorInfo], config: dict[str, Any]) -> None:
-    """Every tensor known and supported, every tensor the model needs present."""
+    """Every tensor known and supported, of the shape the config implies; every tensor the
+    model needs present."""
     for info in infos:
         if info.type_name not in SUPPORTED_TENSOR_TYPES:
             raise GGUFConversionError(
                 f"tensor {info.name!r} has type {info.type_name}, which is not supported; "
                 f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
             )
-        hf_name(info.name)
+    check_shapes(((i.name, hf_name(i.name), i.shape) for i in infos), config)
     have = {i.name for i in infos}
+    if config["num_hidden_layers"] * len(_LAYER_NAMES) > len(have):
+        raise GGUFConversionError(
+            f"GGUF file holds {len(have)} tensors, too few for "
+            f"block_count={config['num_hidden_layers']} layers"
+        )
     need = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{n}.weight" for i in range(config["num_hidden_layers"]) for n in _LAYER_NAMES
     ]
@@ -273,11 +272,15 @@ def _check_tensors(infos: list[GGUFTensorInfo], config: dict[str, Any]) -> None:
         raise GGUFConversionError(f"GGUF file lacks tensors {missing[:3]} ({len(missing)} in all)")
 
 
-def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """HF name -> float32 array, q/k unpermuted (tensors checked by `_check_tensors` first)."""
+def hf_tensors(
+    reader: Any, config: dict[str, Any], allow_non_finite: bool = False
+) -> dict[str, np.ndarray]:
+    """HF name -> float32 array, q/k unpermuted (tensors checked by `_check_tensors` first);
+    a tensor holding NaN or Inf raises unless `allow_non_finite`."""
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         w = dequantize(t)
+        check_finite(t.name, w, allow_non_finite)
         if ".attn_q." in t.name:
             w = unpermute_qk(w, config["num_attention_heads"])
         elif ".attn_k." in t.name:
@@ -326,6 +329,14 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     tokens: list[str] = list(_require(meta, "tokenizer.ggml.tokens"))
     merges_raw: list[str] = list(_require(meta, "tokenizer.ggml.merges"))
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise GGUFConversionError(
+            f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
+    if not all(isinstance(t, str) for t in tokens) or not all(
+        isinstance(m, str) for m in merges_raw
+    ):
+        raise GGUFConversionError("GGUF tokenizer.ggml.tokens / merges must be lists of strings")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
@@ -334,9 +345,13 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         key = text if set(text) <= spelled or types[i] == _CONTROL else _respell(text, alphabet)
         vocab.setdefault(key, i)
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
-    )
+    if any(len(m) != 2 for m in merges):
+        raise GGUFConversionError("GGUF tokenizer.ggml.merges holds an entry without a space")
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
+    except Exception as exc:  # `tokenizers` raises bare Exception for a bad vocab or merge
+        raise GGUFConversionError(f"GGUF tokenizer does not build: {exc}") from exc
+    tok = Tokenizer(bpe)
     digits, split = _PRE_TOKENIZERS[pre]
     add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
     steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
@@ -377,9 +392,9 @@ def tokenizer_config(meta: dict[str, Any], tokenizer_json: str) -> dict[str, Any
         ("unk_token", "unknown_token_id"),
         ("pad_token", "padding_token_id"),
     ):
-        token_id = meta.get(f"tokenizer.ggml.{key}")
-        if token_id is not None:
-            out[name] = tokens[int(token_id)]
+        special = token_id(meta, f"tokenizer.ggml.{key}", len(tokens))
+        if special is not None:
+            out[name] = tokens[special]
     template = meta.get("tokenizer.chat_template")
     if template is not None:
         out["chat_template"] = template
@@ -415,15 +430,40 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def convert_gguf(gguf_path: str | Path, out: str | Path, dtype: Dtype = "bfloat16") -> Path:
+def _staging_dir(dst: Path) -> Path:
+    """A fresh temporary sibling of `dst` to write the folder into; `dst` must not exist or be
+    an empty folder. A place that cannot be written (read-only, under a file, no permission)
+    is a `GGUFConversionError` naming it."""
+    try:
+        if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+            raise GGUFConversionError(
+                f"{dst} already exists and is not empty; choose another --out"
+            )
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    except OSError as exc:
+        raise GGUFConversionError(
+            f"--out {dst}: cannot write there: {exc.strerror or exc}"
+        ) from exc
+
+
+def convert_gguf(
+    gguf_path: str | Path,
+    out: str | Path,
+    dtype: Dtype = "bfloat16",
+    allow_non_finite: bool = False,
+) -> Path:
     """Convert `gguf_path` into the HF folder `out` (module docstring); returns `out`.
 
-    1. Read metadata and tensor headers; check architecture, tensor names and types, the
-       tokenizer (all errors are raised here, before any file is written).
-    2. Dequantize every tensor (unpermuting q/k) and cast to `dtype`.
-    3. Write the folder into a temporary sibling of `out`, then rename it to `out`.
+    1. Read metadata and tensor headers (`gguf_input`: a corrupt file is refused here); check
+       architecture, tensor names, types and shapes, the tokenizer (all errors are raised
+       here, before any file is written).
+    2. Make the staging folder beside `out` (an `out` that cannot be written fails here).
+    3. Dequantize every tensor (unpermuting q/k; NaN or Inf refused unless
+       `allow_non_finite`) and cast to `dtype`.
+    4. Write the folder into the staging folder, then rename it to `out`.
 
-    `out` must not exist or be an empty folder (GGUFConversionError otherwise).
+    `out` must not exist or be an empty folder. Every failure is a `GGUFConversionError`.
     """
     import torch
     from safetensors.torch import save_file
@@ -431,10 +471,8 @@ def convert_gguf(gguf_path: str | Path, out: str | Path, dtype: Dtype = "bfloat1
     if dtype not in DTYPES:
         raise GGUFConversionError(f"dtype {dtype!r} is not supported; supported: {list(DTYPES)}")
     src, dst = Path(gguf_path), Path(out)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise GGUFConversionError(f"{dst} already exists and is not empty; choose another --out")
-    reader = _open(src)
-    meta = _metadata(reader)
+    reader = open_gguf(src)
+    meta = read_metadata(reader, src)
     infos = tensor_infos(reader)
     tied = not any(i.name == "output.weight" for i in infos)
     config = hf_config(meta, tied, dtype)
@@ -443,13 +481,12 @@ def convert_gguf(gguf_path: str | Path, out: str | Path, dtype: Dtype = "bfloat1
     tokenizer_json = tokenizer.to_str()
 
     torch_dtype = getattr(torch, dtype)
-    tensors = {
-        name: torch.from_numpy(w).to(torch_dtype).contiguous()
-        for name, w in hf_tensors(reader, config).items()
-    }
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    tmp = _staging_dir(dst)
     try:
+        tensors = {
+            name: torch.from_numpy(w).to(torch_dtype).contiguous()
+            for name, w in hf_tensors(reader, config, allow_non_finite).items()
+        }
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation_config(meta))
@@ -473,6 +510,9 @@ def convert_gguf(gguf_path: str | Path, out: str | Path, dtype: Dtype = "bfloat1
             os.rename(tmp, dst)
         except OSError as exc:  # another conversion filled `dst` meanwhile
             raise GGUFConversionError(f"{dst} was written by someone else meanwhile") from exc
+    except OSError as exc:  # a full disk, a folder made read-only meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GGUFConversionError(f"--out {dst}: writing failed: {exc.strerror or exc}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
