@@ -28,6 +28,8 @@ sub-model per TOML table; every field is described and defaulted where a default
                tls_client_ca = ...  metrics_public = false  insecure = false
                cluster_secret_file = ...   (a `security.config` SecurityConfig: file paths)
     [security.internal]  tls_cert = ...  tls_key = ...  tls_ca = ...   (router<->worker mTLS)
+    [tracing]  enabled = true  endpoint = "http://jaeger:4317"  sampler_arg = 0.1 ...
+               (a `tracing` TracingConfig: OpenTelemetry traces; unset keys from OTEL_* env)
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
@@ -53,6 +55,7 @@ from proto.pdserve.v1.roles import ROLE_NAMES, Role
 from router.config import RouterConfig, RouterSettings
 from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
+from tracing.config import TracingConfig
 from worker.config import WorkerConfig
 
 Mode = Literal["disagg", "colocated"]
@@ -197,6 +200,11 @@ class ClusterConfig(_Frozen):
         description="TLS / mutual TLS / bearer tokens on the public API, the cluster secret "
         "file and router<->worker mutual TLS (docs/security.md).",
     )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces of every request, in the router and every worker "
+        "(docs/observability.md); default off.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -326,6 +334,7 @@ class ClusterConfig(_Frozen):
             "colocated_addrs": tuple(addresses.get("colocated", ())),
             "ratio": self.ratio,
             "security": self.security,
+            "tracing": self.tracing,
         }
         return RouterConfig(**{**fields, **overrides})
 
@@ -355,6 +364,7 @@ class ClusterConfig(_Frozen):
             internal_tls=self.security.internal,
             insecure=self.security.insecure,
             stop_grace_s=self.drain_timeout_s,
+            tracing=self.tracing,
         )
 
 

@@ -18,6 +18,7 @@ from router.prefix_index.config import MemoryIndexConfig, PrefixIndexConfig, Red
 from router.prefix_policy import PrefixRoutingConfig
 from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
+from tracing.config import TracingConfig
 
 Mode = Literal["disagg", "colocated"]
 
@@ -175,6 +176,11 @@ class RouterConfig(RouterSettings):
         description="TLS, mutual TLS and bearer tokens on the public API; the worker plane's "
         "mutual TLS and cluster secret file (`security.config`). A non-loopback `host` needs "
         "TLS and a token file unless security.insecure.",
+    )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces of every request (the cluster's [tracing]; unset keys "
+        "from the router process's OTEL_* environment); default off.",
     )
 
     @field_validator("prefill_addrs", "decode_addrs", "colocated_addrs")

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from model_runtime.engine_config import EngineConfig
 from proto.pdserve.v1.roles import Role
 from security.config import InternalTLS
+from tracing.config import TracingConfig
 
 READY_PREFIX = "PDSERVE_WORKER_READY"
 """Start of the one stdout line a worker prints once it serves (``... host:port``)."""
@@ -104,6 +105,12 @@ class WorkerConfig(BaseModel):
         default=False,
         description="Allow a non-loopback `host` without a cluster secret (the worker API and "
         "the KV rendezvous then answer anyone who can reach them).",
+    )
+
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry spans of this worker's RPCs (the cluster's [tracing]; unset "
+        "keys from this process's OTEL_* environment); default off.",
     )
 
     @field_validator("worker_id")

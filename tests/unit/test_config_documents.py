@@ -64,6 +64,7 @@ WORKER_FROM_CLUSTER: dict[str, Any] = {
     "internal_tls": lambda c: c.security.internal,
     "insecure": lambda c: c.security.insecure,
     "stop_grace_s": lambda c: c.drain_timeout_s,
+    "tracing": lambda c: c.tracing,
 }
 # Given by the launcher per worker (arguments of `worker_config`).
 WORKER_FROM_LAUNCHER = {"worker_id", "role", "host", "port", "node"}
@@ -86,6 +87,13 @@ def _cluster(tmp_path: Path) -> ClusterConfig:
             "engine": {"block_size": 32, "num_kv_blocks": 99},
             "transfer": {"timeout_s": 9.0, "kv_host": "127.0.0.3", "shared_memory": False},
             "ratio": {"mode": "advisory", "slo_ttft_ms": 500, "slo_tpot_ms": 50},
+            "tracing": {
+                "enabled": True,
+                "endpoint": "http://127.0.0.9:4317",
+                "sampler": "parentbased_traceidratio",
+                "sampler_arg": 0.25,
+                "capture_content": True,
+            },
             "security": {
                 "insecure": True,
                 "internal": {"tls_cert": str(pem), "tls_key": str(pem), "tls_ca": str(pem)},
@@ -118,6 +126,7 @@ def test_the_router_process_gets_every_field_the_cluster_config_says(
         "mode": cluster.mode,
         "ratio": cluster.ratio,
         "security": cluster.security,
+        "tracing": cluster.tracing,
         "prefill_addrs": tuple(addresses["prefill"]),
         "decode_addrs": tuple(addresses["decode"]),
         "colocated_addrs": (),
