@@ -92,10 +92,12 @@ class _Reservation:
     decode: _DecodeCall | None = None
 
 
-class DecodeRole(RoleHandler):
-    """`Reserve` + `Decode` (see the module docstring)."""
+class RemoteDecodeRole(RoleHandler):
+    """`Reserve` + `Decode` for requests prefilled on a prefill worker (see the module
+    docstring); one part of the worker's "decode" role (`worker_main.ROLES`)."""
 
-    name = "decode"
+    name = "decode-remote"
+    starts_transfers = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -333,6 +335,9 @@ class DecodeRole(RoleHandler):
 
     def request_ids(self) -> list[str]:
         return list(self._res)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._res
 
     def num_active(self) -> int:
         """Live requests, and abandoned reservations whose transfer result is still to come."""

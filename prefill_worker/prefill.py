@@ -91,6 +91,7 @@ class PrefillRole(RoleHandler):
     """`Prefill` with layer-wise KV push (see the module docstring)."""
 
     name = "prefill"
+    starts_transfers = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -263,6 +264,9 @@ class PrefillRole(RoleHandler):
 
     def request_ids(self) -> list[str]:
         return list(self._calls)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._calls
 
     def num_active(self) -> int:
         """Unanswered calls, and cancelled sends whose transfer result is still to come."""

@@ -2,7 +2,7 @@
 
 Runs in the router process (and, being pure, in the planner's simulator). In a disaggregated
 cluster whose `[router.hybrid]` section is on, every decode worker can also prefill a prompt
-itself (`decode_worker.hybrid`: chunked prefill inside its decode batches, as a colocated
+itself (its "decode" role's `Generate`: chunked prefill inside its decode batches, as a colocated
 worker does). After the policy has picked the (prefill, decode) pair, `choose_prefill_path`
 decides which leg the request takes:
 

@@ -8,12 +8,14 @@ role table `ROLES` and calls `worker.cli.main`); launchers (`deploy.launcher`,
 Layers (imports go downwards only):
 
 - `worker_main`          composition root: the role table, the entry point
-- role packages          `prefill_worker` (prefill), `decode_worker` (decode, colocated)
+- role packages          `prefill_worker` (prefill), `decode_worker` (decode's Reserve +
+                         Decode), `colocated_worker` (Generate)
 - host core (this package, role-agnostic; never imports a role package):
   - `server`             loads the model, plugs in the roles it is given, starts the engine
                          thread and the grpc.aio server; `cli` parses the command line
   - `roles`              the `RoleHandler` contract every role implements (typed entry points
                          listed in an `Rpc` table), and `RoleContext`
+  - `composite`          `compose`: one role made of parts (the "decode" role)
   - `engine_thread`      the single owner of model, KV cache and transport; commands, drain,
                          role switch, status snapshot
   - `service`            the grpc.aio `pdserve.v1.Worker` servicer + health

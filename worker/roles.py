@@ -7,7 +7,7 @@ a role keeps only what it needs to answer its RPCs (their sinks, timings, deadli
 engine thread (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
 
 - for each accepted RPC (it has already checked the role and the draining state), the typed
-  entry point its `Rpc` names in the role's `rpcs` table, e.g. ``DecodeRole.reserve(request,
+  entry point its `Rpc` names in the role's `rpcs` table, e.g. ``RemoteDecodeRole.reserve(request,
   sink, timeout_s)`` for `Reserve`. Rejections raise `WorkerError`; the engine thread fails the
   sink with it. An entry point that raises must have undone whatever it started.
 - `before_forward(scheduled)` just before each forward; the callback it returns becomes the
@@ -34,7 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -62,8 +62,15 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
+class HasRequestId(Protocol):
+    """Every worker RPC's request names the request it is for."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
 H = TypeVar("H", bound="RoleHandler")
-Req = TypeVar("Req")
+Req = TypeVar("Req", bound=HasRequestId)
 S = TypeVar("S", bound=Sink)
 
 
@@ -81,6 +88,11 @@ class Rpc(Generic[H, Req, S]):
     # May also run between two layers of a forward pass (so a long step does not delay it):
     # it must not touch the step's scheduled requests.
     between_layers: bool = False
+
+    def request_id(self, request: object) -> str:
+        """The request id `request` (of `request_type`) names."""
+        assert isinstance(request, self.request_type), (self.method, type(request))
+        return request.request_id
 
     def call(self, role: H, request: object, sink: Sink, timeout_s: float | None) -> None:
         """Run the entry point; the request and sink types are the gRPC service's contract."""
@@ -104,6 +116,7 @@ class RoleHandler(ABC):
     methods: ClassVar[frozenset[str]] = frozenset()  # RPCs this role serves
     new_work: ClassVar[frozenset[str]] = frozenset()  # of those, the ones refused while draining
     between_layers: ClassVar[frozenset[str]] = frozenset()  # see `Rpc.between_layers`
+    starts_transfers: ClassVar[bool] = False  # gets `on_transfer_results`
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -136,6 +149,10 @@ class RoleHandler(ABC):
 
     @abstractmethod
     def request_ids(self) -> list[str]: ...
+
+    def holds(self, request_id: str) -> bool:
+        """Whether this role holds anything for `request_id` (its RPCs are open)."""
+        return request_id in self.request_ids()
 
     def abort_all(self, error: WorkerError) -> None:
         for rid in self.request_ids():

@@ -1,10 +1,12 @@
-"""The hybrid decode role (`decode_worker.hybrid`): remote and local prefill on one decode engine.
+"""The decode role (`worker_main.ROLES["decode"]`, a `worker.composite` of
+`RemoteDecodeRole` and `ColocatedRole`): remote and local prefill on one decode engine.
 
-The test thread plays both engine threads, as in `test_prefill_role_interleavings`: a prefill
-role and a `HybridDecodeRole` over loopback. One request goes the disaggregated way (Reserve ->
-Prefill -> Decode), one is prefilled on the decode worker itself (Generate), and both run in
-the same decode batches. Oracle: a colocated `LLMEngine` on the same weights (greedy). Each
-script ends with every block free, neither role holding anything and `check_integrity` passing.
+The test thread plays both engine threads, as in `test_role_interleavings`: a prefill role and
+the decode role over loopback, each RPC entered through the role's `Rpc` table. One request
+goes the disaggregated way (Reserve -> Prefill -> Decode), one is prefilled on the decode
+worker itself (Generate), and both run in the same decode batches. Oracle: a colocated
+`LLMEngine` on the same weights (greedy). Each script ends with every block free, neither role
+holding anything and `check_integrity` passing.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_worker.hybrid import HybridDecodeRole
+from decode_worker.decode import RemoteDecodeRole
 from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
 from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2 as pb
-from worker.roles import RoleContext
-from worker.sinks import StreamSink, UnarySink, WorkerError
+from worker.composite import CompositeRole
+from worker.roles import RoleContext, RoleHandler
+from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
+from worker_main import ROLES
 
 REMOTE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 LOCAL_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39]
@@ -35,8 +39,13 @@ CANCELLED = WorkerError(grpc.StatusCode.CANCELLED, "the test cancelled it")
 CFG = EngineConfig(block_size=4, num_kv_blocks=48, max_num_batched_tokens=8, max_num_seqs=4)
 
 
+def rpc(role: RoleHandler, method: str, request: object, sink: Sink, timeout_s: float) -> None:
+    """RPC `method` as the engine thread enters it: through the role's `Rpc` table."""
+    role.rpc_table[method].call(role, request, sink, timeout_s)
+
+
 class Cluster:
-    """A prefill role and a hybrid decode role, each on its own engine, over loopback."""
+    """A prefill role and a decode role, each on its own engine, over loopback."""
 
     def __init__(self, model_dir: Path) -> None:
         hub = LoopbackHub()
@@ -45,7 +54,9 @@ class Cluster:
         self.p_tr = LoopbackTransport(hub, "p", self.p_engine.runner.kv_cache)
         self.d_tr = LoopbackTransport(hub, "d", self.d_engine.runner.kv_cache)
         self.p = PrefillRole(RoleContext(self.p_engine, self.p_tr, "p", 1, 30.0, 60.0))
-        self.d = HybridDecodeRole(RoleContext(self.d_engine, self.d_tr, "d", 1, 30.0, 60.0))
+        decode = ROLES["decode"]
+        assert issubclass(decode, CompositeRole), decode
+        self.d = decode(RoleContext(self.d_engine, self.d_tr, "d", 1, 30.0, 60.0))
         self.loop = asyncio.new_event_loop()
         self.totals = (self.p_engine.block_pool.num_free, self.d_engine.block_pool.num_free)
         self.mixed_steps = 0  # decode-engine steps that ran a local prefill chunk and a decode
@@ -59,7 +70,7 @@ class Cluster:
         req = pb.ReserveRequest(
             request_id=rid, num_prompt_tokens=len(REMOTE_PROMPT), max_tokens=MAX_TOKENS
         )
-        self.d.reserve(req, reserve, 30.0)
+        rpc(self.d, "Reserve", req, reserve, 30.0)
         ticket = self.loop.run_until_complete(reserve.wait()).ticket
         prefill = UnarySink(self.loop)
         self.p.prefill(pb.PrefillRequest(
@@ -75,7 +86,7 @@ class Cluster:
             self.p.on_transfer_results(self.p_tr.poll())
         answer: pb.PrefillResponse = self.loop.run_until_complete(prefill.wait())
         sink = StreamSink(self.loop)
-        self.d.decode(pb.DecodeRequest(
+        rpc(self.d, "Decode", pb.DecodeRequest(
                 request_id=rid, transfer_id=ticket.transfer_id, first_token=answer.first_token,
                 prompt_token_ids=REMOTE_PROMPT, sampling=self.sampling(),
             ),
@@ -90,7 +101,7 @@ class Cluster:
         req = pb.WorkerGenerateRequest(
             request_id=rid, prompt_token_ids=LOCAL_PROMPT, sampling=self.sampling()
         )
-        self.d.generate(req, sink, 30.0)
+        rpc(self.d, "Generate", req, sink, 30.0)
         return sink
 
     def step(self) -> None:
@@ -171,7 +182,9 @@ def test_both_paths_share_the_decode_batches_with_oracle_tokens(
 def test_an_id_live_on_one_path_is_refused_on_the_other(cluster: Cluster) -> None:
     cluster.local("x")
     with pytest.raises(WorkerError) as info:
-        cluster.d.reserve(
+        rpc(
+            cluster.d,
+            "Reserve",
             pb.ReserveRequest(request_id="x", num_prompt_tokens=4, max_tokens=2),
             UnarySink(cluster.loop),
             30.0,
@@ -179,7 +192,9 @@ def test_an_id_live_on_one_path_is_refused_on_the_other(cluster: Cluster) -> Non
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
     sink = cluster.remote("y")
     with pytest.raises(WorkerError) as info:
-        cluster.d.generate(
+        rpc(
+            cluster.d,
+            "Generate",
             pb.WorkerGenerateRequest(request_id="y", prompt_token_ids=[1, 2, 3]),
             StreamSink(cluster.loop),
             30.0,
@@ -198,7 +213,9 @@ def test_abort_a_local_prefill_mid_chunk_frees_its_blocks(
     local = cluster.local("l")
     cluster.step()  # 1. l's first chunk ran: part of its prompt is computed, blocks taken
     assert cluster.d_engine.block_pool.num_free < cluster.totals[1]
-    assert not cluster.d.remote.abort("l", None, CANCELLED)  # 2. not the remote part's
+    assert not cluster.d.part(RemoteDecodeRole).abort(
+        "l", None, CANCELLED
+    )  # 2. not the remote part's
     assert cluster.d.abort("l", local if abort_with_rpc_sink else None, CANCELLED)
     assert cluster.chunks(local)[1] is CANCELLED
     assert cluster.d.request_ids() == ["r"]
@@ -212,7 +229,7 @@ def test_a_local_request_expires_like_a_colocated_one(cluster: Cluster) -> None:
     req = pb.WorkerGenerateRequest(
         request_id="late", prompt_token_ids=LOCAL_PROMPT, sampling=cluster.sampling()
     )
-    cluster.d.generate(req, sink, 0.01)
+    rpc(cluster.d, "Generate", req, sink, 0.01)
     deadline = time.monotonic() + 0.01
     while time.monotonic() <= deadline:  # the request's deadline passing is the state tested
         time.sleep(0.005)

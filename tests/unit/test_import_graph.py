@@ -9,9 +9,9 @@ Two checks, both over the product packages a wheel ships (`pyproject.toml`'s pac
   neither between modules nor between top-level packages (an edge `a.x -> b.y` is an edge
   `a -> b`), and the layering rules hold:
   the product never imports `benchmarks` or `tests`, `benchmarks` never imports `tests`,
-  `prefill_worker` and `decode_worker` never import each other, the worker host never
-  imports a role package (only its composition root `worker_main`, above both, does), and the router
-  never imports torch.
+  the role packages (`prefill_worker`, `decode_worker`, `colocated_worker`) never import each
+  other, the worker host never imports a role package (only its composition root
+  `worker_main`, above both, does), and the router never imports torch.
 """
 
 from __future__ import annotations
@@ -180,14 +180,18 @@ def test_benchmarks_never_import_tests() -> None:
     assert _violations({"benchmarks"}, {"tests"}) == []
 
 
-def test_the_two_roles_never_import_each_other() -> None:
-    assert _violations({"prefill_worker"}, {"decode_worker"}) == []
-    assert _violations({"decode_worker"}, {"prefill_worker"}) == []
+ROLE_PACKAGES = {"prefill_worker", "decode_worker", "colocated_worker"}
+
+
+@pytest.mark.parametrize("package", sorted(ROLE_PACKAGES))
+def test_the_role_packages_never_import_each_other(package: str) -> None:
+    """Roles are composed above them (`worker_main`), never by one importing another."""
+    assert _violations({package}, ROLE_PACKAGES - {package}) == []
 
 
 def test_the_worker_host_core_knows_no_role_package() -> None:
     """The host takes its roles from the composition root above it (`worker_main`)."""
-    assert _violations({"worker"}, {"prefill_worker", "decode_worker", "worker_main"}) == []
+    assert _violations({"worker"}, ROLE_PACKAGES | {"worker_main"}) == []
 
 
 def test_model_runtime_kernels_import_nothing_above_them() -> None:

@@ -1,6 +1,6 @@
 """The worker roles' interleavings, scripted one event at a time over the loopback transport.
 
-`PrefillRole` and `DecodeRole` run on two tiny random engines; the test thread plays both
+`PrefillRole` and `RemoteDecodeRole` run on two tiny random engines; the test thread plays both
 engine threads through the roles' typed entry points (`prefill`, `reserve`, `decode`) and the
 lifecycle calls `worker.engine_thread` makes (`before_forward`/`on_outputs` around a step,
 `on_transfer_results` with what each side's `poll()` returns, `expire(now)`, `abort`). The
@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_worker.decode import DecodeRole
+from decode_worker.decode import RemoteDecodeRole
 from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
@@ -53,7 +53,7 @@ class Pair:
         self.p_tr = LoopbackTransport(hub, "p", self.p_engine.runner.kv_cache)
         self.d_tr = LoopbackTransport(hub, "d", self.d_engine.runner.kv_cache)
         self.p = PrefillRole(RoleContext(self.p_engine, self.p_tr, "p", 1, 30.0, 60.0))
-        self.d = DecodeRole(RoleContext(self.d_engine, self.d_tr, "d", 1, 30.0, 60.0))
+        self.d = RemoteDecodeRole(RoleContext(self.d_engine, self.d_tr, "d", 1, 30.0, 60.0))
         self.loop = asyncio.new_event_loop()
         self.total = cfg.num_kv_blocks
 

@@ -1,6 +1,7 @@
 """Colocated role: `Generate` runs prefill and decode in this worker's own LLMEngine.
 
-Runs in the engine thread of a colocated worker (the baseline of every goodput comparison).
+Runs in the engine thread of a colocated worker (the baseline of every goodput comparison),
+and of a decode worker, as the local-prefill part of its "decode" role (`worker_main.ROLES`).
 Each request streams `TokenChunk`s: the first carries the first token with `cached_tokens`,
 `admission_ms` (arrival until its first step) and `first_step_ms` (its first step until the
 first token, chunked prefill included); the last has ``finished=True``.
@@ -110,5 +111,8 @@ class ColocatedRole(RoleHandler):
 
     def request_ids(self) -> list[str]:
         return list(self._jobs)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._jobs
 
     rpcs = (Rpc("Generate", generate, worker_pb2.WorkerGenerateRequest, StreamSink),)
