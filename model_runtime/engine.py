@@ -32,6 +32,7 @@ import torch
 from model_runtime.block_pool import BlockPool, KVCacheEventListener
 from model_runtime.config import ModelConfig
 from model_runtime.engine_config import EngineConfig
+from model_runtime.grammar import GrammarError, Grammars
 from model_runtime.kv_cache import KVCache
 from model_runtime.limits import check_context
 from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
@@ -75,8 +76,13 @@ class LLMEngine:
         runner: ModelRunner,
         config: EngineConfig,
         kv_event_listener: KVCacheEventListener | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
+        """`grammars`: the model's grammar engine (`model_runtime.grammar`), shared with
+        whatever compiles ahead of the engine thread; None refuses structured requests."""
         self.config = config
+        self.grammars = grammars
+        self._masks = grammars.new_masks(config.max_num_seqs) if grammars is not None else None
         self.runner = runner
         self.model_config: ModelConfig = runner.config
         self.num_kv_blocks: int = runner.kv_cache.num_blocks
@@ -152,7 +158,12 @@ class LLMEngine:
             runner.decode_path,
             f" ({runner.fused_unsupported})" if runner.fused_unsupported else "",
         )
-        return cls(runner, config, kv_event_listener)
+        grammars = None
+        if (Path(model_dir) / "tokenizer.json").is_file():
+            grammars = Grammars.from_model_dir(
+                model_dir, model_config.vocab_size, model_config.eos_token_ids
+            )
+        return cls(runner, config, kv_event_listener, grammars)
 
     # ------------------------------------------------------------------ requests
 
@@ -171,7 +182,7 @@ class LLMEngine:
         them); a sampled request's generator skips their draws, so a seeded one continues its
         seed's stream.
         """
-        request = self._make_request(request_id, prompt_token_ids, params, num_sampled)
+        request = self._make_request(request_id, prompt_token_ids, params, num_sampled, num_sampled)
         self.scheduler.add(request)
 
     def add_prefilled_request(
@@ -223,10 +234,17 @@ class LLMEngine:
         params: SamplingParams,
         num_sampled: int,
     ) -> Request:
-        request = self._make_request(request_id, prompt_token_ids, params, num_sampled + 1)
+        request = self._make_request(
+            request_id, prompt_token_ids, params, num_sampled + 1, num_sampled
+        )
         vocab = self.model_config.vocab_size
         if isinstance(first_token, bool) or not 0 <= first_token < vocab:
             raise ValueError(f"request {request_id!r}: first_token must be in [0, {vocab})")
+        if request.matcher is not None and not request.matcher.allows(first_token):
+            raise ValueError(
+                f"request {request_id!r}: first_token {first_token} is not allowed by its "
+                "grammar after its tokens so far: the workers disagree"
+            )
         request.status = RequestStatus.RUNNING
         return request
 
@@ -236,7 +254,11 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         draws_to_skip: int = 0,
+        num_sampled: int = 0,
     ) -> Request:
+        """A new request; `draws_to_skip` sampling steps already made elsewhere (its
+        generator skips them), `num_sampled` of its prompt's last tokens sampled elsewhere (a
+        constrained request's matcher is rebuilt over them, and refuses ones that disagree)."""
         vocab = self.model_config.vocab_size
         params.validate(vocab)
         tokens = list(prompt_token_ids)
@@ -255,12 +277,27 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
             skip_draws(generator, vocab, draws_to_skip)
+        matcher = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError(
+                    f"request {request_id!r}: structured output needs the model's tokenizer.json"
+                )
+            if not 0 <= num_sampled <= len(tokens):
+                raise ValueError(f"request {request_id!r}: num_sampled {num_sampled} out of range")
+            try:
+                matcher = self.grammars.matcher(
+                    params.structured, tokens[len(tokens) - num_sampled :]
+                )
+            except GrammarError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         return Request(
             request_id=request_id,
             prompt_token_ids=tokens,
             params=params,
             eos_token_ids=self.model_config.eos_token_ids,
             generator=generator,
+            matcher=matcher,
         )
 
     def abort_request(self, request_id: str) -> RequestOutput:
@@ -311,11 +348,20 @@ class LLMEngine:
         tops: list[TopLogprobs | None] = [None] * len(items)
         if rows:
             requests = [self.scheduler.requests[items[i].request_id] for i in rows]
+            constrained = [k for k, r in enumerate(requests) if r.matcher is not None]
+            masks = None
+            if constrained:  # one batched fill; unconstrained batches never get here
+                assert self.grammars is not None and self._masks is not None
+                masks = self._masks[: len(constrained)]
+                matchers = [requests[k].matcher for k in constrained]
+                self.grammars.fill_masks(matchers, masks)  # type: ignore[arg-type]
             out = self.sampler.sample(
                 logits if len(rows) == len(items) else logits[rows],
                 [r.params for r in requests],
                 [r.generator for r in requests],
                 [_banned(r) for r in requests],
+                masks,
+                constrained,
             )
             for k, i in enumerate(rows):
                 tokens[i], logprobs[i], tops[i] = (

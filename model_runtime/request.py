@@ -32,7 +32,11 @@ from model_runtime.sampling_params import SamplingParams, TopLogprobs
 if TYPE_CHECKING:
     import torch
 
-FinishReason = Literal["stop", "length", "abort"]
+    from model_runtime.grammar import Matcher
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""'error': the request's grammar matcher broke (a resource limit of the grammar engine, or a
+token it refused); its output so far is not a complete match."""
 
 
 class RequestStatus(enum.Enum):
@@ -108,6 +112,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    matcher: Matcher | None = None
+    """The request's grammar state when its params are `structured` (None otherwise): it
+    has consumed every output token; `append_token` advances it."""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
@@ -162,7 +169,10 @@ class Request:
         """Record a generated token; return True if it finishes the request.
 
         Stop rules, in order: EOS (unless `ignore_eos`) or a `stop_token_ids` member → 'stop'
-        (the stop token is kept in `output_token_ids`); `max_tokens` reached → 'length'.
+        (the stop token is kept in `output_token_ids`); `max_tokens` reached → 'length'. A
+        constrained request's `matcher` consumes the token first: a grammar now complete ends
+        it 'stop' (whatever `max_tokens` says: the match is whole), a token the grammar
+        refuses (its matcher broke) 'error'.
         Sets `status` to FINISHED and `finish_reason` when finishing.
         """
         assert not self.is_finished, f"request {self.request_id} is already finished"
@@ -171,6 +181,11 @@ class Request:
         if self.params.logprobs is not None:
             self.output_top_logprobs.append(top)
         reason = stop_reason(token_id, self.num_output_tokens, self.params, self.eos_token_ids)
+        if self.matcher is not None:
+            if not self.matcher.consume(token_id):
+                reason = "error"
+            elif self.matcher.done:
+                reason = "stop"
         if reason is not None:
             self.finish(reason)
         return reason is not None

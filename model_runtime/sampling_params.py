@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model_runtime.structured import StructuredOutput
+
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit)."""
 
@@ -30,7 +32,9 @@ class SamplingParams:
     at any of `stop_token_ids`, or after `max_tokens` tokens; before `min_tokens` tokens EOS and
     the stop ids cannot be sampled. `logprobs` None reports no log-probabilities; k reports each
     token's and the k most likely tokens' (under the model's own distribution, before
-    temperature, top-k and top-p).
+    temperature, top-k and top-p). `structured` constrains the output (`StructuredOutput`,
+    checked at the edge by its own `check`): every token is sampled under its grammar's mask,
+    and the request ends 'stop' once the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -42,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

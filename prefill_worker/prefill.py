@@ -218,6 +218,8 @@ class PrefillRole(RoleHandler):
                 continue
             first = out.output_token_ids[0]
             reason = stop_reason(first, 1, call.params, self.engine.model_config.eos_token_ids)
+            if out.finish_reason in ("stop", "error"):  # also a grammar complete or broken
+                reason = out.finish_reason
             started = call.first_scheduled if call.first_scheduled is not None else call.arrival
             resp = worker_pb2.PrefillResponse(
                 first_token=first,

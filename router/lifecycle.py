@@ -64,6 +64,7 @@ from router.validation import (
     RequestValidationError,
     ValidatedRequest,
     check_not_in_flight,
+    has_structured_output,
     validate_request,
 )
 
@@ -213,9 +214,13 @@ class RequestLifecycle:
     async def _validate(
         self, request: DecodedRequest | inference_pb2.GenerateRequest
     ) -> ValidatedRequest:
-        """`validate_request`; a text prompt is tokenized on the tokenizer threads."""
+        """`validate_request`; a text prompt (tokenized) or a structured-output constraint (its
+        grammar checked) is validated on the tokenizer threads."""
         msg = request.message if isinstance(request, DecodedRequest) else request
-        if msg is None or msg.WhichOneof("prompt") != "text":
+        off_loop = msg is not None and (
+            msg.WhichOneof("prompt") == "text" or has_structured_output(msg)
+        )
+        if not off_loop:
             return validate_request(
                 request, self.limits, self.tokenizer.encode, self._in_flight_ids
             )

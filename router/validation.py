@@ -22,6 +22,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message, message_fa
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from model_runtime.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
+from model_runtime.structured import StructuredOutput
 from proto.pdserve.v1 import inference_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -365,7 +366,9 @@ def _sampling(
         raise RequestValidationError(
             "sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}"
         )
+    structured = _structured(sp)
     params = SamplingParams(
+        structured=structured,
         max_tokens=max_tokens,
         temperature=float(temperature),
         top_p=float(top_p),
@@ -378,6 +381,40 @@ def _sampling(
     )
     params.validate(limits.vocab_size)  # the runtime's own rules; must agree with the above
     return params
+
+
+def has_structured_output(req: inference_pb2.GenerateRequest) -> bool:
+    """Whether `req` asks for structured output (its check compiles a grammar: tens of
+    milliseconds at most, run off the event loop)."""
+    return req.sampling.structured_outputs.WhichOneof("constraint") is not None
+
+
+def _structured(sp: inference_pb2.SamplingParams) -> StructuredOutput | None:
+    """`sampling.structured_outputs` as a checked constraint (`StructuredOutput.check`: the
+    grammar engine validates it under its limits), or None."""
+    msg = sp.structured_outputs
+    _check_unknown_fields(msg, "sampling.structured_outputs")
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        if msg.lenient:
+            raise RequestValidationError(
+                "sampling.structured_outputs.lenient", "only with a json constraint"
+            )
+        return None
+    field = f"sampling.structured_outputs.{kind}"
+    if kind == "json_object" and not msg.json_object:
+        raise RequestValidationError(field, "must be true when set")
+    if msg.lenient and kind != "json":
+        raise RequestValidationError(
+            "sampling.structured_outputs.lenient", "only with a json constraint"
+        )
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    so = StructuredOutput.of(kind, value, lenient=msg.lenient)
+    try:
+        so.check(field)
+    except ValueError as exc:
+        raise RequestValidationError(field, str(exc).removeprefix(f"{field}: ")) from None
+    return so
 
 
 def validate_request(

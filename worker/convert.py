@@ -23,7 +23,17 @@ from collections.abc import Sequence
 from kvtransfer.types import PeerEndpoint, TransferTicket
 from model_runtime.kv_cache import KVLayout
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
+from model_runtime.structured import StructuredOutput
 from proto.pdserve.v1 import inference_pb2, worker_pb2
+
+
+def structured_from_proto(msg: inference_pb2.StructuredOutputs) -> StructuredOutput | None:
+    """The constraint a `StructuredOutputs` message carries; None when none is set."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutput.of(kind, value, lenient=msg.lenient)
 
 
 def sampling_from_proto(s: worker_pb2.WorkerSampling, vocab_size: int) -> SamplingParams:
@@ -38,6 +48,7 @@ def sampling_from_proto(s: worker_pb2.WorkerSampling, vocab_size: int) -> Sampli
         seed=s.seed if s.has_seed else None,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        structured=structured_from_proto(s.structured_outputs),
     )
     params.validate(vocab_size)
     return params

@@ -7,6 +7,11 @@ request's deadline is the smaller of its `timeout_s` and the RPC's own gRPC dead
 call). A handler cancelled before its answer (client disconnect, gRPC deadline) tells the
 engine thread to abort the request it started — only that one, matched by its sink.
 
+Structured output: a request with a grammar (`sampling.structured_outputs`) has it compiled
+before it reaches the engine thread, on this service's compile thread (`_compile_ahead`; never
+on the loop, never in the engine's step), into the model's shared `Grammars` cache, where the
+engine finds it. A grammar that does not compile answers INVALID_ARGUMENT.
+
 KV events: `StreamKVEvents` / `GetKVSnapshot` serve the process's `KVEventPublisher` (the block
 pool's prefix-cache changes, for the router's prefix index) without touching the engine thread.
 
@@ -18,13 +23,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from model_runtime.grammar import GrammarError
 from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from worker.convert import structured_from_proto
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher, PublisherHeartbeat
 from worker.sinks import StreamSink, UnarySink, WorkerError
@@ -54,6 +62,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._kv_endpoint = kv_endpoint
         self._epoch = epoch
         self._metrics_port = metrics_port
+        self._compile = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -180,9 +189,29 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # ---- plumbing --------------------------------------------------------------------------
 
+    async def _compile_ahead(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Compile a constrained request's grammar into the shared cache on the compile thread
+        (module docstring); INVALID_ARGUMENT when it does not compile."""
+        grammars = self._engine.engine.grammars
+        sampling = getattr(request, "sampling", None)
+        if grammars is None or sampling is None:
+            return
+        so = structured_from_proto(sampling.structured_outputs)
+        if so is None or grammars.cached(so):
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._compile, grammars.compile, so)
+        except GrammarError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request {request.request_id!r}: sampling.structured_outputs: {exc}",
+            )
+
     async def _unary(
         self, method: str, request: Any, context: grpc.aio.ServicerContext, timeout: float | None
     ) -> Any:
+        await self._compile_ahead(request, context)
         sink = UnarySink(asyncio.get_running_loop())
         self._engine.submit(method, request, sink, timeout)
         return await self._await(sink, context, request.request_id)
@@ -205,6 +234,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _stream(
         self, method: str, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        await self._compile_ahead(request, context)
         sink = StreamSink(asyncio.get_running_loop())
         self._engine.submit(method, request, sink, _timeout(request, context))
         ended = False

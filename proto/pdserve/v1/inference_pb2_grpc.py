@@ -5,7 +5,7 @@ import warnings
 
 from proto.pdserve.v1 import inference_pb2 as proto_dot_pdserve_dot_v1_dot_inference__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
