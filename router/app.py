@@ -11,6 +11,11 @@ gRPC server reflection (so `grpcurl` and other generic clients need no .proto fi
 The router's Prometheus metrics (`router.metrics`) are fed by the request lifecycle, the
 prefix index's lookups and the ratio controller's decisions.
 
+Tracing (`[tracing]`, `docs/observability.md`): with it on, the router gets an OpenTelemetry
+tracer of its own (`tracing.make_tracer`; nothing of OpenTelemetry is imported otherwise), the
+lifecycle traces every request (`router.request_trace`) and the metrics carry its span counters
+and trace-id exemplars; `stop` exports what is queued, bounded by `shutdown_timeout_s`.
+
 Security (`docs/security.md`): the public port is TLS / mutual TLS and the `Inference` service
 needs a bearer token when `security` says so (`router.auth.PublicAuth`: interceptor, token-file
 watcher; health open); every call to a worker carries the cluster secret's token and, with
@@ -31,7 +36,10 @@ worker failure the request path reports.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +70,7 @@ from router.server import SERVICE_NAME, InferenceService
 from router.validation import ModelLimits
 from security.channels import InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
+from tracing import NO_TRACER, Tracer, make_tracer
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +155,7 @@ class RouterHandle:
     http: HttpFront | None = None  # None: no http_port configured
     routability: RouterHealth | None = None
     auth: PublicAuth | None = None
+    tracer: Tracer = NO_TRACER
 
     @property
     def health_reason(self) -> str:
@@ -178,6 +188,7 @@ class RouterHandle:
         await self.pool.stop()
         if self.auth is not None:
             await self.auth.stop()
+        await asyncio.to_thread(self.tracer.shutdown)  # bounded: tracing.shutdown_timeout_s
 
     async def wait_for_termination(self) -> None:
         """Block until the server stops."""
@@ -212,6 +223,7 @@ async def start_router(
     started without a secret).
     """
     log.debug("router config: %s", _config_for_log(config))
+    tracer = make_tracer(config.tracing, "router", f"router-{os.getpid()}@{socket.gethostname()}")
     auth = PublicAuth(config.security)
     secret = cluster_secret or resolve_cluster_secret(config.security.cluster_secret_file)
     internal = InternalAuth(secret, config.security.internal)
@@ -256,13 +268,22 @@ async def start_router(
     ratio = make_ratio_controller(config, pool, indexers, sources, threshold)
     policy = make_policy(config.policy, config.prefix_routing, pair_scoring(config, model))
     lifecycle = RequestLifecycle(
-        config, tokenizer, limits, pool, policy, prefix_index, ratio, threshold=threshold
+        config,
+        tokenizer,
+        limits,
+        pool,
+        policy,
+        prefix_index,
+        ratio,
+        threshold=threshold,
+        tracer=tracer,
     )
     metrics = RouterMetrics(
         config.served_model_name,
         lifecycle.admission,
         pool.views,
         threshold=None if threshold is None else (lambda: threshold.value),
+        span_counts=tracer.counts if tracer.enabled else None,
     )
     lifecycle.recorder = metrics
     prefix_index.observer = metrics.observe_prefix_lookup
@@ -287,16 +308,18 @@ async def start_router(
         await indexers.stop()
         await prefix_index.close()
         await pool.stop()
+        await asyncio.to_thread(tracer.shutdown)
         raise RuntimeError(f"router cannot bind {config.host}:{config.port}: {exc}") from exc
     await server.start()
     auth.start()
     log.info(
-        "router listening on %s:%d (mode=%s; %s; worker calls %s)",
+        "router listening on %s:%d (mode=%s; %s; worker calls %s; tracing %s)",
         config.host,
         port,
         config.mode,
         auth.describe(),
         "authenticated" if secret is not None else "NOT authenticated (no cluster secret)",
+        "on" if tracer.enabled else "off",
     )
     http: HttpFront | None = None
     if config.http_port is not None:
@@ -318,6 +341,7 @@ async def start_router(
             await prefix_index.close()
             await pool.stop()
             await auth.stop()
+            await asyncio.to_thread(tracer.shutdown)
             raise
     if ratio is not None:
         ratio.start()
@@ -335,6 +359,7 @@ async def start_router(
         http,
         updater,
         auth,
+        tracer,
     )
 
 

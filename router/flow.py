@@ -53,6 +53,7 @@ from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex, PromptPrefix
 from router.prefix_policy import load_tokens
 from router.validation import ValidatedRequest
+from tracing.spans import NO_SPAN, Attributes, Span
 
 __all__ = ["RequestRun", "RunTimings"]
 
@@ -77,10 +78,12 @@ class RequestRun:
     stall_timeout_s: float = 3.0  # a worker stream silent this long: is its worker frozen?
     prefix_index: GuardedPrefixIndex | None = None
     hybrid: HybridConfig | None = None  # conditional disaggregation (`router.hybrid`); None: off
+    span: Span = NO_SPAN  # the request's root span (`router.request_trace`): legs go under it
     excluded: set[str] = field(default_factory=set)  # workers that failed this request
     migrations: int = 0
     legs: list[Leg] = field(default_factory=list)  # every attempt so far, in order
     _first: Leg | None = None  # the leg that first streamed: its timings are reported
+    _parent: Span = NO_SPAN  # where a new leg's spans go: the root, or the latest migration
 
     @property
     def timings(self) -> RunTimings:
@@ -104,12 +107,15 @@ class RequestRun:
 
     def close(self) -> None:
         """Drop this request's in-flight counts on its workers (at the end of a leg and of the
-        request, whatever happened)."""
+        request, whatever happened); end the latest migration's span."""
         for leg in self.legs:
             leg.close()
+        if self._parent is not self.span:
+            self._parent.end()
 
     async def execute(self) -> None:
         """Run the request to its final message; raise `RouterError` on failure."""
+        self._parent = self.span
         spec = LegSpec(self.req.prompt_token_ids, self.req.sampling.max_tokens)
         leg, chunks = await self._place(spec)
         self._first = leg
@@ -152,6 +158,7 @@ class RequestRun:
         self.migrations += 1
         self.client.facts.migrations = self.migrations
         self.excluded.add(lost.address)
+        self._migration_span(lost)
         if leg.release(lost.address):
             self.abort_later(self.request_id, [lost.address])
         leg.close()  # no longer in flight on the failed worker
@@ -172,6 +179,23 @@ class RequestRun:
             public = f"{lost.public}; moving the request failed: {exc.public}"
             raise RouterError(exc.code, why, public) from exc
 
+    def _migration_span(self, lost: WorkerLost) -> None:
+        """A ``pdserve.migration`` span from now to the end of the new leg (the next migration
+        or the request's end); the new leg's calls are its children."""
+        if self._parent is not self.span:
+            self._parent.end()  # the previous migration's leg ended here
+        attrs: Attributes | None = (
+            {
+                "pdserve.migration": self.migrations,
+                "pdserve.migration.from": lost.address,
+                "pdserve.migration.reason": lost.message,
+                "pdserve.migration.tokens_sent": len(self.client.tokens),
+            }
+            if self.span.recording
+            else None
+        )
+        self._parent = self.span.child("pdserve.migration", attributes=attrs)
+
     # -- routing and the first token -------------------------------------------------------
 
     async def _place(self, spec: LegSpec) -> tuple[Leg, Chunks]:
@@ -183,7 +207,13 @@ class RequestRun:
         for _ in range(self.max_attempts):
             decision = self._choose(spec, last, prefix)
             leg = Leg(
-                self.request_id, spec, self.req, self.pool, self.deadline, self.stall_timeout_s
+                self.request_id,
+                spec,
+                self.req,
+                self.pool,
+                self.deadline,
+                self.stall_timeout_s,
+                self._parent,
             )
             self.legs.append(leg)
             try:
@@ -250,7 +280,11 @@ class RequestRun:
         sizes = {v.block_size for v in self.pool.views(role) if v.healthy}
         if len(sizes) != 1:
             return PromptPrefix()
-        return await self.prefix_index.lookup_prompt(spec.prompt, sizes.pop())
+        with self._parent.child("pdserve.prefix_lookup") as span:
+            found = await self.prefix_index.lookup_prompt(spec.prompt, sizes.pop())
+            if span.recording:
+                span.set({"pdserve.prefix.blocks": len(found.block_hashes)})
+            return found
 
     def _choose(
         self, spec: LegSpec, last: Retryable | None, prefix: PromptPrefix

@@ -36,8 +36,10 @@ from router.errors import Retryable, RouterError, worker_error
 from router.hybrid import PathChoice
 from router.policy import WorkerView
 from router.pool import WorkerPool
+from router.request_trace import worker_call
 from router.validation import ValidatedRequest
 from router.wire import worker_sampling
+from tracing.spans import NO_SPAN, Span
 
 Chunks = AsyncGenerator[worker_pb2.TokenChunk]
 
@@ -128,8 +130,12 @@ class Leg:
         pool: WorkerPool,
         deadline: float,
         stall_timeout_s: float = 3.0,
+        span: Span = NO_SPAN,
     ) -> None:
+        """`span`: where this leg's worker calls put their client spans (the request's root,
+        or a migration's span); each call carries its span's W3C context to the worker."""
         self.request_id = request_id
+        self.span = span
         self.spec = spec
         self.req = req
         self.pool = pool
@@ -217,6 +223,7 @@ class Leg:
         # D may hold blocks as soon as Reserve reaches it, before its answer reaches us: a
         # cancel from here on must still send D an Abort.
         self.holders.add(d.address)
+        span = worker_call(self.span, "Reserve", d.address, d.worker_id)
         try:
             left = self.remaining()
             reserved = await d_stub.Reserve(
@@ -227,8 +234,10 @@ class Leg:
                     timeout_s=left,
                 ),
                 timeout=left,
+                metadata=span.headers() or None,
             )
         except grpc.aio.AioRpcError as exc:
+            _failed(span, exc)
             if exc.code() in NOTHING_RESERVED:
                 self.holders.discard(d.address)
             await self.blame(exc, "Reserve", d.address)
@@ -238,7 +247,10 @@ class Leg:
             if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise Retryable(err.code, err.message, d.address, err.public) from exc
             raise err from exc
+        finally:
+            span.end()
         self.holders.add(p.address)
+        span = worker_call(self.span, "Prefill", p.address, p.worker_id)
         try:
             left = self.remaining()
             resp = await p_stub.Prefill(
@@ -250,8 +262,10 @@ class Leg:
                     timeout_s=left,
                 ),
                 timeout=left,
+                metadata=span.headers() or None,
             )
         except grpc.aio.AioRpcError as exc:
+            _failed(span, exc)
             culprit = await self.blame(exc, "Prefill", p.address, d.address)
             err = worker_error(
                 exc, f"Prefill on prefill worker {p.address}", "Prefill on a prefill worker"
@@ -259,6 +273,8 @@ class Leg:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 raise Retryable(err.code, err.message, culprit, err.public) from exc
             raise err from exc
+        finally:
+            span.end()
         self.holders.discard(p.address)  # P frees its blocks once the transfer result is known
         report.prefill_queue_ms, report.prefill_compute_ms = resp.queue_ms, resp.compute_ms
         report.kv_transfer_ms = resp.transfer_ms
@@ -288,6 +304,7 @@ class Leg:
         self._place_on(w.address)
         self._tracking.enter_context(self.pool.track(w.address))
         left = self.remaining()
+        span = worker_call(self.span, "Generate", w.address, w.worker_id)
         call = self.pool.stub(w.address).Generate(
             worker_pb2.WorkerGenerateRequest(
                 request_id=self.request_id,
@@ -296,8 +313,9 @@ class Leg:
                 timeout_s=left,
             ),
             timeout=left,
+            metadata=span.headers() or None,
         )
-        stream = self._chunks_of(call, w.address)
+        stream = _spanned(self._chunks_of(call, w.address), span)
         try:
             with self.pool.track_prefill(w.address, len(self.spec.prompt), cached):
                 first = await anext(stream)
@@ -339,9 +357,10 @@ class Leg:
         self.streaming_from = addr
         left = self.remaining()
         request.timeout_s = left
-        call = self.pool.stub(addr).Decode(request, timeout=left)
+        span = worker_call(self.span, "Decode", addr, self.report.decode_worker)
+        call = self.pool.stub(addr).Decode(request, timeout=left, metadata=span.headers() or None)
         head = True
-        chunks = self._lost_on_failure(self._chunks_of(call, addr), "Decode", addr)
+        chunks = self._lost_on_failure(_spanned(self._chunks_of(call, addr), span), "Decode", addr)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if head:
@@ -393,6 +412,33 @@ class Leg:
         finally:
             watch.stop()
             call.cancel()
+
+
+def _failed(span: Span, exc: grpc.aio.AioRpcError) -> None:
+    """Mark a worker call's span failed with the call's status."""
+    if span.recording:
+        span.fail(exc.code().name, exc.details() or "")
+
+
+async def _spanned(chunks: Chunks, span: Span) -> Chunks:
+    """`chunks`, with `span` ended when the stream ends (its tokens counted; failed with the
+    worker's status, `StreamStalled` or a cancel)."""
+    tokens = 0
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                tokens += len(chunk.token_ids)
+                yield chunk
+    except StreamFailed as failed:
+        _failed(span, failed.exc)
+        raise
+    except (StreamStalled, asyncio.CancelledError) as exc:
+        span.fail(type(exc).__name__, str(exc))
+        raise
+    finally:
+        if span.recording:
+            span.set({"pdserve.tokens": tokens})
+        span.end()
 
 
 class _StallWatch:

@@ -37,6 +37,7 @@ synchronous, and an exception one raises is logged, never sent to the client.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -58,6 +59,7 @@ from router.hybrid import LiveThreshold
 from router.policy import RoutingPolicy
 from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex
+from router.request_trace import NEW_TRACE, RequestTrace, TraceStart
 from router.validation import (
     DecodedRequest,
     ModelLimits,
@@ -67,6 +69,7 @@ from router.validation import (
     has_structured_output,
     validate_request,
 )
+from tracing.spans import NO_SPAN, NO_TRACER, Span, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,7 @@ class RequestRecord:
     completion_tokens: int = 0
     prefill_path: str = ""  # disagg: "remote" | "local" (`router.hybrid`); "" before placing
     prefill_path_reason: str = ""
+    trace_id: str = ""  # the request's trace (32 hex digits) when it is traced and sampled
 
 
 class RequestRecorder(Protocol):
@@ -138,11 +142,14 @@ class RequestLifecycle:
         observer: OutcomeObserver | None = None,
         recorder: RequestRecorder | None = None,
         threshold: LiveThreshold | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         """`threshold`: the live hybrid threshold, read once per request (None: one of its own
         at `config.hybrid`'s value when hybrid is on; the ratio controller passes the one it
-        moves)."""
+        moves). `tracer`: where each request's spans go (`router.request_trace`; default:
+        none)."""
         self.config = config
+        self.tracer = tracer
         if threshold is None and config.hybrid.enabled:
             threshold = LiveThreshold(config.hybrid)
         self.threshold = threshold
@@ -178,14 +185,19 @@ class RequestLifecycle:
         request: DecodedRequest | inference_pb2.GenerateRequest,
         send: Send,
         timeout_s: float | None = None,
+        trace: TraceStart = NEW_TRACE,
     ) -> None:
-        """Run one request to its final message (steps in the module docstring).
+        """Run one request to its final message (steps in the module docstring). `trace`: the
+        caller's W3C trace context and operation (`router.request_trace`).
 
         Raises `InvalidRequest` for bad input, `RouterError` for any other failure;
         `asyncio.CancelledError` (the caller's cancellation) propagates after cleanup.
         """
         t_arrival = time.perf_counter()
         rec = RequestRecord()
+        tr = RequestTrace(self.tracer, self.config.served_model_name, trace)
+        rec.trace_id = tr.trace_id
+        message = ""
         try:
             try:
                 place = self.admission.enter()  # first, and O(1): a burst is shed at once
@@ -194,15 +206,16 @@ class RequestLifecycle:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             try:
                 try:
-                    req = await self._validate(request)
+                    with tr.phase("pdserve.tokenize"):
+                        req = await self._validate(request)
                 except RequestValidationError as exc:
                     raise InvalidRequest(exc.field, exc.problem) from None
                 rec.prompt_tokens = len(req.prompt_token_ids)
-                await self._run_validated(req, place, t_arrival, send, timeout_s, rec)
+                await self._run_validated(req, place, t_arrival, send, timeout_s, rec, tr)
             finally:
                 place.leave()
         except RouterError as exc:
-            rec.status = exc.code.name
+            rec.status, message = exc.code.name, exc.message
             raise
         except asyncio.CancelledError:
             rec.status = grpc.StatusCode.CANCELLED.name
@@ -210,6 +223,14 @@ class RequestLifecycle:
         finally:
             rec.e2e_s = time.perf_counter() - t_arrival
             self._record(rec)
+            tr.finish(
+                rec.status,
+                message,
+                rec.tpot_s,
+                rec.finish_reason,
+                self.config.mode == "colocated",
+                self.tokenizer,
+            )
 
     async def _validate(
         self, request: DecodedRequest | inference_pb2.GenerateRequest
@@ -240,9 +261,11 @@ class RequestLifecycle:
         send: Send,
         timeout_s: float | None,
         rec: RequestRecord,
+        tr: RequestTrace,
     ) -> None:
         request_id = req.request_id or uuid.uuid4().hex
         rec.request_id = request_id
+        tr.validated(req, request_id, self.tokenizer)
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -276,20 +299,23 @@ class RequestLifecycle:
             policy=self._policy,
             colocated=self.config.mode == "colocated",
             max_attempts=self.config.max_route_attempts,
-            abort_now=self.abort_now,
-            abort_later=self.abort_later,
+            abort_now=functools.partial(self.abort_now, span=tr.root),
+            abort_later=functools.partial(self.abort_later, span=tr.root),
             client=client,
             max_migrations=self.config.max_migrations,
             stall_timeout_s=self.config.stall_timeout_s,
             prefix_index=self._prefix_index,
             hybrid=None if self.threshold is None else self.threshold.config(),
+            span=tr.root,
         )
+        tr.client = client
         self._in_flight_ids.add(request_id)
         error: RouterError | None = None
         try:
             async with asyncio.timeout_at(deadline):
                 t0 = time.perf_counter()
-                await place.wait()
+                with tr.phase("pdserve.admission_queue"):
+                    await place.wait()
                 rec.queue_s = time.perf_counter() - t0
                 run.timings.router_queue_ms = rec.queue_s * 1e3
                 await run.execute()
@@ -309,7 +335,7 @@ class RequestLifecycle:
             run.close()
             client.close()
             if run.holders:
-                self.abort_later(request_id, sorted(run.holders))
+                self.abort_later(request_id, sorted(run.holders), span=tr.root)
             rec.completion_tokens = run.completion_tokens
             rec.workers = tuple(run.placed_on)
             rec.prefill_path = client.facts.prefill_path
@@ -350,18 +376,23 @@ class RequestLifecycle:
 
     # -- cleanup aborts ----------------------------------------------------------------------
 
-    async def abort_now(self, request_id: str, addresses: Sequence[str]) -> None:
-        """`Abort(request_id)` on each address concurrently, each bounded by abort_timeout_s.
+    async def abort_now(
+        self, request_id: str, addresses: Sequence[str], span: Span = NO_SPAN
+    ) -> None:
+        """`Abort(request_id)` on each address concurrently, each bounded by abort_timeout_s
+        (a ``pdserve.abort`` span under `span`, the request's).
 
         Failures are logged, not raised: the worker may be the one that died, and a worker's
         own reservation timeout is the backstop for a lost Abort.
         """
-        await asyncio.gather(*(self._abort_one(request_id, a) for a in addresses))
+        attrs = {"pdserve.workers": list(addresses)} if span.recording else None
+        with span.child("pdserve.abort", attributes=attrs):
+            await asyncio.gather(*(self._abort_one(request_id, a) for a in addresses))
 
-    def abort_later(self, request_id: str, addresses: Sequence[str]) -> None:
+    def abort_later(self, request_id: str, addresses: Sequence[str], span: Span = NO_SPAN) -> None:
         """`abort_now` in a task owned by this object (survives the caller's cancellation)."""
         task = asyncio.get_running_loop().create_task(
-            self.abort_now(request_id, addresses), name=f"abort-{request_id}"
+            self.abort_now(request_id, addresses, span), name=f"abort-{request_id}"
         )
         self._cleanup_tasks.add(task)
         task.add_done_callback(self._cleanup_tasks.discard)

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics. Runs in the router process; served at the HTTP front's
-`/metrics` (text exposition format).
+`/metrics`: the text exposition format, or OpenMetrics when the scrape asks for it
+(``Accept: application/openmetrics-text``; `exposition`).
 
 Names follow vLLM's with a ``pdserve:`` prefix (and its ``model_name`` label), so a vLLM
 dashboard needs only the prefix changed. Each router has its own `CollectorRegistry` (several
@@ -31,21 +32,29 @@ so `rate()` and quantile queries work from the first scrape.
 
 TTFT, TPOT and inter-token gaps are the router's view: arrival to the first token handed to
 the edge, and between messages carrying tokens.
+
+Exemplars: with tracing on (`[tracing]`), a traced request's TTFT, TPOT and end-to-end
+observations carry its trace id (``{trace_id="<32 hex>"}``), so a dashboard jumps from a slow
+bucket to that request's trace; they are in the OpenMetrics exposition only (the text format
+has no exemplars). The tracer's span counters (`tracing.metrics.SpanCounters`:
+`tracing_spans_exported_total`, `tracing_spans_dropped_total{reason}`) are here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.registry import Collector
 
 from router.admission import Admission
 from router.hybrid import REASONS
 from router.lifecycle import RequestRecord
 from router.policy import WorkerView
+from tracing.metrics import SpanCounters
 
 TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
 TTFT_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -161,8 +170,10 @@ class RouterMetrics:
         admission: Admission,
         views: Callable[[], Iterable[WorkerView]],
         threshold: Callable[[], int] | None = None,
+        span_counts: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        """`threshold`: reads the live hybrid threshold (None: hybrid off, no gauge)."""
+        """`threshold`: reads the live hybrid threshold (None: hybrid off, no gauge);
+        `span_counts`: the tracer's span counts (None: tracing off, no span counters)."""
         self.registry = CollectorRegistry()
         self._model = model
         r, lm = self.registry, ["model_name"]
@@ -236,6 +247,8 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_LiveState(model, admission, views, threshold))
+        if span_counts is not None:
+            r.register(SpanCounters(model, span_counts))
         self._init_series()
 
     def _init_series(self) -> None:
@@ -270,13 +283,14 @@ class RouterMetrics:
             self.generation_tokens.labels(model).observe(rec.completion_tokens)
         else:
             self.failure.labels(model, rec.status).inc()
-        self.e2e.labels(model).observe(rec.e2e_s)
+        exemplar = {"trace_id": rec.trace_id} if rec.trace_id else None
+        self.e2e.labels(model).observe(rec.e2e_s, exemplar)
         if rec.queue_s is not None:
             self.queue.labels(model).observe(rec.queue_s)
         if rec.ttft_s is not None:
-            self.ttft.labels(model).observe(rec.ttft_s)
+            self.ttft.labels(model).observe(rec.ttft_s, exemplar)
         if rec.tpot_s is not None:
-            self.tpot.labels(model).observe(rec.tpot_s)
+            self.tpot.labels(model).observe(rec.tpot_s, exemplar)
         if rec.prefill_path:
             self.prefill_path.labels(model, rec.prefill_path, rec.prefill_path_reason).inc()
         itl = self.itl.labels(model)
@@ -301,6 +315,23 @@ class RouterMetrics:
     def observe_ratio_decision(self, action: str) -> None:
         self.ratio_decisions.labels(self._model, action).inc()
 
-    def exposition(self) -> tuple[bytes, str]:
-        """(body, content type) of a scrape."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """(body, content type) of a scrape whose Accept header is `accept`: OpenMetrics
+        (exemplars included) when it asks for ``application/openmetrics-text``, else the text
+        format."""
+        if not wants_openmetrics(accept):
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        # Names as they are (colons are valid OpenMetrics 1.0 names): prometheus_client's
+        # default escaping for this format would turn the samples' ':' into '_' and leave
+        # them out of their own families.
+        body = om_exposition.generate_latest(  # type: ignore[no-untyped-call]
+            self.registry, escaping=om_exposition.ALLOWUTF8
+        )
+        return body, om_exposition.CONTENT_TYPE_LATEST
+
+
+def wants_openmetrics(accept: str) -> bool:
+    """The scrape's Accept header lists ``application/openmetrics-text``."""
+    return any(
+        part.split(";")[0].strip() == "application/openmetrics-text" for part in accept.split(",")
+    )

@@ -21,6 +21,7 @@ from proto.pdserve.v1 import inference_pb2
 from router.admission import Admission
 from router.errors import RouterError
 from router.lifecycle import RequestLifecycle
+from router.request_trace import NEW_TRACE, TraceStart
 from router.validation import (
     DEFAULT_MAX_TOKENS,
     DecodedRequest,
@@ -87,8 +88,13 @@ class InferenceService:
         async def send(resp: inference_pb2.GenerateResponse) -> None:
             await context.write(resp)
 
+        trace = (  # a client's W3C trace context continues here (read only with tracing on)
+            TraceStart(headers=context.invocation_metadata())
+            if self.lifecycle.tracer.enabled
+            else NEW_TRACE
+        )
         try:
-            await self.lifecycle.run(decoded, send, context.time_remaining())
+            await self.lifecycle.run(decoded, send, context.time_remaining(), trace)
         except RouterError as err:
             context.set_code(err.code)  # no exception raised here: cheaper under a burst
             context.set_details(err.public)

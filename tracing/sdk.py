@@ -143,7 +143,7 @@ class OtelSpan:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is not None:
+        if exc is not None and not isinstance(exc, GeneratorExit):  # a closed stream: no error
             self.fail(exc_type.__name__ if exc_type is not None else "error", str(exc))
         self.end()
 

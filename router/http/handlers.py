@@ -40,6 +40,7 @@ from router.http.protocol import ChatCompletionRequest, CompletionRequest, Model
 from router.http.responses import ChatFormatter, CompletionFormatter, dump
 from router.http.translate import Translated, chat_request, completion_request, oversized_body
 from router.lifecycle import RequestLifecycle
+from router.request_trace import TraceStart
 from router.validation import ModelLimits
 
 M = TypeVar("M", bound=BaseModel)
@@ -53,7 +54,8 @@ class FrontState:
     lifecycle: RequestLifecycle
     template: ChatTemplate | None
     is_serving: Callable[[], bool]
-    metrics: Callable[[], tuple[bytes, str]] | None  # (body, content type) of /metrics
+    # (body, content type) of /metrics for a scrape's Accept header (OpenMetrics when asked)
+    metrics: Callable[[str], tuple[bytes, str]] | None
     created: int  # when the front started (the model card's `created`)
     body_timeout_s: float = 60.0  # a request body must arrive within this (408 otherwise)
 
@@ -119,7 +121,16 @@ class SSEWriter:
         return self.response
 
 
-async def _serve(request: web.Request, t: Translated, fmt: Formatter) -> web.StreamResponse:
+def _trace_start(request: web.Request, operation: str, arrived_ns: int | None = None) -> TraceStart:
+    """The request's trace: its W3C headers (only ``traceparent`` / ``tracestate`` are read;
+    with tracing off, none), the GenAI operation, when it arrived if work ran before `run`."""
+    tracing = request.app[STATE].lifecycle.tracer.enabled
+    return TraceStart(request.headers if tracing else None, operation, arrived_ns)
+
+
+async def _serve(
+    request: web.Request, t: Translated, fmt: Formatter, trace: TraceStart
+) -> web.StreamResponse:
     lifecycle = request.app[STATE].lifecycle
     if not t.stream:
 
@@ -127,7 +138,7 @@ async def _serve(request: web.Request, t: Translated, fmt: Formatter) -> web.Str
             fmt.add(resp)
 
         try:
-            await lifecycle.run(t.request, collect)
+            await lifecycle.run(t.request, collect, trace=trace)
         except RouterError as exc:
             raise from_router_error(exc, t.rename) from None
         return web.Response(body=fmt.whole().model_dump_json(), content_type="application/json")
@@ -139,7 +150,7 @@ async def _serve(request: web.Request, t: Translated, fmt: Formatter) -> web.Str
             await sse.send(dump(chunk, t.include_usage))
 
     try:
-        await lifecycle.run(t.request, stream)
+        await lifecycle.run(t.request, stream, trace=trace)
     except RouterError as exc:
         err = from_router_error(exc, t.rename)
         if sse.response is None:
@@ -162,7 +173,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fmt = CompletionFormatter(
         f"cmpl-{rid}", int(time.time()), state.model_name, state.lifecycle.tokenizer, t.logprobs
     )
-    return await _serve(request, t, fmt)
+    return await _serve(request, t, fmt, _trace_start(request, "text_completion"))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -172,13 +183,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse(request, ChatCompletionRequest, lc.limits, chat=True)
     state.check_model(body.model)
     rid = uuid.uuid4().hex
+    arrived_ns = time.time_ns()
     render = functools.partial(
         chat_request, body, rid, state.template, lc.tokenizer, lc.limits, str(lc.config.model_dir)
     )
     t = await lc.run_blocking(render)  # render + tokenize: never on the event loop
     created = int(time.time())
     fmt = ChatFormatter(f"chatcmpl-{rid}", created, state.model_name, lc.tokenizer, t.logprobs)
-    return await _serve(request, t, fmt)
+    return await _serve(request, t, fmt, _trace_start(request, "chat", arrived_ns))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -200,9 +212,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """`GET /metrics`: the router's Prometheus metrics (text exposition format)."""
+    """`GET /metrics`: the router's Prometheus metrics: the text exposition format, or
+    OpenMetrics (with the histograms' trace-id exemplars) when the scrape's Accept asks for
+    ``application/openmetrics-text``."""
     source = request.app[STATE].metrics
     if source is None:
         raise OpenAIError(404, "this router exports no metrics", None, "not_found")
-    body, content_type = source()
+    body, content_type = source(request.headers.get("Accept", ""))
     return web.Response(body=body, headers={"Content-Type": content_type})

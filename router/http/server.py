@@ -167,7 +167,7 @@ async def start_http_front(
     host: str,
     port: int,
     is_serving: Callable[[], bool],
-    metrics: Callable[[], tuple[bytes, str]] | None = None,
+    metrics: Callable[[str], tuple[bytes, str]] | None = None,
     middlewares: Sequence[Middleware] = (),
     shutdown_timeout_s: float = 1.0,
     ssl_context: ssl.SSLContext | None = None,

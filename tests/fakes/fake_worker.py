@@ -82,6 +82,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     kv_push_fails_to: set[str] = field(default_factory=set)
     calls: Counter[str] = field(default_factory=Counter)
     last: dict[str, Any] = field(default_factory=dict)  # method -> its latest request
+    # method -> the W3C `traceparent` its latest call carried ("" none)
+    traceparents: dict[str, str] = field(default_factory=dict)
     aborts: list[str] = field(default_factory=list)
     held: dict[str, _Held] = field(default_factory=dict)
     draining: bool = False
@@ -166,6 +168,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         self.calls[method] += 1
         self.last[method] = request
+        metadata = dict(context.invocation_metadata() or ())
+        self.traceparents[method] = str(metadata.get("traceparent", ""))
         if method in self.fail:
             await context.abort(self.fail[method], f"fake {method} failure")
         if method in self.hang:
