@@ -189,8 +189,11 @@ def make_result(
     error: str | None,
     nbytes: int,
     started: float,
+    plane: str = "",
+    layers: int = 0,
 ) -> TransferResult:
-    """The `TransferResult` of one side; `started` is its `time.monotonic()` start."""
+    """The `TransferResult` of one side; `started` is its `time.monotonic()` start; `plane`
+    and `layers`: see `TransferResult`."""
     return TransferResult(
         transfer_id=ticket.transfer_id,
         epoch=ticket.epoch,
@@ -201,4 +204,6 @@ def make_result(
         error=error,
         nbytes=nbytes,
         elapsed_s=time.monotonic() - started,
+        plane=plane,
+        layers=layers,
     )

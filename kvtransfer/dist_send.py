@@ -156,6 +156,16 @@ class Sender:
                 tr.move(SendState.GIVEN_UP, by="engine")
             tr.cond.notify_all()
 
+    def plane(self, tr: SendTransfer) -> str:
+        """The data plane `tr` was announced on: 'shm' (memfd) or 'cuda_ipc' on a notified
+        pair, else the group's backend ('gloo', 'nccl'); '' if it was never announced."""
+        with tr.cond:
+            if tr.group is None:
+                return ""
+            if tr.shm:
+                return "cuda_ipc" if self._device.type == "cuda" else "shm"
+            return str(self._backend)
+
     def shm_receivers(self) -> list[str]:
         """Worker ids of the receivers this worker currently streams to over shared memory."""
         with self._lock:

@@ -218,7 +218,14 @@ class LoopbackTransport:
                 self._ack_sender(rec, Code.OK if done else Code.RECEIVER_FAILED)
                 out.append(
                     make_result(
-                        rec.ticket, "recv", rec.sender or "?", rec.error, rec.nbytes, rec.started
+                        rec.ticket,
+                        "recv",
+                        rec.sender or "?",
+                        rec.error,
+                        rec.nbytes,
+                        rec.started,
+                        "loopback",
+                        rec.layers_done,
                     )
                 )
         for tid, snd in list(self._sends.items()):
@@ -234,6 +241,8 @@ class LoopbackTransport:
                         snd.error,
                         snd.nbytes,
                         snd.started,
+                        "loopback",
+                        snd.next_layer,
                     )
                 )
         return out

@@ -280,7 +280,10 @@ class TorchDistTransport:
         if error is not None:
             self._sender.stop(tr, cancelled=False)
         peer = tr.ticket.receiver.worker_id
-        out.append(make_result(tr.ticket, "send", peer, error, tr.nbytes, tr.started))
+        plane = self._sender.plane(tr)
+        out.append(
+            make_result(tr.ticket, "send", peer, error, tr.nbytes, tr.started, plane, tr.next_layer)
+        )
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -191,6 +191,10 @@ class TransferResult:
     error: str | None = None
     nbytes: int = 0
     elapsed_s: float = 0.0
+    # the data plane it used (`kvtransfer.same_host`): "shm" (memfd), "cuda_ipc", "gloo",
+    # "nccl", "loopback"; "" when it never reached one (failed before announcing)
+    plane: str = ""
+    layers: int = 0  # layers handed over (send) or written (recv)
 
     def raise_for_error(self) -> None:
         """Raise `TransferError` with the reason when the transfer failed."""

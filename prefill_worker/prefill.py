@@ -41,7 +41,9 @@ Timings: queue_ms = the RPC's arrival (its sink's creation, on the gRPC loop) un
 request's first step — so it includes the wait for the engine thread to finish its current
 step; compute_ms = first step start
 until the end of the step that sampled the first token (chunked prefill included);
-transfer_ms = that end until the transfer's result was known.
+transfer_ms = that end until the transfer's result was known; kv_total_ms = the transfer's own
+time (its open, in the last step, to its result), with its bytes, layers and data plane
+(`TransferResult`): what the worker's trace span of the transfer shows (`worker.tracing`).
 """
 
 from __future__ import annotations
@@ -229,6 +231,10 @@ class PrefillRole(RoleHandler):
                 transfer_ms=ms(now - call.compute_end),
                 finished=reason is not None,
                 finish_reason=reason or "",
+                kv_bytes=r.nbytes,
+                kv_layers=r.layers,
+                kv_plane=r.plane,
+                kv_total_ms=ms(r.elapsed_s),
             )
             if call.params.logprobs is not None:
                 resp.first_logprob.CopyFrom(logprobs_to_proto(out.new_logprobs())[0])

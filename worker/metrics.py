@@ -16,14 +16,16 @@ Names follow vLLM's with a ``pdserve:`` prefix and its ``model_name`` label:
   token, its decode worker the rest);
 - KV transfers, fed by `on_transfers` with every `TransferResult` (`side` = send | recv):
   `kv_transfer_bytes_total`, histogram `kv_transfer_seconds` (successful ones) and
-  `kv_transfer_failures_total{reason}` (reason: cancelled, timeout, closed, layout, error).
+  `kv_transfer_failures_total{reason}` (reason: cancelled, timeout, closed, layout, error);
+- with tracing on, the span counters `tracing_spans_exported_total` and
+  `tracing_spans_dropped_total{reason}` (`tracing.metrics`).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -33,6 +35,7 @@ from prometheus_client.registry import Collector
 from kvtransfer.types import TransferResult
 from model_runtime.request import RequestOutput
 from proto.pdserve.v1.roles import ROLE_NAMES
+from tracing.metrics import SpanCounters
 from worker.engine_thread import Snapshot
 
 P = "pdserve:"
@@ -85,7 +88,14 @@ class _SnapshotGauges(Collector):
 class WorkerMetrics:
     """One worker's metrics (module docstring). `on_*` run on the engine thread."""
 
-    def __init__(self, model: str, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(
+        self,
+        model: str,
+        snapshot: Callable[[], Snapshot],
+        span_counts: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        """`span_counts`: the tracer's span counts (None: tracing off, no span counters:
+        `tracing.metrics.SpanCounters`)."""
         self.registry = CollectorRegistry()
         self._model = model
         r, lm = self.registry, ["model_name"]
@@ -127,6 +137,8 @@ class WorkerMetrics:
             registry=r,
         )
         r.register(_SnapshotGauges(model, snapshot))
+        if span_counts is not None:
+            r.register(SpanCounters(model, span_counts))
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -5,7 +5,9 @@ loads the model once, starts the engine thread (`worker.engine_thread`) with the
 given plugged in (the table of every role, `worker_main.ROLES`, lives in the package above both
 the host and the role packages: the composition root), the Prometheus exporter
 (`worker.metrics`, unless `metrics_port` is None) and a grpc.aio server on its own event-loop
-thread, and returns ``"host:port"``. The `worker` package knows no role package.
+thread, and returns ``"host:port"``. With `[tracing]` on it also gets an OpenTelemetry tracer
+(`tracing.make_tracer`), whose spans of this worker's RPCs the service builds
+(`worker.tracing`). The `worker` package knows no role package.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from security.channels import InternalAuth
 from security.config import is_loopback
 from security.kvseal import RecordSeal
 from security.secret import ClusterSecret
+from tracing import NO_TRACER, Tracer, make_tracer
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
@@ -70,6 +73,7 @@ class WorkerServer:
         self.kv_events = KVEventPublisher(config.worker_id, self.epoch)
         self.metrics: WorkerMetrics | None = None
         self.metrics_port = 0
+        self.tracer: Tracer = NO_TRACER
 
     def start(self) -> str:
         """Load the model, start serving; return "host:port" once health says SERVING.
@@ -115,8 +119,14 @@ class WorkerServer:
         )
         model_name = cfg.model_dir.resolve().name
         engine_thread = EngineThread(ctx, self.roles, cfg.role)
+        # OpenTelemetry only with [tracing] on; its export thread starts at this niceness
+        self.tracer = make_tracer(cfg.tracing, "worker", cfg.worker_id)
         if cfg.metrics_port is not None:
-            self.metrics = WorkerMetrics(model_name, lambda: engine_thread.snapshot)
+            self.metrics = WorkerMetrics(
+                model_name,
+                lambda: engine_thread.snapshot,
+                self.tracer.counts if self.tracer.enabled else None,
+            )
             engine_thread.metrics = self.metrics
             self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
         engine_thread.start()
@@ -156,6 +166,7 @@ class WorkerServer:
             self.kv_events,
             node=self.config.node,
             metrics_port=self.metrics_port,
+            tracer=self.tracer,
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -191,6 +202,7 @@ class WorkerServer:
             self._loop = self._server = self._service = None
         if self.metrics is not None:
             self.metrics.stop()
+        self.tracer.shutdown()  # bounded: tracing.shutdown_timeout_s
         log.info("worker %s stopped", self.config.worker_id)
 
 

@@ -32,10 +32,12 @@ from grpc_health.v1 import health, health_pb2
 from model_runtime.grammar import GrammarError
 from model_runtime.hashing import hash_to_bytes
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tracing.spans import NO_TRACER, Tracer
 from worker.convert import structured_from_proto
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher, PublisherHeartbeat
 from worker.sinks import StreamSink, UnarySink, WorkerError
+from worker.tracing import NO_RPC_TRACE, RpcSpans, RpcTrace
 
 SERVICE_NAME = "pdserve.v1.Worker"
 
@@ -53,8 +55,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_events: KVEventPublisher | None = None,
         node: str = "",
         metrics_port: int = 0,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
+        """`tracer`: where the spans of Reserve, Prefill, Decode and Generate go
+        (`worker.tracing`; default none)."""
         self._engine = engine
+        self._tracer = tracer
         self._node = node
         self._kv_events = kv_events
         self._health = health_servicer
@@ -213,41 +219,65 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> Any:
         await self._compile_ahead(request, context)
         sink = UnarySink(asyncio.get_running_loop())
+        trace = self._trace(method, request, context, sink.created)
         self._engine.submit(method, request, sink, timeout)
-        return await self._await(sink, context, request.request_id)
+        return await self._await(sink, context, request.request_id, trace)
+
+    def _trace(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, arrival: float
+    ) -> RpcTrace:
+        """The RPC's spans (`worker.tracing`); `NO_RPC_TRACE` with tracing off, where not even
+        the call's metadata is read."""
+        if not self._tracer.enabled:
+            return NO_RPC_TRACE
+        metadata = context.invocation_metadata()
+        return RpcSpans(self._tracer, method, request, metadata, arrival, self._worker_id)
 
     async def _await(
-        self, sink: UnarySink, context: grpc.aio.ServicerContext, request_id: str | None
+        self,
+        sink: UnarySink,
+        context: grpc.aio.ServicerContext,
+        request_id: str | None,
+        trace: RpcTrace = NO_RPC_TRACE,
     ) -> Any:
         answered = False
         try:
             value = await sink.wait()
             answered = True
+            trace.answered(value)
             return value
         except WorkerError as err:
             answered = True
+            trace.failed(err.code.name, err.message)
             await context.abort(err.code, err.message, err.trailing_metadata())
         finally:
             if not answered and request_id is not None:
+                trace.failed("CANCELLED", "the RPC was cancelled by the client")
                 self._engine.cancel(request_id, sink)
+            trace.end()
 
     async def _stream(
         self, method: str, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
         await self._compile_ahead(request, context)
         sink = StreamSink(asyncio.get_running_loop())
+        trace = self._trace(method, request, context, sink.created)
         self._engine.submit(method, request, sink, _timeout(request, context))
         ended = False
         try:
             async for chunk in sink:
                 ended = chunk.finished
+                trace.chunk(chunk)
                 yield chunk
         except WorkerError as err:
             ended = True
+            trace.failed(err.code.name, err.message)
             await context.abort(err.code, err.message, err.trailing_metadata())
         finally:
             if not ended:
+                trace.failed("CANCELLED", "the RPC was cancelled by the client")
                 self._engine.cancel(request.request_id, sink)
+            trace.end()
 
 
 def _timeout(request: Any, context: grpc.aio.ServicerContext) -> float | None:

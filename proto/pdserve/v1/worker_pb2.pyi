@@ -148,7 +148,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "finished", "finish_reason", "first_logprob")
+    __slots__ = ("first_token", "cached_tokens", "queue_ms", "compute_ms", "transfer_ms", "finished", "finish_reason", "first_logprob", "kv_bytes", "kv_layers", "kv_plane", "kv_total_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,10 @@ class PrefillResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_PLANE_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cached_tokens: int
     queue_ms: float
@@ -165,7 +169,11 @@ class PrefillResponse(_message.Message):
     finished: bool
     finish_reason: str
     first_logprob: _inference_pb2.TokenLogprob
-    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., first_logprob: _Optional[_Union[_inference_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    kv_bytes: int
+    kv_layers: int
+    kv_plane: str
+    kv_total_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., first_logprob: _Optional[_Union[_inference_pb2.TokenLogprob, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_layers: _Optional[int] = ..., kv_plane: _Optional[str] = ..., kv_total_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "first_token", "sampling", "timeout_s")
