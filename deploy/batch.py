@@ -329,6 +329,12 @@ def add_batch_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help=f"weights and KV dtype; auto = the checkpoint's (default: {d['dtype']})",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        help="how KV blocks are stored: auto = the model dtype, int8 = int8 values with a "
+        f"float16 scale per token per KV head (default: {d['kv_cache_dtype']})",
+    )
+    p.add_argument(
         "--attention-backend",
         choices=["auto", "torch", "cpu", "triton"],
         help="auto = Triton on CUDA; on CPU the compiled decode attention ('cpu') where it "
@@ -355,6 +361,7 @@ def batch_main(args: argparse.Namespace) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "device": args.device,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "attention_backend": args.attention_backend,
         "linear_kernel": args.linear_kernel,
     }

@@ -47,6 +47,8 @@ def layout_from_dict(raw: Mapping[str, Any]) -> KVLayout:
         num_layers=int(raw["num_layers"]),
         num_kv_heads=int(raw["num_kv_heads"]),
         head_dim=int(raw["head_dim"]),
+        # a peer from before int8 caches stores blocks in its model dtype
+        cache_dtype=str(raw.get("cache_dtype", raw["dtype"])),
     )
 
 

@@ -64,7 +64,9 @@ def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = resolve_dtype(config.dtype, model_config)
-    per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
+    per_block = KVCache.bytes_per_block(
+        model_config, config.block_size, dtype, config.kv_cache_dtype
+    )
     return max(1, int(config.kv_cache_memory_mb * 2**20) // per_block)
 
 
@@ -151,6 +153,7 @@ class LLMEngine:
             dtype=config.dtype,
             attention_backend=config.attention_backend,
             linear_kernel=config.linear_kernel,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         logger.info(
             "linear kernel %s; decode-only steps: %s%s",

@@ -27,7 +27,8 @@ class EngineConfig(BaseModel):
         default=256.0,
         gt=0,
         description="KV cache size in MiB, used only when num_kv_blocks is None "
-        "(blocks = memory // KVCache.bytes_per_block).",
+        "(blocks = memory // KVCache.bytes_per_block, which counts kv_cache_dtype's bytes: an "
+        "int8 cache holds about 1.9x the blocks of a bfloat16 one in the same memory).",
     )
     max_num_batched_tokens: int = Field(
         default=512, gt=0, description="Token budget of one step (decode tokens + prefill chunks)."
@@ -61,6 +62,14 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weights/KV dtype; 'auto' = the checkpoint's torch_dtype."
+    )
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        default="auto",
+        description="How KV blocks are stored: 'auto' = the model's dtype; 'int8' = int8 "
+        "values with one float16 scale per token per KV head in the same block (quantized "
+        "when written, dequantized inside attention; about half of bfloat16's bytes, so twice "
+        "the blocks per MiB and half the bytes per KV transfer). Prefill and decode workers "
+        "must agree (a mismatch fails the transfer naming both).",
     )
     seed: int = Field(
         default=0, ge=0, description="Seeds the generators of sampled requests that carry no seed."

@@ -22,7 +22,11 @@ every value is rounded to bf16 at the points where the torch model's ops round i
 near-ties apply. When the panels are a copy beside oneDNN's packing, prefill steps (oneDNN)
 and decode steps (panels) use different GEMMs on the same weights: in float32 they agree to
 summation order (~1e-6 relative), and float32 greedy tokens still equal HF's
-(`tests/integration/test_fidelity_hf.py` runs that default). `FusedDecode.unsupported` says
+(`tests/integration/test_fidelity_hf.py` runs that default). On an int8 KV cache the K/V write
+quantizes each head row with `kernels/kv_quant.h` (the bytes `kv_quant.quantize` writes, from
+the same K/V) and attention reads the cache dequantized in registers, so the fused step and the
+torch path differ there only where their K/V differ in the last bit (a value may then round to
+the neighbouring int8). `FusedDecode.unsupported` says
 when a model cannot take this path (a layer without panel weights, a bias other than the QKV
 one, shapes the attention kernel does not take); the runner then keeps the torch model.
 """
@@ -41,6 +45,7 @@ from model_runtime.kernels.decode_step import (
     LAYER_FIELDS,
     MAX_BLOCK,
     MAX_GROUP,
+    MAX_HEAD_DIM,
     MAX_HEADS,
     OPS,
     ModelStruct,
@@ -71,8 +76,9 @@ class FusedDecode:
         self.isa = isa or build.default_isa()
         self._lib = load(isa)
         cfg = model.config
-        kv = kv_cache.kv  # [L, blocks, 2, bs, KVH, D]
+        kv = kv_cache.kv  # [L, blocks, 2, bs, KVH, D], or int8 [L, blocks, block bytes]
         self.vocab = cfg.vocab_size
+        self._dtype = kv_cache.model_dtype
         self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
         self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
         self._kv_cache = kv_cache
@@ -101,6 +107,10 @@ class FusedDecode:
         self._keep.append(lm_head)
         # None, or len(OPS) seconds that every `run` adds each op's wall time to (profiling).
         self.op_seconds: torch.Tensor | None = None
+        # Offsets inside a block (`model_runtime.kv_cache`): elements of the cache dtype, so
+        # bytes on an int8 cache, whose scales follow the values.
+        bs, kvh, dim = kv_cache.block_size, cfg.num_key_value_heads, cfg.head_dim
+        values = bs * kvh * dim
         self._model = ModelStruct(
             num_layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
@@ -109,19 +119,23 @@ class FusedDecode:
             head_dim=cfg.head_dim,
             inter=cfg.intermediate_size,
             vocab=cfg.vocab_size,
-            block_size=kv.shape[3],
+            block_size=bs,
             block_stride=kv.stride(1),
-            v_offset=kv.stride(2),
+            v_offset=values if kv_cache.quantized else kv.stride(2),
             max_position=model.cos_cache.shape[0],
             eps=decoder_layers(model)[0].input_layernorm.eps,
             scale=cfg.head_dim**-0.5,
-            bf16=int(kv.dtype == torch.bfloat16),
+            bf16=int(self._dtype == torch.bfloat16),
             embed=self._keep[0].data_ptr(),
             final_norm=self._keep[1].data_ptr(),
             lm_head=lm_head.data_ptr(),
             cos_table=self._keep[2].data_ptr(),
             sin_table=self._keep[3].data_ptr(),
             layers=self._layers.data_ptr(),
+            kv_int8=int(kv_cache.quantized),
+            ks_offset=2 * values,
+            vs_offset=2 * values + 2 * bs * kvh,
+            scale_stride=kv.stride(1) // 2,
         )
 
     @staticmethod
@@ -131,9 +145,9 @@ class FusedDecode:
         if load(isa) is None:
             return unavailable_reason(isa)
         cfg = model.config
-        kv = kv_cache.kv
-        if kv.device.type != "cpu" or kv.dtype not in (torch.float32, torch.bfloat16):
-            return f"it takes CPU float32 or bfloat16 caches, got {kv.device} {kv.dtype}"
+        kv, dtype = kv_cache.kv, kv_cache.model_dtype
+        if kv.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return f"it takes CPU float32 or bfloat16 models, got {kv.device} {dtype}"
         linears = [model.lm_head]
         for layer in decoder_layers(model):
             linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
@@ -149,17 +163,19 @@ class FusedDecode:
         params = [model.embed_tokens, model.norm.weight]
         for layer in decoder_layers(model):
             params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if any(p.dtype != kv.dtype or not p.is_contiguous() for p in params):
-            return f"embedding and norm weights must be contiguous {kv.dtype}"
+        if any(p.dtype != dtype or not p.is_contiguous() for p in params):
+            return f"embedding and norm weights must be contiguous {dtype}"
         if not kv.is_contiguous():
             return "the KV cache must be contiguous"
-        heads, kv_heads, block = cfg.num_attention_heads, cfg.num_key_value_heads, kv.shape[3]
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        block = kv_cache.block_size
         if (
             cfg.head_dim % 8
             or heads > MAX_HEADS
             or heads % kv_heads
             or heads // kv_heads > MAX_GROUP
             or block > MAX_BLOCK
+            or (kv_cache.quantized and cfg.head_dim > MAX_HEAD_DIM)
         ):
             return (
                 f"shapes outside the attention kernel's range (head_dim {cfg.head_dim}, heads "
@@ -212,7 +228,7 @@ class FusedDecode:
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         assert block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
         logits = torch.empty((batch, self.vocab), dtype=torch.float32)
-        residual = torch.empty((batch, self._model.hidden), dtype=self._kv.dtype)
+        residual = torch.empty((batch, self._model.hidden), dtype=self._dtype)
         lib = self._lib
         assert lib is not None
         args = (

@@ -18,7 +18,7 @@ from torch import nn
 
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import ModelConfig, RopeScaling
-from model_runtime.kv_cache import KVCache
+from model_runtime.kv_cache import KVCache, LayerKV
 from model_runtime.linear import Linear
 
 
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,  # `signed_sin` of the positions' sin
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerKV,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, cache[0], cache[1], meta, self.scale)
+        out = backend.forward(q, k, v, cache.key, cache.value, meta, self.scale, cache.scales)
         projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
         return projected
 
@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerKV,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:

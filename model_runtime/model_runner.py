@@ -109,12 +109,14 @@ class ModelRunner:
         dtype: str | None = None,
         attention_backend: str = "auto",
         linear_kernel: LinearKernel = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> ModelRunner:
         """Load config and weights from an HF folder and allocate `num_blocks` KV blocks.
 
         `linear_kernel` picks the GEMM behind every weight matmul (`model_runtime.linear`):
         'auto' packs weights for oneDNN on CPU where the build supports it, with a panel copy
         for the fused decode step where that kernel builds (AVX2-only CPUs: panels only).
+        `kv_cache_dtype`: "auto" (the model dtype) or "int8" (`model_runtime.kv_cache`).
         """
         config = ModelConfig.from_model_dir(model_dir)
         device = torch.device(device)
@@ -122,7 +124,13 @@ class ModelRunner:
         model = load_model(model_dir, config, torch_dtype, device)
         resolved = pack_linears(model, linear_kernel)
         kv_cache = KVCache(
-            config, num_blocks, block_size, torch_dtype, device, model_name=Path(model_dir).name
+            config,
+            num_blocks,
+            block_size,
+            torch_dtype,
+            device,
+            model_name=Path(model_dir).name,
+            cache_dtype=kv_cache_dtype,
         )
         backend = get_backend(attention_backend, device)
         return cls(config, model, kv_cache, backend, linear_kernel=resolved)

@@ -75,6 +75,7 @@ def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
         num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
+        cache_dtype=layout.cache_dtype,
     )
 
 
@@ -86,6 +87,7 @@ def layout_from_proto(msg: worker_pb2.KVLayout) -> KVLayout:
         num_layers=msg.num_layers,
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
+        cache_dtype=msg.cache_dtype or msg.dtype,  # a peer from before cache_dtype: as dtype
     )
 
 

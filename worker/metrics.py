@@ -15,7 +15,10 @@ Names follow vLLM's with a ``pdserve:`` prefix and its ``model_name`` label:
   `generation_tokens_total` (tokens sampled here: a prefill worker samples each request's first
   token, its decode worker the rest);
 - KV transfers, fed by `on_transfers` with every `TransferResult` (`side` = send | recv):
-  `kv_transfer_bytes_total`, histogram `kv_transfer_seconds` (successful ones) and
+  `kv_transfer_bytes_total{cache_dtype}` and histogram `kv_transfer_request_bytes{cache_dtype}`
+  (the KV bytes of each request's transfer: its blocks as the cache stores them, so an int8
+  cache's are about half a bfloat16 one's; `cache_dtype` is this worker's `KVLayout.cache_dtype`,
+  which both sides of a transfer share), histogram `kv_transfer_seconds` (successful ones) and
   `kv_transfer_failures_total{reason}` (reason: cancelled, timeout, closed, layout, error);
 - with tracing on, the span counters `tracing_spans_exported_total` and
   `tracing_spans_dropped_total{reason}` (`tracing.metrics`).
@@ -40,6 +43,7 @@ from worker.engine_thread import Snapshot
 
 P = "pdserve:"
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REQUEST_BYTES_BUCKETS = tuple(float(4**i) for i in range(8, 16))  # 64 KiB .. 1 GiB
 
 _REASONS = (
     ("cancelled", re.compile(r"cancel", re.I)),
@@ -92,12 +96,15 @@ class WorkerMetrics:
         self,
         model: str,
         snapshot: Callable[[], Snapshot],
+        cache_dtype: str,
         span_counts: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        """`span_counts`: the tracer's span counts (None: tracing off, no span counters:
+        """`cache_dtype`: the worker's `KVLayout.cache_dtype` (the transfer metrics' label).
+        `span_counts`: the tracer's span counts (None: tracing off, no span counters:
         `tracing.metrics.SpanCounters`)."""
         self.registry = CollectorRegistry()
         self._model = model
+        self._cache_dtype = cache_dtype
         r, lm = self.registry, ["model_name"]
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prompt tokens prefilled here.", lm, registry=r
@@ -119,9 +126,16 @@ class WorkerMetrics:
         ).labels(model)
         self.transfer_bytes = Counter(
             P + "kv_transfer_bytes",
-            "KV bytes moved by successful transfers.",
-            [*lm, "side"],
+            "KV bytes moved by successful transfers, by the cache dtype they are stored in.",
+            [*lm, "side", "cache_dtype"],
             registry=r,
+        )
+        self.transfer_request_bytes = Histogram(
+            P + "kv_transfer_request_bytes",
+            "KV bytes of one request's successful transfer, by cache dtype.",
+            [*lm, "side", "cache_dtype"],
+            registry=r,
+            buckets=REQUEST_BYTES_BUCKETS,
         )
         self.transfer_seconds = Histogram(
             P + "kv_transfer_seconds",
@@ -157,7 +171,11 @@ class WorkerMetrics:
         """Count KV transfer results (both sides)."""
         for r in results:
             if r.ok:
-                self.transfer_bytes.labels(self._model, r.role).inc(r.nbytes)
+                self.transfer_bytes.labels(self._model, r.role, self._cache_dtype).inc(r.nbytes)
+                by_request = self.transfer_request_bytes.labels(
+                    self._model, r.role, self._cache_dtype
+                )
+                by_request.observe(r.nbytes)
                 self.transfer_seconds.labels(self._model, r.role).observe(r.elapsed_s)
             else:
                 reason = failure_reason(r.error)

@@ -125,6 +125,7 @@ class WorkerServer:
             self.metrics = WorkerMetrics(
                 model_name,
                 lambda: engine_thread.snapshot,
+                engine.runner.kv_cache.cache_dtype,
                 self.tracer.counts if self.tracer.enabled else None,
             )
             engine_thread.metrics = self.metrics

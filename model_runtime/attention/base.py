@@ -5,8 +5,13 @@ with an `AttentionMetadata`. For every layer the backend's `forward`:
 
 1. writes the step's new K/V into the paged cache at `slot_mapping` (so the cache holds every
    token of every sequence up to `seq_lens[i]` once `forward` returns — the KV transfer relies
-   on this to send a layer as soon as its forward is done);
-2. computes causal attention of each new query over its sequence's whole context.
+   on this to send a layer as soon as its forward is done); on an int8 cache (`kv_scales`
+   given) it quantizes them there (`model_runtime.kv_quant.quantize`: int8 values plus one
+   float16 scale per token per head);
+2. computes causal attention of each new query over its sequence's whole context, read back
+   from the cache (on an int8 cache: the dequantized values, in float32, including the
+   step's own tokens, so a token's attention never depends on whether its context was
+   computed in this step, an earlier chunk, or came from the prefix cache or a KV transfer).
 
 `prepare` is called once per step (before layer 0) to build whatever index tensors the backend
 shares across layers. Backends do no I/O and keep no per-request state between steps.
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from model_runtime.kv_quant import quantize
 
 
 @dataclass
@@ -56,8 +63,13 @@ class AttentionBackend(Protocol):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v into the caches at meta.slot_mapping, then attend (causal, paged)."""
+        """Write k/v into the caches at meta.slot_mapping, then attend (causal, paged).
+
+        `kv_scales`: an int8 cache's (key, value) scales [num_blocks, block_size,
+        num_kv_heads] float16 (`KVCache.layer`); the caches are then int8 and the output is in
+        q's dtype."""
         ...
 
 
@@ -68,17 +80,40 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     rows: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store new tokens' K/V at their slots (slot = block_id * block_size + offset).
 
     The caches may be strided over blocks (`KVCache.layer`: K and V halves interleave block by
     block); within a block, rows must be contiguous. `rows` is `slot_rows(key_cache,
     slot_mapping)` when the caller has it already (it is the same for every layer of a step).
+    With `kv_scales` (an int8 cache) k and v are quantized (`kv_quant.quantize`) into the int8
+    caches and their scales; `rows` is not used.
     """
+    if kv_scales is not None:
+        _write_quantized(k, v, key_cache, value_cache, slot_mapping, kv_scales)
+        return
     if rows is None:
         rows = slot_rows(key_cache, slot_mapping)
     _token_rows(key_cache).index_copy_(0, rows, k)
     _token_rows(value_cache).index_copy_(0, rows, v)
+
+
+def _write_quantized(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """`write_kv` into an int8 cache: values and scales at (block, offset) of each slot."""
+    block_size = key_cache.shape[1]
+    where = (slot_mapping // block_size, slot_mapping % block_size)
+    for x, cache, scales in ((k, key_cache, kv_scales[0]), (v, value_cache, kv_scales[1])):
+        q, s = quantize(x)
+        cache.index_put_(where, q)
+        scales.index_put_(where, s)
 
 
 def _token_rows(cache: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,12 @@ class TritonAttentionBackend:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v into the caches at meta.slot_mapping, then attend (causal, paged)."""
+        """Write k/v into the caches at meta.slot_mapping, then attend (causal, paged); on an
+        int8 cache (`kv_scales`) quantized, and attending over the dequantized cache."""
         assert meta is self._meta, "forward() called with metadata that prepare() did not see"
-        triton_kernels.write_kv_triton(k, v, key_cache, value_cache, meta.slot_mapping)
+        triton_kernels.write_kv_triton(k, v, key_cache, value_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         launches = ((self._decode_ids, 1), (self._prefill_ids, self._max_prefill_len))
         for seq_ids, max_query_len in launches:
@@ -70,5 +72,6 @@ class TritonAttentionBackend:
                 max_query_len,
                 scale,
                 out,
+                kv_scales,
             )
         return out

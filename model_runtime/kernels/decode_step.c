@@ -16,6 +16,7 @@
  *     qkv = h @ Wqkv^T (+ bias)            panel GEMM, one call for q, k and v
  *     q, k = rope(q, k) at position len-1  rotate-half, HF's products, no FMA contraction
  *     K/V cache <- k, v at the slot        table[r][pos / bs] * block_stride + pos % bs rows
+ *                                          (int8 cache: each head row quantized, kv_quant.h)
  *     a = attention(q, cache)              decode_attention.c's one_sequence, in place
  *     x = x + a @ Wo^T
  *     h = rmsnorm(x) * ln2
@@ -30,6 +31,8 @@
 
 #include <math.h>
 #include <time.h>
+
+#define MAX_HEAD_DIM 512 /* an int8 cache's rows are widened on the stack before quantizing */
 
 /* Where a step's time goes (pdserve_decode_step's `op_seconds`, summed over layers). */
 enum {
@@ -68,6 +71,11 @@ typedef struct {
     const float *cos_table; /* [max_position, head_dim] fp32 */
     const float *sin_table;
     const int64_t *layers; /* [num_layers][L_FIELDS] addresses */
+    /* int8 KV cache (model_runtime/kv_cache.py): values at the offsets above in bytes, the
+     * float16 scales of K and V at ks_offset / vs_offset bytes into a block, scale_stride
+     * scales from one block to the next. kv_int8 == 0: the cache holds the weight dtype. */
+    int kv_int8;
+    int64_t ks_offset, vs_offset, scale_stride;
 } pd_model;
 
 static inline float ld(const void *p, int64_t i, int bf16) {
@@ -194,16 +202,57 @@ typedef struct {
     int64_t scratch_per_row;
 } attn_args;
 
+/* How one layer's cache is read (decode_attention.c's kv_src). */
+static kv_src layer_kv(const pd_model *m, const char *kv) {
+    if (m->kv_int8)
+        return (kv_src){kv,
+                        kv + m->v_offset,
+                        (const uint16_t *)(kv + m->ks_offset),
+                        (const uint16_t *)(kv + m->vs_offset),
+                        m->block_stride,
+                        m->scale_stride,
+                        KV_I8};
+    const int64_t elem = m->bf16 ? 2 : 4;
+    return (kv_src){kv,   kv + m->v_offset * elem, NULL, NULL, m->block_stride, 0,
+                    m->bf16 ? KV_BF16 : KV_F32};
+}
+
+/* Write row r's new K and V (qkv row after RoPE, weight dtype) into its slot: copied, or on an
+ * int8 cache quantized one head row at a time with its scale (kv_quant.h: the bytes
+ * model_runtime/kv_quant.py writes). */
+static void write_kv_row(const pd_model *m, char *kv, const char *row, int64_t block,
+                         int64_t off) {
+    const int64_t KVH = m->kv_heads, D = m->head_dim, Q = m->heads * D, KV = KVH * D;
+    const int64_t elem = m->bf16 ? 2 : 4;
+    if (!m->kv_int8) {
+        char *slot = kv + (block * m->block_stride + off * KV) * elem;
+        memcpy(slot, row + Q * elem, KV * elem);
+        memcpy(slot + m->v_offset * elem, row + (Q + KV) * elem, KV * elem);
+        return;
+    }
+    float x[MAX_HEAD_DIM];
+    for (int64_t half = 0; half < 2; half++) { /* K, then V */
+        int8_t *vals = (int8_t *)kv + block * m->block_stride + half * m->v_offset + off * KV;
+        uint16_t *scales = (uint16_t *)(kv + (half ? m->vs_offset : m->ks_offset)) +
+                           block * m->scale_stride + off * KVH;
+        const char *src = row + (Q + half * KV) * elem;
+        for (int64_t h = 0; h < KVH; h++) {
+            for (int64_t d = 0; d < D; d++) x[d] = ld(src, h * D + d, m->bf16);
+            scales[h] = kvq_quantize_row(x, D, vals + h * D);
+        }
+    }
+}
+
 static void attn_item(void *ctx, int64_t r) {
     const attn_args *a = ctx;
     const pd_model *m = a->m;
     const int64_t NH = m->heads, D = m->head_dim, Q = NH * D, KV = m->kv_heads * D;
     const int64_t elem = m->bf16 ? 2 : 4;
     float *buf = a->scratch + a->scratch_per_row * r;
-    one_sequence(a->qkv + r * (Q + 2 * KV) * elem, a->kv, a->kv + m->v_offset * elem,
-                 m->block_stride, a->tables + r * a->table_stride, a->seq_lens[r], NH,
-                 m->kv_heads, D, m->block_size, m->scale, m->bf16, a->att + r * Q * elem, buf,
-                 buf + NH * D, buf + 2 * NH * D);
+    const kv_src c = layer_kv(m, a->kv);
+    one_sequence(a->qkv + r * (Q + 2 * KV) * elem, &c, a->tables + r * a->table_stride,
+                 a->seq_lens[r], NH, m->kv_heads, D, m->block_size, m->scale, m->bf16,
+                 a->att + r * Q * elem, buf, buf + NH * D, buf + 2 * NH * D);
 }
 
 /* Layers [first_layer, end_layer) of a decode step for B decode rows, on the residual stream
@@ -230,6 +279,7 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     const int64_t elem = bf16 ? 2 : 4;
     if (B <= 0 || nthreads < 1 || KVH <= 0 || NH % KVH != 0 || NH > MAX_HEADS ||
         NH / KVH > MAX_GROUP || D % 8 != 0 || bs <= 0 || bs > MAX_BLOCK || x_state == NULL ||
+        (m->kv_int8 && D > MAX_HEAD_DIM) ||
         first_layer < 0 || first_layer > end_layer || end_layer > m->num_layers ||
         (head && end_layer != m->num_layers))
         return -1;
@@ -274,10 +324,7 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
             const int64_t pos = seq_lens[r] - 1;
             char *row = qkv + r * NQKV * elem;
             rope(row, NH + KVH, D, m->cos_table + pos * D, m->sin_table + pos * D, bf16);
-            const int64_t block = tables[r * table_stride + pos / bs];
-            char *slot = kv + (block * m->block_stride + (pos % bs) * KV) * elem;
-            memcpy(slot, row + Q * elem, KV * elem);
-            memcpy(slot + m->v_offset * elem, row + (Q + KV) * elem, KV * elem);
+            write_kv_row(m, kv, row, tables[r * table_stride + pos / bs], pos % bs);
         }
         lap(op_seconds, OP_ROPE_KV, &t);
         attn_args aa = {m, qkv, kv, tables, table_stride, seq_lens, att, ascratch, attn_scratch};

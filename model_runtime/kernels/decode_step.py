@@ -18,6 +18,7 @@ from model_runtime.kernels import build
 _SOURCE = Path(__file__).with_name("decode_step.c")
 LAYER_FIELDS = 8  # per-layer addresses (the L_* enum in decode_step.c)
 MAX_HEADS, MAX_GROUP, MAX_BLOCK = 256, 16, 256  # decode_attention.c's limits
+MAX_HEAD_DIM = 512  # decode_step.c's, on an int8 cache
 # The OP_* enum of decode_step.c: where `FusedDecode.op_seconds` adds each op's wall time.
 OPS = (
     "embedding gather",
@@ -58,6 +59,10 @@ class ModelStruct(ctypes.Structure):
         ("cos_table", ctypes.c_void_p),
         ("sin_table", ctypes.c_void_p),
         ("layers", ctypes.c_void_p),
+        ("kv_int8", ctypes.c_int),
+        ("ks_offset", ctypes.c_int64),
+        ("vs_offset", ctypes.c_int64),
+        ("scale_stride", ctypes.c_int64),
     ]
 
 

@@ -281,7 +281,10 @@ def test_worker_and_router_metrics_move_by_the_requests_sent(
     assert moved(d, "pdserve:prompt_tokens_total") == 0  # the decode worker prefills nothing
     assert moved(p, "pdserve:kv_transfer_seconds_count", side="send") == 3
     assert moved(d, "pdserve:kv_transfer_seconds_count", side="recv") == 3
-    assert moved(d, "pdserve:kv_transfer_bytes_total", side="recv") > 0
+    assert moved(d, "pdserve:kv_transfer_bytes_total", side="recv", cache_dtype="float32") > 0
+    assert (
+        moved(d, "pdserve:kv_transfer_request_bytes_count", side="recv", cache_dtype="float32") == 3
+    )
     for where in (p, d):
         assert after[where][("pdserve:num_requests_running", ())] == 0
         assert 0.0 <= after[where][("pdserve:kv_cache_usage_perc", ())] <= 1.0

@@ -336,3 +336,93 @@ def test_torch_dist_sender_rejoins_a_pair_the_receiver_dropped():
     finally:
         d.close()
         p.close()
+
+
+def make_int8_cache(seed: int | None, model_dtype: torch.dtype = torch.bfloat16) -> KVCache:
+    """An int8 cache (values + float16 scales per block); `seed`: random bytes in every block
+    (any bytes: the transport moves blocks without reading them)."""
+    cache = KVCache(model_config(), BLOCKS, BLOCK, model_dtype, model_name="m", cache_dtype="int8")
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        cache.kv.copy_(torch.randint(-128, 128, cache.kv.shape, generator=gen))
+    return cache
+
+
+@pytest.mark.parametrize("plane", ["loopback", "gloo_bytes", "shared_memory"])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ([40, 2, 17, 5, 33], [0, 1, 2, 3, 4, 30]),  # consecutive destination: in place
+        ([40, 2, 17, 5, 33], [30, 1, 20, 3, 9]),  # scattered: through staging
+        ([10, 11, 12, 13, 14], [6, 7, 8, 9, 10]),  # consecutive source: a view of the cache
+    ],
+    ids=["in_place", "staged", "zero_copy_source"],
+)
+def test_int8_blocks_arrive_with_their_scales_byte_for_byte(
+    plane: str, src: list[int], dst: list[int]
+) -> None:
+    """An int8 cache's blocks (values and scales) move as stored on every data plane: the
+    receiver's blocks are the sender's bytes (no re-quantization), and the bytes moved are the
+    int8 blocks' (about half a bfloat16 cache's)."""
+    sc, dc = make_int8_cache(11), make_int8_cache(None)
+    hub = LoopbackHub()
+    d: KVTransport
+    p: KVTransport
+    if plane == "loopback":
+        d, p = LoopbackTransport(hub, "d0", dc), LoopbackTransport(hub, "p0", sc)
+    else:
+        shm = plane == "shared_memory"
+        d = TorchDistTransport(dc, "d0", connect_timeout_s=LONG, shared_memory=shm)
+        p = TorchDistTransport(sc, "p0", serve=False, connect_timeout_s=LONG, shared_memory=shm)
+    try:
+        n_tokens = 4 * BLOCK + 1
+        transfer(p, d, src, dst, n_tokens)
+        results = drive([d, p], 2)
+        assert all(r.ok for r in results), results
+        if plane == "shared_memory":
+            assert isinstance(p, TorchDistTransport) and p.shared_memory_peers() == ["d0"]
+        assert_same_kv(sc, src, dc, dst)
+        for layer in range(LAYERS):  # the scales, read through the views, are the sender's
+            s_scales, d_scales = sc.layer(layer).scales, dc.layer(layer).scales
+            assert s_scales is not None and d_scales is not None
+            for s_blk, d_blk in zip(src, dst, strict=False):
+                for side in (0, 1):  # as bits: random bytes include NaN patterns
+                    want = s_scales[side][s_blk].view(torch.int16)
+                    assert torch.equal(want, d_scales[side][d_blk].view(torch.int16))
+        untouched = [b for b in range(BLOCKS) if b not in dst[:5]]
+        assert torch.count_nonzero(dc.kv[:, untouched]) == 0
+        # every plane reports the KV bytes it moved (the memfd plane: copied out of the
+        # sender's cache), an int8 block's values and scales
+        assert [r.nbytes for r in results] == [LAYERS * 5 * sc.kv[0, 0].numel()] * 2
+    finally:
+        d.close()
+        p.close()
+
+
+def test_cache_dtype_mismatch_names_both_values(factory: Factory):
+    """int8 prefill against a full-precision decode worker (same model dtype): a hard error
+    before any KV moves, naming both cache dtypes."""
+    d = factory("d0", make_cache(None), True)
+    p = factory("p0", make_int8_cache(1, model_dtype=torch.float32), False)
+    ticket = new_ticket(d.endpoint, d.layout, "req", [0, 1], 8, LONG)
+    with pytest.raises(LayoutMismatchError) as info:
+        p.open(ticket, [0])
+    msg = str(info.value)
+    assert "cache_dtype: 'int8' (prefill p0) != 'float32' (decode d0)" in msg, msg
+    assert "dtype: 'float32'" not in msg.replace("cache_dtype", ""), msg  # model dtypes agree
+
+
+def test_torch_dist_join_rejects_a_cache_dtype_mismatch():
+    """A ticket forged with the sender's int8 layout still fails at the join handshake."""
+    dc, sc = make_cache(None), make_int8_cache(1, model_dtype=torch.float32)
+    d = TorchDistTransport(dc, "d0", connect_timeout_s=LONG)
+    p = TorchDistTransport(sc, "p1", serve=False, connect_timeout_s=LONG)
+    try:
+        forged = new_ticket(d.endpoint, sc.layout, "req", [0], 4, LONG)
+        p.open(forged, [0])
+        (res,) = drive([d, p], 1)
+        assert not res.ok
+        assert "cache_dtype: 'float32' (decode d0) != 'int8' (prefill p1)" in (res.error or "")
+    finally:
+        d.close()
+        p.close()

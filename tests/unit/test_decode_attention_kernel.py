@@ -5,6 +5,9 @@ blocks in shuffled order, every specialised GQA group (1, 2, 3, 4, 8) and a gene
 the strided K/V views of a real `KVCache` layer, float32 and bfloat16, one and two threads.
 float32 agrees to fp32 rounding; bfloat16 computes in fp32 and rounds once, so an output may
 sit one bf16 step away from the reference's (which rounds its intermediate results to bf16).
+An int8 cache (values and float16 scales in one block, `KVCache(cache_dtype="int8")`) is
+checked on the same shapes against the reference's float32 attention over the dequantized
+cache, with float32 and bfloat16 queries.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from model_runtime.attention.torch_ref import paged_decode_attention
 from model_runtime.kernels import decode_attention
 from model_runtime.kv_cache import KVCache
+from model_runtime.kv_quant import quantize
 from tests.fakes.model_configs import tiny_model_config
 
 pytestmark = pytest.mark.skipif(
@@ -22,6 +26,14 @@ pytestmark = pytest.mark.skipif(
     reason=f"decode kernel unavailable here: {decode_attention.unavailable_reason()}",
 )
 TOL = {torch.float32: (2e-6, 2e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}  # (atol, rtol)
+SHAPES = [
+    ([1], 4, 4, 8, 16),  # one token, no GQA
+    ([15, 16, 17], 4, 2, 16, 16),  # around one block
+    ([31, 32, 33, 1], 12, 4, 64, 16),  # `small`'s heads, group 3
+    ([200], 8, 2, 32, 16),  # 13 blocks in shuffled order, group 4
+    ([40, 7], 8, 1, 16, 8),  # group 8 (multi-query)
+    ([9, 70], 10, 2, 24, 32),  # generic group 5, other block size
+]
 
 
 def _case(
@@ -50,17 +62,7 @@ def _check(got: torch.Tensor | None, want: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("lens", "heads", "kv_heads", "dim", "bs"),
-    [
-        ([1], 4, 4, 8, 16),  # one token, no GQA
-        ([15, 16, 17], 4, 2, 16, 16),  # around one block
-        ([31, 32, 33, 1], 12, 4, 64, 16),  # `small`'s heads, group 3
-        ([200], 8, 2, 32, 16),  # 13 blocks in shuffled order, group 4
-        ([40, 7], 8, 1, 16, 8),  # group 8 (multi-query)
-        ([9, 70], 10, 2, 24, 32),  # generic group 5, other block size
-    ],
-)
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim", "bs"), SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_reference(
     lens: list[int], heads: int, kv_heads: int, dim: int, bs: int, dtype: torch.dtype, threads: int
@@ -76,12 +78,54 @@ def test_kernel_matches_reference(
     _check(got, want, f"lens {lens} heads {heads}/{kv_heads} dim {dim} bs {bs} {dtype}")
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim", "bs"), SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_on_int8_cache_matches_reference(
+    lens: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    bs: int,
+    q_dtype: torch.dtype,
+    threads: int,
+) -> None:
+    g = torch.Generator().manual_seed(len(lens) + dim)
+    max_blocks = max(-(-n // bs) for n in lens)
+    num_blocks = len(lens) * max_blocks + 3
+    cfg = tiny_model_config(
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim, num_hidden_layers=1
+    )
+    cache = KVCache(cfg, num_blocks, bs, q_dtype, cache_dtype="int8")
+    kc, vc, scales = cache.layer(0)
+    assert scales is not None
+    for vals, sc in ((kc, scales[0]), (vc, scales[1])):
+        x = torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
+        x *= torch.rand(num_blocks, bs, kv_heads, 1, generator=g) * 4  # scales vary by row
+        q8, s = quantize(x)
+        vals.copy_(q8)
+        sc.copy_(s)
+    q = (torch.randn(len(lens), heads, dim, generator=g) * 2).to(q_dtype)
+    perm = torch.randperm(num_blocks, generator=g)[: len(lens) * max_blocks]
+    tables, seq_lens = perm.view(len(lens), max_blocks), torch.tensor(lens)
+    want = paged_decode_attention(q, kc, vc, tables, seq_lens, dim**-0.5, kv_scales=scales)
+    assert want.dtype == q_dtype
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode_attention.decode_attention(q, kc, vc, tables, seq_lens, dim**-0.5, scales)
+    finally:
+        torch.set_num_threads(before)
+    assert got is None or got.dtype == q_dtype
+    _check(got, want, f"int8: lens {lens} heads {heads}/{kv_heads} dim {dim} bs {bs} {q_dtype}")
+
+
 def test_kernel_on_a_real_cache_layer_at_max_context() -> None:
     """KVCache.layer's views (block stride = 2 blocks), the model's full context in one table."""
     cfg = tiny_model_config(head_dim=16, max_position_embeddings=256)
     cache = KVCache(cfg, num_blocks=40, block_size=8, dtype=torch.float32)
     cache.kv.normal_()
-    kc, vc = cache.layer(1)
+    kc, vc, _ = cache.layer(1)
     tables = torch.arange(40).flip(0)[:32].view(1, 32)  # 256 tokens = max_position_embeddings
     q = torch.randn(1, 4, 16)
     lens = torch.tensor([256])

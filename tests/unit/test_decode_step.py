@@ -42,10 +42,14 @@ ISAS = [
 LOGIT_REL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
-def _runner(model_dir: Path, dtype: str, fused: bool, isa: str | None = None) -> ModelRunner:
+def _runner(
+    model_dir: Path, dtype: str, fused: bool, isa: str | None = None, kv_cache_dtype: str = "auto"
+) -> ModelRunner:
     """A runner on avx2-packed weights; `fused`: all-decode steps on the fused step built for
     `isa` (None: the default build), else on the torch modules."""
-    loaded = ModelRunner.from_model_dir(model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2")
+    loaded = ModelRunner.from_model_dir(
+        model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2", kv_cache_dtype=kv_cache_dtype
+    )
     runner = ModelRunner(
         loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "avx2", decode_isa=isa
     )
@@ -122,6 +126,59 @@ def test_fused_decode_float32_greedy_tokens_equal_torch(tiny_model_dir: Path, is
             toks.append(tok)
         outs.append(toks)
     assert outs[0] == outs[1]
+
+
+def _dequantized(runner: ModelRunner) -> torch.Tensor:
+    """Every layer of an int8 cache as float32 K and V [layers, 2, blocks, bs, H, D]."""
+    from model_runtime.kv_quant import dequantize
+
+    layers = []
+    for layer in range(runner.config.num_hidden_layers):
+        k, v, scales = runner.kv_cache.layer(layer)
+        assert scales is not None
+        layers.append(torch.stack([dequantize(k, scales[0]), dequantize(v, scales[1])]))
+    return torch.stack(layers)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_on_int8_cache_matches_torch_model(
+    tiny_model_dir: Path, dtype: str, isa: str
+) -> None:
+    """On an int8 KV cache the fused step quantizes each new K/V row as the torch path does
+    (`kv_quant.h` = `kv_quant.quantize`) and attends over the dequantized cache: logits within
+    the full-precision tolerance, the caches equal up to a value that rounds the other way
+    where the two paths' K/V differ in the last bit (at most one quantization step), and
+    float32 greedy tokens equal."""
+    fused = _runner(tiny_model_dir, dtype, True, isa, kv_cache_dtype="int8")
+    ref = _runner(tiny_model_dir, dtype, False, kv_cache_dtype="int8")
+    assert fused.kv_cache.quantized and fused.fused is not None
+    lens = [15, 16, 40]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    tables = _tables(lens)
+    items = [StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    for runner in (fused, ref):
+        runner.execute(items)
+    assert torch.equal(fused.kv_cache.kv, ref.kv_cache.kv)  # prefill: the torch path in both
+    tol = LOGIT_REL[getattr(torch, dtype)]
+    tokens = [p[-1] for p in prompts]
+    for step in range(6):
+        items = [
+            StepInput([tok], n + step, t) for tok, n, t in zip(tokens, lens, tables, strict=True)
+        ]
+        got, want = fused.execute(items), ref.execute(items)
+        diff = (got - want).abs().max().item()
+        scale = want.abs().max().item()
+        assert diff <= tol * scale, f"step {step}: logits differ by {diff} (scale {scale})"
+        a, b = _dequantized(fused), _dequantized(ref)
+        step_size = b.abs().amax(-1, keepdim=True) / 127
+        assert bool(((a - b).abs() <= step_size * 1.01 + tol * step_size * 127).all()), (
+            f"step {step}: int8 caches differ by more than a step"
+        )
+        if dtype == "float32":
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), f"step {step}"
+        tokens = want.argmax(-1).tolist()
 
 
 def test_prefill_keeps_the_torch_path(tiny_model_dir: Path) -> None:

@@ -24,7 +24,7 @@ def filled_cache(num_blocks: int = 8, block_size: int = 4) -> KVCache:
 
 def test_layer_views_are_the_halves_of_each_block() -> None:
     cache = filled_cache()
-    k, v = cache.layer(1)
+    k, v, _ = cache.layer(1)
     assert k.shape == (8, 4, 2, 16) and v.shape == k.shape
     assert torch.equal(k[5], cache.kv[1, 5, 0]) and torch.equal(v[5], cache.kv[1, 5, 1])
     assert k.data_ptr() == cache.kv[1].data_ptr()  # views, not copies
@@ -62,7 +62,7 @@ def test_copy_blocks_copies_every_layer() -> None:
 
 def test_write_kv_into_strided_layer_views_lands_in_the_right_slots() -> None:
     cache = KVCache(tiny_config(), 6, 4, torch.float32)
-    k_cache, v_cache = cache.layer(1)
+    k_cache, v_cache, _ = cache.layer(1)
     slots = torch.tensor([0, 5, 23, 9])  # blocks 0, 1, 5, 2 at offsets 0, 1, 3, 1
     k = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1))
     v = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(2))
@@ -74,3 +74,76 @@ def test_write_kv_into_strided_layer_views_lands_in_the_right_slots() -> None:
     assert torch.count_nonzero(cache.kv[0]) == 0 and torch.count_nonzero(cache.kv[2]) == 0
     written = torch.count_nonzero(cache.kv[1].abs().sum(dim=(-1, -2)))
     assert written == 8  # 4 tokens x (K, V), nothing else touched
+
+
+def int8_cache(num_blocks: int = 6, block_size: int = 4) -> KVCache:
+    return KVCache(tiny_config(), num_blocks, block_size, torch.bfloat16, cache_dtype="int8")
+
+
+def test_int8_block_holds_values_then_scales_in_one_run_of_bytes() -> None:
+    """The layout `model_runtime.kv_cache` draws: per block of a layer, K values, V values, K
+    scales, V scales, contiguous; the views point exactly there."""
+    cache = int8_cache()
+    bs, h, d = 4, 2, 16
+    assert cache.kv.shape == (3, 6, 2 * bs * h * (d + 2)) and cache.kv.dtype == torch.int8
+    assert cache.layout.cache_dtype == "int8" and cache.layout.dtype == "bfloat16"
+    assert cache.model_dtype == torch.bfloat16 and cache.dtype == torch.int8
+    assert cache.message_shape(3) == (3, cache.kv.shape[2])
+    k, v, scales = cache.layer(2)
+    assert scales is not None
+    ks, vs = scales
+    base = cache.kv[2, 0].data_ptr()
+    assert k.shape == v.shape == (6, bs, h, d) and ks.shape == vs.shape == (6, bs, h)
+    assert ks.dtype == vs.dtype == torch.float16
+    offsets = [t.data_ptr() - base for t in (k, v, ks, vs)]
+    assert offsets == [0, bs * h * d, 2 * bs * h * d, 2 * bs * h * d + 2 * bs * h]
+    assert k.stride(0) == v.stride(0) == cache.kv.shape[2]  # one block to the next
+    assert ks.stride(0) * 2 == cache.kv.shape[2]
+
+
+def test_int8_block_bytes_and_capacity() -> None:
+    cfg = tiny_config()
+    bf16 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16)
+    i8 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16, "int8")
+    assert i8 == int8_cache(block_size=16).kv[:, 0].numel()
+    assert i8 / bf16 == (16 + 2) / (2 * 16)  # head_dim 16: values + scale against bf16
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVCache.bytes_per_block(cfg, 16, torch.bfloat16, "fp4")
+
+
+def test_write_kv_quantizes_into_int8_views() -> None:
+    from model_runtime.kv_quant import dequantize, quantize
+
+    cache = int8_cache()
+    k_cache, v_cache, scales = cache.layer(1)
+    slots = torch.tensor([0, 5, 23, 9])  # blocks 0, 1, 5, 2 at offsets 0, 1, 3, 1
+    k = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    v = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    write_kv(k, v, k_cache, v_cache, slots, kv_scales=scales)
+    assert scales is not None
+    for i, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, 4)
+        for x, vals, sc in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+            q, s = quantize(x[i])
+            assert torch.equal(vals[block, offset], q) and torch.equal(sc[block, offset], s)
+            got = dequantize(vals[block, offset], sc[block, offset])
+            assert (got - x[i].float()).abs().max() <= s.float().max()
+    assert torch.count_nonzero(cache.kv[0]) == 0 and torch.count_nonzero(cache.kv[2]) == 0
+    untouched = [b for b in range(6) if b not in (0, 1, 5, 2)]
+    assert torch.count_nonzero(cache.kv[1, untouched]) == 0
+
+
+def test_int8_blocks_move_whole_with_their_scales() -> None:
+    """gather/scatter and copy_blocks carry values and scales together, byte for byte."""
+    src, dst = int8_cache(), int8_cache()
+    src.kv.copy_(torch.randint(-127, 128, src.kv.shape, generator=torch.Generator().manual_seed(0)))
+    data = src.gather_layer(1, [4, 0, 2])
+    dst.scatter_layer(1, [1, 5, 3], data)
+    for s, d in ((4, 1), (0, 5), (2, 3)):
+        for a, b in zip(src.layer(1).key[s], dst.layer(1).key[d], strict=True):
+            assert torch.equal(a, b)
+        scales_s, scales_d = src.layer(1).scales, dst.layer(1).scales
+        assert scales_s is not None and scales_d is not None
+        assert torch.equal(scales_s[1][s].view(torch.int16), scales_d[1][d].view(torch.int16))
+    src.copy_blocks([0, 2], [5, 3])
+    assert torch.equal(src.kv[:, 5], src.kv[:, 0]) and torch.equal(src.kv[:, 3], src.kv[:, 2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -136,6 +137,31 @@ def test_check_offer_allows_another_block_count_but_not_another_block_shape():
     other = (shape[0], shape[1], shape[2], shape[3] * 2, *shape[4:])
     with pytest.raises(ShmUnavailable, match="does not fit"):
         check_offer(_offer(cache, shape=other), cache, "n1", "GPU-aaaa")
+
+
+def test_an_int8_cache_offers_whole_blocks_to_int8_receivers_only():
+    """An int8 cache's CUDA IPC offer is its [layers, blocks, block bytes] int8 tensor (values
+    and scales; the receiver's plan copies whole blocks of it): an int8 receiver with another
+    block count takes it, a bfloat16 receiver of the same model does not; the memfd plane
+    maps an int8 sender's segment the same way."""
+
+    def int8(num_blocks: int) -> KVCache:
+        return KVCache(tiny_model_config(), num_blocks, 4, torch.bfloat16, cache_dtype="int8")
+
+    sender = int8(8)
+    shape = tuple(sender.kv.shape)
+    assert len(shape) == 3 and sender.kv.element_size() == 1
+    more = (shape[0], 20, shape[2])
+    offer = _offer(sender, shape=more, itemsize=1, storage_size=HEADER_BYTES + math.prod(more))
+    check_offer(offer, sender, "n1", "GPU-aaaa")
+    bf16 = KVCache(tiny_model_config(), 20, 4, torch.bfloat16)
+    with pytest.raises(ShmUnavailable, match="does not fit"):
+        check_offer(offer, bf16, "n1", "GPU-aaaa")
+    segment = share_cache(sender, node="n1")
+    assert segment is not None
+    assert isinstance(map_offer(segment.to_dict(), int8(12), node="n1"), PeerCache)
+    with pytest.raises(ShmUnavailable, match="does not fit"):
+        map_offer(segment.to_dict(), bf16, node="n1")
 
 
 def test_block_runs_are_maximal_on_both_sides():

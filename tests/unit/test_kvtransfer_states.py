@@ -23,7 +23,7 @@ from kvtransfer.types import PeerEndpoint, TransferTicket, new_ticket
 from model_runtime.kv_cache import KVLayout
 
 S = TypeVar("S", bound=Enum)
-LAYOUT = KVLayout("m", "float32", 4, 3, 2, 8)
+LAYOUT = KVLayout("m", "float32", 4, 3, 2, 8, "float32")
 MOVERS: tuple[Mover, ...] = ("engine", "helper")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -23,13 +24,15 @@ from kvtransfer.types import (
     blocks_needed,
     check_layout,
     header_verdict,
+    layout_from_dict,
+    layout_to_dict,
     new_ticket,
 )
 from kvtransfer.wire import EventQueue, HelperThreads, control_tensor, empty_control, read_code
 from model_runtime.kv_cache import KVCache, KVLayout
 from tests.fakes.model_configs import tiny_model_config
 
-LAYOUT = KVLayout("m", "float32", 16, 4, 2, 8)
+LAYOUT = KVLayout("m", "float32", 16, 4, 2, 8, "float32")
 EP = PeerEndpoint("d0", "127.0.0.1", 4242)
 
 
@@ -77,14 +80,30 @@ def test_ticket_validation_names_the_field(kwargs: dict[str, object], match: str
 
 
 def test_layout_mismatch_names_every_field_and_both_values():
-    other = KVLayout("other", "bfloat16", 32, 4, 2, 8)
+    other = KVLayout("other", "bfloat16", 32, 4, 2, 8, "int8")
     with pytest.raises(LayoutMismatchError) as info:
         check_layout(LAYOUT, other, "prefill p0", "decode d0")
     msg = str(info.value)
     assert "model_name: 'm' (prefill p0) != 'other' (decode d0)" in msg
     assert "dtype: 'float32' (prefill p0) != 'bfloat16' (decode d0)" in msg
     assert "block_size: 16 (prefill p0) != 32 (decode d0)" in msg
+    assert "cache_dtype: 'float32' (prefill p0) != 'int8' (decode d0)" in msg
     check_layout(LAYOUT, LAYOUT, "a", "b")  # equal layouts pass
+
+
+def test_layout_round_trips_with_its_cache_dtype():
+    """A ticket's layout carries the cache dtype through JSON and protobuf; a peer from before
+    int8 caches (no field) stores blocks in its model dtype."""
+    from worker.convert import layout_from_proto, layout_to_proto
+
+    int8 = dataclasses.replace(LAYOUT, dtype="bfloat16", cache_dtype="int8")
+    assert layout_from_dict(layout_to_dict(int8)) == int8
+    assert layout_from_proto(layout_to_proto(int8)) == int8
+    old = {k: v for k, v in layout_to_dict(LAYOUT).items() if k != "cache_dtype"}
+    assert layout_from_dict(old) == LAYOUT
+    msg = layout_to_proto(LAYOUT)
+    msg.cache_dtype = ""
+    assert layout_from_proto(msg) == LAYOUT
 
 
 def test_header_verdicts():
@@ -139,6 +158,24 @@ def test_write_layer_matches_scatter_layer_bit_for_bit(dtype: torch.dtype):
         data = data + 1
     with pytest.raises(ValueError, match="write_layer"):
         write_layer(b, 1, ids[:2], data)
+
+
+def test_staging_copies_int8_blocks_with_their_scales():
+    """read_layer / write_layer on an int8 cache: whole blocks (values, then scales) as
+    `message_shape` says, the bytes of gather_layer / scatter_layer."""
+    cfg = tiny_model_config()
+    a, b = (KVCache(cfg, 10, 4, torch.bfloat16, cache_dtype="int8") for _ in range(2))
+    gen = torch.Generator().manual_seed(3)
+    a.kv.copy_(torch.randint(-128, 128, a.kv.shape, generator=gen))
+    for ids in ([7, 2, 5], [3, 4, 9]):
+        out = torch.empty(a.message_shape(3), dtype=torch.int8)
+        assert out.shape == (3, 2 * 4 * 2 * (8 + 2))
+        read_layer(a, 1, ids, out)
+        assert torch.equal(out, a.gather_layer(1, ids))
+        write_layer(b, 1, ids, out)
+        assert torch.equal(b.gather_layer(1, ids), out)
+    with pytest.raises(ValueError, match="write_layer"):
+        write_layer(b, 1, [1, 2], out)
 
 
 def test_copy_runs_matches_indexed_copy_for_any_block_arrangement():

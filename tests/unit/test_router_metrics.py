@@ -109,7 +109,7 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
     used = {n for e in exprs for n in re.findall(r"pdserve:[a-z0-9_]+", e)}
     router = RouterMetrics("m", Admission(1, 0), lambda: [])
     snap = Snapshot("prefill", False, 0, 0, 0, 10, 10, 16)
-    worker = WorkerMetrics("m", lambda: snap)
+    worker = WorkerMetrics("m", lambda: snap, "bfloat16")
     worker.on_transfers([])  # nothing: labelled series appear once used
     names: set[str] = set()
     for registry in (router.registry, worker.registry):
@@ -139,3 +139,30 @@ def test_every_labelled_series_exists_before_the_first_request() -> None:
     assert 'pdserve:request_success_total{finished_reason="stop",model_name="smol"} 0.0' in text
     assert 'pdserve:request_failure_total{model_name="smol",status="CANCELLED"} 0.0' in text
     assert 'pdserve:prefix_index_lookups_total{model_name="smol"} 0.0' in text
+
+
+def test_worker_counts_kv_bytes_per_request_by_cache_dtype() -> None:
+    """Each successful transfer's bytes go to the total and to the per-request histogram,
+    labelled with the worker's cache dtype; failures move neither."""
+    from prometheus_client import generate_latest
+
+    from kvtransfer.types import TransferResult
+    from worker.engine_thread import Snapshot
+    from worker.metrics import WorkerMetrics
+
+    snap = Snapshot("decode", False, 0, 0, 0, 10, 10, 16)
+    worker = WorkerMetrics("m", lambda: snap, "int8")
+    ok = [
+        TransferResult(f"t{i}", 0, "r", "recv", "p0", True, nbytes=n)
+        for i, n in enumerate((300_000, 500_000))
+    ]
+    failed = TransferResult("t9", 0, "r", "recv", "p0", False, error="deadline", nbytes=7)
+    worker.on_transfers([*ok, failed])
+    text = generate_latest(worker.registry).decode()
+    labels = 'cache_dtype="int8",model_name="m",side="recv"'
+    assert f"pdserve:kv_transfer_bytes_total{{{labels}}} 800000.0" in text, text
+    assert f"pdserve:kv_transfer_request_bytes_count{{{labels}}} 2.0" in text
+    assert f"pdserve:kv_transfer_request_bytes_sum{{{labels}}} 800000.0" in text
+    bucket = 'pdserve:kv_transfer_request_bytes_bucket{cache_dtype="int8",le="%s",model_name="m",'
+    assert bucket % "262144.0" + 'side="recv"} 0.0' in text
+    assert bucket % "1.048576e+06" + 'side="recv"} 2.0' in text

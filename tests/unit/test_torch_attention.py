@@ -36,33 +36,37 @@ def test_decode_mask() -> None:
     assert mask.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
-@pytest.mark.parametrize("backend_cls", BACKENDS)
-def test_mixed_step_matches_per_sequence_reference(
-    backend_cls: type[TorchAttentionBackend],
-) -> None:
-    torch.manual_seed(0)
-    kc, vc = torch.randn(32, BS, HKV, D), torch.randn(32, BS, HKV, D)
-    # Sequence 0: decode at context 5 (2 blocks); 1: a 20-token prefill (5 blocks, so
-    # meta.block_tables is 5 wide); 2: decode at context 3 (1 block).
+def _mixed_step() -> AttentionMetadata:
+    """Sequence 0: decode at context 5 (2 blocks); 1: a 20-token prefill (5 blocks, so
+    meta.block_tables is 5 wide); 2: decode at context 3 (1 block)."""
     tables = torch.tensor([[3, 7, 0, 0, 0], [10, 11, 12, 13, 14], [20, 0, 0, 0, 0]])
-    seq_lens, query_lens = [5, 20, 3], [1, 20, 1]
-    starts = [0, 1, 21, 22]
-    t = starts[-1]
-    q = torch.randn(t, H, D)
-    k, v = torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    seq_lens = [5, 20, 3]
     slots = [tables[0, 4 // BS].item() * BS + 4 % BS]  # each new token's cache slot
     slots += [tables[1, p // BS].item() * BS + p % BS for p in range(20)]
     slots += [tables[2, 2 // BS].item() * BS + 2 % BS]
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.tensor(slots),
-        query_start_loc=starts,
-        query_lens=query_lens,
+        query_start_loc=[0, 1, 21, 22],
+        query_lens=[1, 20, 1],
         seq_lens=seq_lens,
         block_tables=tables,
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
         decode_indices=[0, 2],
         prefill_indices=[1],
     )
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_mixed_step_matches_per_sequence_reference(
+    backend_cls: type[TorchAttentionBackend],
+) -> None:
+    torch.manual_seed(0)
+    kc, vc = torch.randn(32, BS, HKV, D), torch.randn(32, BS, HKV, D)
+    meta = _mixed_step()
+    tables, seq_lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+    t = starts[-1]
+    q = torch.randn(t, H, D)
+    k, v = torch.randn(t, HKV, D), torch.randn(t, HKV, D)
     backend = backend_cls()
     backend.prepare(meta)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3)
@@ -114,3 +118,48 @@ def test_all_decode_step_matches_per_sequence_reference(
     for i in range(2):
         want = prefill_attention(q[i : i + 1], kc, vc, tables[i], seq_lens[i], 0.3)
         torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_int8_cache_step_is_attention_over_the_dequantized_cache(
+    backend_cls: type[TorchAttentionBackend], q_dtype: torch.dtype
+) -> None:
+    """On an int8 cache a mixed step writes the step's K/V quantized and attends over the
+    dequantized cache in float32 (the step's own tokens included): the same numbers as a
+    float32 cache holding `dequantize(quantize(.))` of every K/V, rounded to q's dtype."""
+    from model_runtime.kv_cache import KVCache
+    from model_runtime.kv_quant import dequantize, quantize
+    from tests.fakes.model_configs import tiny_model_config
+
+    g = torch.Generator().manual_seed(2)
+    cfg = tiny_model_config(num_attention_heads=H, num_key_value_heads=HKV, head_dim=D)
+    cache = KVCache(cfg, 32, BS, q_dtype, cache_dtype="int8")
+    kc8, vc8, scales = cache.layer(0)
+    assert scales is not None
+    old_k, old_v = (
+        torch.randn(32, BS, HKV, D, generator=g),
+        torch.randn(32, BS, HKV, D, generator=g),
+    )
+    for vals, sc, x in ((kc8, scales[0], old_k), (vc8, scales[1], old_v)):
+        q8, s = quantize(x)
+        vals.copy_(q8)
+        sc.copy_(s)
+    ref_k, ref_v = dequantize(kc8, scales[0]), dequantize(vc8, scales[1])  # float32 cache
+    meta = _mixed_step()
+    q = torch.randn(22, H, D, generator=g).to(q_dtype)
+    k = torch.randn(22, HKV, D, generator=g).to(q_dtype)
+    v = torch.randn(22, HKV, D, generator=g).to(q_dtype)
+    backend = backend_cls()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, kc8, vc8, meta, 0.3, kv_scales=scales)
+    assert out.dtype == q_dtype
+    # the float32 reference: the same quantized-then-dequantized K/V written at the slots
+    k_dq, v_dq = dequantize(*quantize(k)), dequantize(*quantize(v))
+    ref = TorchAttentionBackend()
+    ref.prepare(meta)
+    want = ref.forward(q.float(), k_dq, v_dq, ref_k, ref_v, meta, 0.3).to(q_dtype)
+    torch.testing.assert_close(ref_k, dequantize(kc8, scales[0]), rtol=0, atol=0)
+    torch.testing.assert_close(ref_v, dequantize(vc8, scales[1]), rtol=0, atol=0)
+    tol = 1e-5 if q_dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)

@@ -286,3 +286,107 @@ def test_rejects_mismatched_inputs() -> None:
         tk.paged_decode_attention_triton(
             torch.randn(1, 2, 16, device=DEVICE), key_cache, value_cache[:2], tables, lens, 1.0
         )
+
+
+def int8_layer(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer 1 of an int8 `KVCache` (values and scales in one block), filled with quantized
+    random K/V whose magnitudes vary by row."""
+    from model_runtime.kv_cache import KVCache
+    from model_runtime.kv_quant import quantize
+    from tests.fakes.model_configs import tiny_model_config
+
+    cfg = tiny_model_config(
+        num_attention_heads=kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim
+    )
+    cache = KVCache(cfg, num_blocks, block_size, torch.float32, DEVICE, cache_dtype="int8")
+    k, v, scales = cache.layer(1)
+    assert scales is not None
+    g = torch.Generator().manual_seed(seed)
+    for vals, sc in ((k, scales[0]), (v, scales[1])):
+        x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+        x *= torch.rand(num_blocks, block_size, kv_heads, 1, generator=g) * 4
+        q8, s = quantize(x)
+        vals.copy_(q8.to(DEVICE))
+        sc.copy_(s.to(DEVICE))
+    return k, v, scales
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_write_kv_int8_writes_the_reference_bytes(block_size: int) -> None:
+    """The Triton quantizing write gives `base.write_kv`'s bytes (values and float16 scales)
+    on K/V rows of every magnitude, from strided views; a negative slot writes nothing."""
+    num_blocks, kv_heads, head_dim, tokens = 6, 3, 24, 14
+    key_cache, value_cache, scales = int8_layer(num_blocks, block_size, kv_heads, head_dim, 1)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    ref_scales = (scales[0].clone(), scales[1].clone())
+    g = torch.Generator().manual_seed(block_size)
+    fused = torch.randn(tokens, 3, kv_heads, head_dim, generator=g)
+    fused *= torch.tensor([1e-6, 1e-3, 1.0, 50.0, 1e4, 1.0, 0.0] * 2)[:, None, None, None]
+    fused = fused.to(DEVICE)
+    k, v = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(DEVICE)
+    write_kv(k, v, ref_k, ref_v, slots, kv_scales=ref_scales)
+    tk.write_kv_triton(k, v, key_cache, value_cache, slots, kv_scales=scales)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+    for got, want in zip(scales, ref_scales, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    before = key_cache.clone()
+    tk.write_kv_triton(k[:1], v[:1], key_cache, value_cache, slots[:1] * 0 - 1, kv_scales=scales)
+    assert torch.equal(key_cache, before)
+
+
+# (block_size, group, head_dim, q dtype); bf16 queries only on a GPU (the interpreter's tl.dot
+# multiplies bf16 bit patterns)
+INT8_CASES = [
+    (8, 1, 16, torch.float32),
+    (16, 2, 32, torch.float32),
+    (16, 4, 64, torch.float32),
+    (8, 2, 24, torch.float32),
+    (16, 2, 64, torch.float16),
+]
+
+
+@pytest.mark.parametrize(("block_size", "group", "head_dim", "dtype"), INT8_CASES)
+def test_decode_on_int8_cache_matches_reference(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    kv_heads = 2
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size, 3 * block_size + 1]
+    num_blocks = 16
+    key_cache, value_cache, scales = int8_layer(num_blocks, block_size, kv_heads, head_dim, 2)
+    tables = random_tables(seq_lens, block_size, num_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
+    scale = head_dim**-0.5
+    want = paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, kv_scales=scales)
+    got = tk.paged_decode_attention_triton(q, key_cache, value_cache, tables, lens, scale, scales)
+    assert got.dtype == dtype
+    name = f"int8 decode bs={block_size} g={group} d={head_dim} {dtype}"
+    assert_close(name, got, want, TOL[dtype])
+
+
+def test_backend_on_int8_cache_matches_torch_backend() -> None:
+    """Mixed decode + prefill steps through forward() on an int8 cache: the same bytes
+    written, the same attention as the torch reference backend (float32 queries)."""
+    block_size, kv_heads, group, head_dim, num_blocks = 16, 2, 2, 32, 24
+    steps = [(16, 1), (0, 20), (31, 1), (5, 27), (0, 1)]
+    meta = make_metadata(steps, block_size, num_blocks)
+    tokens = meta.query_start_loc[-1]
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    triton_backend.prepare(meta)
+    torch_backend.prepare(meta)
+    key_cache, value_cache, scales = int8_layer(num_blocks, block_size, kv_heads, head_dim, 3)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    ref_scales = (scales[0].clone(), scales[1].clone())
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(tokens, kv_heads * group, head_dim, generator=g).to(DEVICE)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE)
+    got = triton_backend.forward(q, k, v, key_cache, value_cache, meta, 0.25, scales)
+    want = torch_backend.forward(q, k, v, ref_k, ref_v, meta, 0.25, ref_scales)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+    assert torch.equal(scales[0], ref_scales[0]) and torch.equal(scales[1], ref_scales[1])
+    assert_close("int8 backend", got, want, TOL[torch.float32])

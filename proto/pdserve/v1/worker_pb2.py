@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import inference_pb2 as proto_dot_pdserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a proto/pdserve/v1/inference.proto\"\x12\n\x10GetStatusRequest\"\xee\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x16\n\x0ewaiting_tokens\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x14\n\x0cmetrics_port\x18\x0c \x01(\x05\x12\x14\n\x0c\x65ngine_steps\x18\r \x01(\x04\x12\x1a\n\x12\x65ngine_step_wall_s\x18\x0e \x01(\x01\x12\x19\n\x11\x65ngine_step_cpu_s\x18\x0f \x01(\x01\x12\x0c\n\x04node\x18\x10 \x01(\t\x12\x15\n\rnum_receiving\x18\x11 \x01(\x05\"}\n\x08KVLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\"\xd8\x01\n\x0eTransferTicket\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x03\x12\x12\n\nrequest_id\x18\t \x01(\t\"f\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"=\n\x0fReserveResponse\x12*\n\x06ticket\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\"\xab\x02\n\x0eWorkerSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0bnum_sampled\x18\x0b \x01(\r\x12\x39\n\x12structured_outputs\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputsB\x0b\n\t_logprobs\"\xab\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12*\n\x06ticket\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x9e\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08kv_bytes\x18\t \x01(\x04\x12\x11\n\tkv_layers\x18\n \x01(\r\x12\x10\n\x08kv_plane\x18\x0b \x01(\t\x12\x13\n\x0bkv_total_ms\x18\x0c \x01(\x01\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\x86\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xb8\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x61\x64mission_ms\x18\x05 \x01(\x01\x12\x15\n\rfirst_step_ms\x18\x06 \x01(\x01\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"7\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\">\n\x15StreamKVEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x13\n\x0bheartbeat_s\x18\x02 \x01(\x01\"\\\n\x07KVEvent\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\x16\n\x14GetKVSnapshotRequest\"Q\n\nKVSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x32\xf3\x04\n\x06Worker\x12\x43\n\tGetStatus\x12\x1c.pdserve.v1.GetStatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12G\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x18.pdserve.v1.WorkerStatus\x12J\n\x0eStreamKVEvents\x12!.pdserve.v1.StreamKVEventsRequest\x1a\x13.pdserve.v1.KVEvent0\x01\x12I\n\rGetKVSnapshot\x12 .pdserve.v1.GetKVSnapshotRequest\x1a\x16.pdserve.v1.KVSnapshotb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a proto/pdserve/v1/inference.proto\"\x12\n\x10GetStatusRequest\"\xee\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x16\n\x0ewaiting_tokens\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x14\n\x0cmetrics_port\x18\x0c \x01(\x05\x12\x14\n\x0c\x65ngine_steps\x18\r \x01(\x04\x12\x1a\n\x12\x65ngine_step_wall_s\x18\x0e \x01(\x01\x12\x19\n\x11\x65ngine_step_cpu_s\x18\x0f \x01(\x01\x12\x0c\n\x04node\x18\x10 \x01(\t\x12\x15\n\rnum_receiving\x18\x11 \x01(\x05\"\x92\x01\n\x08KVLayout\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x07 \x01(\t\"\xd8\x01\n\x0eTransferTicket\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x03\x12\x12\n\nrequest_id\x18\t \x01(\t\"f\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"=\n\x0fReserveResponse\x12*\n\x06ticket\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\"\xab\x02\n\x0eWorkerSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0bnum_sampled\x18\x0b \x01(\r\x12\x39\n\x12structured_outputs\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputsB\x0b\n\t_logprobs\"\xab\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12*\n\x06ticket\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x9e\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08kv_bytes\x18\t \x01(\x04\x12\x11\n\tkv_layers\x18\n \x01(\r\x12\x10\n\x08kv_plane\x18\x0b \x01(\t\x12\x13\n\x0bkv_total_ms\x18\x0c \x01(\x01\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\x86\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xb8\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x61\x64mission_ms\x18\x05 \x01(\x01\x12\x15\n\rfirst_step_ms\x18\x06 \x01(\x01\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"7\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\">\n\x15StreamKVEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x13\n\x0bheartbeat_s\x18\x02 \x01(\x01\"\\\n\x07KVEvent\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\x16\n\x14GetKVSnapshotRequest\"Q\n\nKVSnapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x32\xf3\x04\n\x06Worker\x12\x43\n\tGetStatus\x12\x1c.pdserve.v1.GetStatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12G\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x18.pdserve.v1.WorkerStatus\x12J\n\x0eStreamKVEvents\x12!.pdserve.v1.StreamKVEventsRequest\x1a\x13.pdserve.v1.KVEvent0\x01\x12I\n\rGetKVSnapshot\x12 .pdserve.v1.GetKVSnapshotRequest\x1a\x16.pdserve.v1.KVSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,40 +36,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_end=97
   _globals['_WORKERSTATUS']._serialized_start=100
   _globals['_WORKERSTATUS']._serialized_end=466
-  _globals['_KVLAYOUT']._serialized_start=468
-  _globals['_KVLAYOUT']._serialized_end=593
-  _globals['_TRANSFERTICKET']._serialized_start=596
-  _globals['_TRANSFERTICKET']._serialized_end=812
-  _globals['_RESERVEREQUEST']._serialized_start=814
-  _globals['_RESERVEREQUEST']._serialized_end=916
-  _globals['_RESERVERESPONSE']._serialized_start=918
-  _globals['_RESERVERESPONSE']._serialized_end=979
-  _globals['_WORKERSAMPLING']._serialized_start=982
-  _globals['_WORKERSAMPLING']._serialized_end=1281
-  _globals['_PREFILLREQUEST']._serialized_start=1284
-  _globals['_PREFILLREQUEST']._serialized_end=1455
-  _globals['_PREFILLRESPONSE']._serialized_start=1458
-  _globals['_PREFILLRESPONSE']._serialized_end=1744
-  _globals['_DECODEREQUEST']._serialized_start=1747
-  _globals['_DECODEREQUEST']._serialized_end=1915
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=1918
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=2052
-  _globals['_TOKENCHUNK']._serialized_start=2055
-  _globals['_TOKENCHUNK']._serialized_end=2239
-  _globals['_ABORTREQUEST']._serialized_start=2241
-  _globals['_ABORTREQUEST']._serialized_end=2275
-  _globals['_ABORTRESPONSE']._serialized_start=2277
-  _globals['_ABORTRESPONSE']._serialized_end=2307
-  _globals['_SETROLEREQUEST']._serialized_start=2309
-  _globals['_SETROLEREQUEST']._serialized_end=2364
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=2366
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=2428
-  _globals['_KVEVENT']._serialized_start=2430
-  _globals['_KVEVENT']._serialized_end=2522
-  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=2524
-  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=2546
-  _globals['_KVSNAPSHOT']._serialized_start=2548
-  _globals['_KVSNAPSHOT']._serialized_end=2629
-  _globals['_WORKER']._serialized_start=2632
-  _globals['_WORKER']._serialized_end=3259
+  _globals['_KVLAYOUT']._serialized_start=469
+  _globals['_KVLAYOUT']._serialized_end=615
+  _globals['_TRANSFERTICKET']._serialized_start=618
+  _globals['_TRANSFERTICKET']._serialized_end=834
+  _globals['_RESERVEREQUEST']._serialized_start=836
+  _globals['_RESERVEREQUEST']._serialized_end=938
+  _globals['_RESERVERESPONSE']._serialized_start=940
+  _globals['_RESERVERESPONSE']._serialized_end=1001
+  _globals['_WORKERSAMPLING']._serialized_start=1004
+  _globals['_WORKERSAMPLING']._serialized_end=1303
+  _globals['_PREFILLREQUEST']._serialized_start=1306
+  _globals['_PREFILLREQUEST']._serialized_end=1477
+  _globals['_PREFILLRESPONSE']._serialized_start=1480
+  _globals['_PREFILLRESPONSE']._serialized_end=1766
+  _globals['_DECODEREQUEST']._serialized_start=1769
+  _globals['_DECODEREQUEST']._serialized_end=1937
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=1940
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=2074
+  _globals['_TOKENCHUNK']._serialized_start=2077
+  _globals['_TOKENCHUNK']._serialized_end=2261
+  _globals['_ABORTREQUEST']._serialized_start=2263
+  _globals['_ABORTREQUEST']._serialized_end=2297
+  _globals['_ABORTRESPONSE']._serialized_start=2299
+  _globals['_ABORTRESPONSE']._serialized_end=2329
+  _globals['_SETROLEREQUEST']._serialized_start=2331
+  _globals['_SETROLEREQUEST']._serialized_end=2386
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=2388
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=2450
+  _globals['_KVEVENT']._serialized_start=2452
+  _globals['_KVEVENT']._serialized_end=2544
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=2546
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=2568
+  _globals['_KVSNAPSHOT']._serialized_start=2570
+  _globals['_KVSNAPSHOT']._serialized_end=2651
+  _globals['_WORKER']._serialized_start=2654
+  _globals['_WORKER']._serialized_end=3281
 # @@protoc_insertion_point(module_scope)

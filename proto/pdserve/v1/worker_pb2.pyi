@@ -50,20 +50,22 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., draining: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_port: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_wall_s: _Optional[float] = ..., engine_step_cpu_s: _Optional[float] = ..., node: _Optional[str] = ..., num_receiving: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_name", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("model_name", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "cache_dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    cache_dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., cache_dtype: _Optional[str] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("transfer_id", "epoch", "block_ids", "layout", "kv_endpoint", "decode_worker_id", "num_tokens", "timeout_ms", "request_id")
