@@ -1,6 +1,7 @@
 """llama.cpp's `llama-server` beside pdserve on the same weights, threads, workload and SLOs.
 
     python -m benchmarks.bench_llamacpp [--model DIR] [--threads 2] [--rates 0.5,1,2,3]
+                                        [--repeats 3] [--min-requests 40]
                                         [--out runs/llamacpp-YYYYmmdd-HHMMSS]
 
 1. builds `llama-server` from the llama-cpp-python sdist (`benchmarks/llamacpp_build.sh`:
@@ -12,14 +13,18 @@
 4. runs `pdserve bench --openai-url` machinery (`tooling.goodput.bench.run_bench`): llama.cpp
    as configuration `openai` and pdserve's `colocated` and `disagg` (1P1D) launched with the
    same total threads, the same real-text `summarize` workload (fixed-length outputs through
-   `ignore_eos`), the same Poisson arrivals at the same fixed `--rates` (no bisection, so
-   every configuration is measured at every rate until it fails the loosest tier), runs
-   interleaved;
+   `ignore_eos`), the same Poisson arrivals at the same fixed `--rates` (no bisection, no
+   grid beyond them, so every configuration is measured at every rate until it fails the
+   loosest tier), at least `--min-requests` requests per rate, on `--repeats` trace seeds
+   (repeat by repeat), runs interleaved;
 5. measures each target's single-stream latency (one request at a time, `--single-out`
    tokens out) before the sweep;
-6. writes `tiers.md` / `tiers.json`: per SLO tier (`TIERS`), each configuration's attainment at
-   every rate and its max goodput (highest rate before the first one below the target), from
-   the same requests; the full report is `report.md` beside it.
+6. writes `tiers.md` / `tiers.json`: per SLO tier (`TIERS`), each configuration's median
+   attainment at every rate over the repeats and its max goodput by the rules every goodput
+   tool shares (`tooling.goodput.sweep.max_goodput` per repeat: the highest tested rate that
+   meets the target, a failing rate below it named as non-monotone; median and range over the
+   repeats, `tooling.goodput.repeats`), from the same requests; the full report is `report.md`
+   beside it.
 
 The llama-server process is ours: started here, stopped here by its PID.
 """
@@ -163,36 +168,59 @@ def single_stream(bench: Any, prompt_len: int, output_len: int, repeats: int) ->
 
 def tier_table(run_dir: Path, target: float) -> tuple[str, dict[str, Any]]:
     """Markdown table + JSON of max goodput per SLO tier and configuration (module docstring)."""
-    from tooling.goodput.analysis import SLO, attainment, max_goodput
+    import statistics
+
+    from tooling.goodput.analysis import SLO, attainment
     from tooling.goodput.records import RunResult
+    from tooling.goodput.repeats import spread
+    from tooling.goodput.sweep import max_goodput
 
     data = json.loads((run_dir / "results.json").read_text())
     runs = [RunResult.from_json(r) for r in data["runs"]]
     names = list(dict.fromkeys(r.config for r in runs))
     rates = sorted({r.rate for r in runs})
-    out: dict[str, Any] = {"tiers": {}, "rates": rates}
+    seeds = sorted({r.seed for r in runs})
+    out: dict[str, Any] = {"tiers": {}, "rates": rates, "seeds": seeds}
     lines = [
-        f"Max goodput (req/s: highest rate with >= {target:.0%} of requests meeting both SLOs, "
-        "below the first rate that misses; `>=` when no tested rate missed) and attainment "
-        "per rate.\n",
+        f"Max goodput (req/s: the highest tested rate with >= {target:.0%} of requests meeting "
+        f"both SLOs, per trace seed; the median and the range over {len(seeds)} repeat(s); `>=` "
+        "when no tested rate above missed, `<` when none met it) and the median attainment per "
+        "rate.\n",
         "| tier (TTFT / TPOT ms) | configuration | max goodput | "
         + " | ".join(f"@{r:g}" for r in rates) + " |",
         "|---|---|---:|" + "---:|" * len(rates),
     ]  # fmt: skip
+    dips: list[str] = []
     for tier, ttft, tpot in TIERS:
         slo = SLO(ttft, tpot)
         out["tiers"][tier] = {"ttft_ms": ttft, "tpot_ms": tpot, "configs": {}}
         for name in names:
-            points = {r.rate: attainment(r.records, slo).both for r in runs if r.config == name}
-            mg = max_goodput(points.items(), target)
-            out["tiers"][tier]["configs"][name] = {"max_goodput_rps": mg.rate,
-                                                   "lower_bound": mg.lower_bound,
-                                                   "attainment": points}  # fmt: skip
-            cells = [f"{points[r]:.0%}" if r in points else "—" for r in rates]
             label = LABELS.get(name, name)
-            best = (">= " if mg.lower_bound else "") + f"{mg.rate:g}"
+            per_seed = {
+                seed: {r.rate: attainment(r.records, slo).both for r in runs
+                       if r.config == name and r.seed == seed}
+                for seed in seeds
+            }  # fmt: skip
+            answers = [max_goodput(points.items(), target) for points in per_seed.values()]
+            sp = spread(answers)
+            out["tiers"][tier]["configs"][name] = {
+                "max_goodput_rps": sp.median.lo, "max_goodput": sp.to_json(),
+                "lower_bound": not sp.median.exact and sp.median.lo > 0,
+                "attainment": {str(seed): points for seed, points in per_seed.items()},
+            }  # fmt: skip
+            for seed, m in zip(seeds, answers, strict=True):
+                dips += [f"{tier}, {label}, seed {seed}: {d.text()}" for d in m.dips]
+            cells = []
+            for r in rates:
+                atts = [p[r] for p in per_seed.values() if r in p]
+                cells.append(f"{statistics.median(atts):.0%}" if atts else "—")
+            best = sp.text().removeprefix("= ")
             lines.append(f"| {tier} ({ttft:g} / {tpot:g}) | {label} | {best} | "
                          + " | ".join(cells) + " |")  # fmt: skip
+    if dips:
+        lines += ["", "Non-monotone attainment (a failing rate below a passing one):", ""]
+        lines += [f"- {d}" for d in dips]
+        out["non_monotone"] = dips
     single = data["meta"].get("single", {})
     if single:
         lines += ["", "Single stream (one request at a time; medians):", "",
@@ -216,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512, help="length budget of the workload")
     p.add_argument("--output-len", type=int, default=32, help="tokens out per request")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    p.add_argument("--min-requests", type=int, default=40,
+                   help="fewest requests per run (40: one moves attainment by 2.5 %%)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="trace seeds (repeats)")
     p.add_argument("--single-out", type=int, default=64, help="tokens out, single stream")
     p.add_argument("--server-args", default="", help="more llama-server flags, one string "
                    "(e.g. '--poll 0': wait for work without spinning)")  # fmt: skip
@@ -245,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             configs=tuple(args.configs.split(",")), workload="summarize", prompts="text",
             context=args.context, output_len=args.output_len,
             rates=tuple(float(r) for r in args.rates.split(",")), bisect_steps=0,
-            duration_s=args.duration, min_requests=12, ttft_slo_ms=loosest[1],
+            grid_below=0, grid_above=0, repeats=args.repeats,
+            duration_s=args.duration, min_requests=args.min_requests, ttft_slo_ms=loosest[1],
             tpot_slo_ms=loosest[2], calibrate_on="openai", threads=args.threads,
             title=f"llama.cpp (llama-server, F16 {args.server_args} {server_env}) vs pdserve, "
             f"{args.threads} threads each",

@@ -3,7 +3,7 @@ choice, on the TPOT-tight, TTFT-tight and mixed workloads (mixed twice: under on
 every request, and as `mixed-classes`, each request judged by its application's SLOs).
 
     python -m benchmarks.bench_modes [--model /work/main/models/small] [--repeats 3]
-        [--workloads summarize,chat,mixed,mixed-classes] [--duration 12]
+        [--workloads summarize,chat,mixed,mixed-classes] [--duration 12] [--min-requests 40]
         [--rates-chat 0.5,1,1.5,2] [--rates-mixed-classes 1.2,2,2.8] ...
         [--out runs/modes-YYYYmmdd-HHMMSS]
     python -m benchmarks.bench_modes --analyze-only --out runs/modes-...   # tables again
@@ -16,13 +16,17 @@ plan` subprocess. Steps:
    spreads over every workload alike): one `pdserve bench` with `--configs
    colocated,disagg,hybrid` (interleaved by the bench itself), the same total threads (2:
    colocated one worker of 2, disagg and hybrid 1P + 1D of 1 each; hybrid's
-   `local_prefill_max_tokens` is the bench's 128), fixed rates, no bisection, on its own
-   trace (seed ``--seed`` + k - 1: lengths and arrivals; one trace for all three repeats let
-   one burst cap every repeat at the same rate), into `OUT/<workload>-r<k>/` (a folder that
-   already holds a `results.json` of the same seed is kept, so an interrupted matrix resumes);
-2. per workload and configuration: max goodput of each repeat (`tooling.goodput.analysis.
-   max_goodput`: the highest tested rate meeting the attainment target below the first failing
-   one) and their median; hybrid's median over the better of colocated's and disagg's;
+   `local_prefill_max_tokens` is the bench's 128), the same fixed rates in every repeat (no
+   grid beyond them, no bisection: the validation's bands need every repeat at every rate),
+   at least `--min-requests` (40) requests per rate, on its own trace (seed ``--seed`` + k -
+   1: lengths and arrivals; one trace for all three repeats let one burst cap every repeat at
+   the same rate), into `OUT/<workload>-r<k>/` (a folder that already holds a `results.json`
+   of the same seed is kept, so an interrupted matrix resumes);
+2. per workload and configuration: max goodput of each repeat by the rules every goodput
+   tool shares (`tooling.goodput.sweep.max_goodput`: the highest tested rate meeting the
+   attainment target; a failing rate below it is named as non-monotone, never silently taken)
+   and their median and range (`tooling.goodput.repeats`); hybrid's median over the better
+   of colocated's and disagg's, and the range of that ratio per repeat;
 3. per workload: `pdserve plan --search-rate` on the same workload flags, SLOs, routing policy,
    trace seeds and duration (`--seeds R --search-duration D`: the median max rate over the
    repeats' seeds, each simulated rate at least D seconds of arrivals),
@@ -36,12 +40,13 @@ plan` subprocess. Steps:
    repeats, widened by 5 points);
 5. `OUT/summary.md` (tables in `benchmarks/RESULTS.md`'s form) and `OUT/summary.json`.
 
-Duration: the defaults (12 s of arrivals and at least 10 requests per rate, four rates per
-workload) ran the first three workloads (3 configurations x 3 repeats) in about 45 minutes on
-a 2-vCPU host, at most about 50 when no configuration gives up early (sizing in
-`docs/performance.md`); `mixed-classes` adds about a third.
+Duration: with 10 requests per rate, the first three workloads (3 configurations x 3 repeats,
+12 s of arrivals, four rates) took about 45 minutes on a 2-vCPU host (sizing in
+`docs/performance.md`); at 40 requests a rate r lasts max(12, 40 / r) s instead of
+max(12, 10 / r), about 2.5x the runs' time at the default rates (about 2 hours);
+`mixed-classes` adds about a third.
 
-The pure parts (`max_goodputs`, `median_goodput`, `hybrid_ratio`, `config_of_row`,
+The pure parts (`max_goodputs`, `hybrid_ratio`, `hybrid_ratio_spread`, `config_of_row`,
 `planner_verdict`, `markdown`) are unit-tested on fixture data (`tests/unit/test_bench_modes.py`).
 """
 
@@ -59,8 +64,10 @@ from pathlib import Path
 from typing import Any
 
 from router.hybrid import HybridConfig
-from tooling.goodput.analysis import SLO, LongPromptSLO, attainment, max_goodput
+from tooling.goodput.analysis import SLO, LongPromptSLO, attainment
 from tooling.goodput.records import RunResult
+from tooling.goodput.repeats import Spread, ratio_fmt, ratio_spread, spread
+from tooling.goodput.sweep import MaxGoodput, max_goodput
 from tooling.goodput.workloads import summarize_min_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +96,7 @@ class Workload:
     rates: tuple[float, ...]
     output_len: int | None = None
     context: int = 512
-    min_requests: int = 10
+    min_requests: int = 40
     lengths: str = ""  # the bench's --workload (default: `name`)
     long_prompt_slo: str | None = None  # the bench's --long-prompt-slo N:TTFT_MS:TPOT_MS
 
@@ -168,16 +175,17 @@ def local_share(results: Mapping[str, Any], config: str = "hybrid") -> tuple[int
 
 def max_goodputs(
     repeats: Sequence[Mapping[str, Sequence[tuple[float, float]]]], target: float
-) -> dict[str, list[float]]:
-    """Per configuration, the max goodput of each repeat (0 for a repeat where it did not run
-    or met the target at no rate), in repeat order."""
+) -> dict[str, list[MaxGoodput]]:
+    """Per configuration, the max goodput of each repeat (`sweep.max_goodput`; unknown, rate
+    0, for a repeat where it did not run), in repeat order."""
     configs = sorted({c for rep in repeats for c in rep})
-    return {c: [max_goodput(rep.get(c, ()), target).rate for rep in repeats] for c in configs}
+    return {c: [max_goodput(rep.get(c, ()), target) for rep in repeats] for c in configs}
 
 
-def median_goodput(values: Sequence[float]) -> float:
-    """The median of the repeats' max goodputs (0 with none)."""
-    return float(statistics.median(values)) if values else 0.0
+def median_goodput(answers: Sequence[MaxGoodput]) -> float:
+    """The median of the repeats' max goodputs (`repeats.Spread`'s lower bound: a repeat
+    below the lowest rate counts 0, a lower bound its rate; 0 with none)."""
+    return spread(answers).median.lo if answers else 0.0
 
 
 def hybrid_ratio(medians: Mapping[str, float]) -> float | None:
@@ -185,6 +193,16 @@ def hybrid_ratio(medians: Mapping[str, float]) -> float | None:
     neither fixed mode met the target anywhere (nothing to compare with)."""
     best = max(medians.get(c, 0.0) for c in FIXED)
     return medians.get("hybrid", 0.0) / best if best > 0 else None
+
+
+def hybrid_ratio_spread(answers: Mapping[str, Sequence[MaxGoodput]]) -> Spread | None:
+    """Hybrid over the better fixed mode of the same repeat, per repeat (paired by trace
+    seed), as a spread; None without hybrid or any fixed mode."""
+    fixed = [answers[c] for c in FIXED if c in answers]
+    if "hybrid" not in answers or not fixed:
+        return None
+    best = [max(each, key=lambda m: m.rate) for each in zip(*fixed, strict=True)]
+    return ratio_spread(answers["hybrid"], best)
 
 
 def config_of_row(row: Mapping[str, Any]) -> str | None:
@@ -254,18 +272,36 @@ class WorkloadResult:
     workload: Workload
     target: float
     runs: list[str]
-    goodputs: dict[str, list[float]]  # per configuration, per repeat
+    answers: dict[str, list[MaxGoodput]]  # per configuration, per repeat
     curves: dict[str, dict[float, list[float]]]  # per configuration: rate -> attainments
     local: tuple[int, int]  # hybrid's (local, all) requests over the repeats
     planner: PlannerCheck | None
 
     @property
+    def goodputs(self) -> dict[str, list[float]]:
+        """Per configuration, each repeat's max goodput (req/s; 0 below the lowest rate)."""
+        return {c: [m.rate for m in v] for c, v in self.answers.items()}
+
+    @property
     def medians(self) -> dict[str, float]:
-        return {c: median_goodput(v) for c, v in self.goodputs.items()}
+        return {c: median_goodput(v) for c, v in self.answers.items()}
 
     @property
     def ratio(self) -> float | None:
         return hybrid_ratio(self.medians)
+
+    @property
+    def ratio_spread(self) -> Spread | None:
+        return hybrid_ratio_spread(self.answers)
+
+    def dips(self) -> list[str]:
+        """Every non-monotone point of the workload's repeats, both rates named."""
+        return [
+            f"{self.workload.name}, {c}, repeat {k}: {d.text()}"
+            for c, answers in self.answers.items()
+            for k, m in enumerate(answers, 1)
+            for d in m.dips
+        ]
 
 
 def _num(x: float) -> str:
@@ -283,10 +319,12 @@ def markdown(
     median attainment per rate."""
     lines = [header, ""]
     lines += [
-        "Max goodput, req/s: median of the repeats (each repeat's in brackets); a repeat's max "
-        "goodput is the highest tested rate whose attainment (both SLOs) meets the target, below "
-        "its first failing rate. Hybrid / best fixed: hybrid's median over the better of "
-        "colocated's and disagg's (targets: >= 0.95 on every workload, >= 1.2 on one).",
+        "Max goodput, req/s: median of the repeats (each repeat's in brackets; `>=`: no tested "
+        "rate above failed, `<`: none passed); a repeat's max goodput is the highest tested rate "
+        "whose attainment (both SLOs) meets the target (a failing rate below it is listed under "
+        "the table). Hybrid / best fixed: hybrid's median over the better of colocated's and "
+        "disagg's (targets: >= 0.95 on every workload, >= 1.2 on one), and in brackets the range "
+        "of hybrid over the better fixed mode of the same repeat.",
         "",
         "| workload | SLOs | colocated | disagg | hybrid | hybrid / best fixed | hybrid local |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -296,17 +334,24 @@ def markdown(
         med = r.medians
         top = max(med.values(), default=0.0)
         for c in CONFIGS:
-            reps = ", ".join(_num(v) for v in r.goodputs.get(c, []))
+            reps = ", ".join(_answer(m) for m in r.answers.get(c, []))
             value = _num(med.get(c, 0.0))
             value = f"**{value}**" if top > 0 and med.get(c, 0.0) == top else value
             cells.append(f"{value} ({reps})")
         ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x"
+        sp = r.ratio_spread
+        if sp is not None and len(sp.values) > 1:
+            ratio += f" ({sp.range_text(ratio_fmt)})"
         local, total = r.local
         share = f"{local / total:.0%} of {total}" if total else "-"
         lines.append(
             f"| {r.workload.label} | {r.workload.slo_text()} | {' | '.join(cells)} | {ratio} "
             f"| {share} |"
         )
+    dips = [d for r in results for d in r.dips()]
+    if dips:
+        lines += ["", "Non-monotone attainment (a failing rate below a passing one):", ""]
+        lines += [f"- {d}" for d in dips]
     ratios = [r.ratio for r in results]
     every = all(x is not None and x >= 0.95 for x in ratios)
     one = any(x is not None and x >= 1.2 for x in ratios)
@@ -381,6 +426,13 @@ def markdown(
     return "\n".join(lines)
 
 
+def _answer(m: MaxGoodput) -> str:
+    """One repeat's max goodput in the table: '1', '>= 2', '< 0.5', or '0' (did not run)."""
+    if m.rate > 0:
+        return f">= {_num(m.rate)}" if m.lower_bound else _num(m.rate)
+    return f"< {_num(m.first_fail)}" if m.first_fail is not None else "0"
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "not met"
 
@@ -415,6 +467,7 @@ def bench(w: Workload, out: Path, seed: int, args: argparse.Namespace) -> float:
     cmd = [*python(), "bench", "--model", str(args.model), "--configs", ",".join(CONFIGS)]
     cmd += w.bench_flags()
     cmd += ["--duration", f"{args.duration:g}", "--bisect-steps", "0", "--threads", "2"]
+    cmd += ["--repeats", "1", "--grid-below", "0", "--grid-above", "0"]  # the fixed matrix
     cmd += ["--seed", str(seed), "--out", str(out), "--title", f"bench_modes {out.name}"]
     print("bench_modes: " + " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.monotonic()
@@ -502,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(f"--rates-{name}", type=rates, default=w.rates, metavar="R[,R...]")
         p.add_argument(f"--slo-{name}", default=f"{w.ttft_slo_ms:g}:{w.tpot_slo_ms:g}",
                        metavar="TTFT_MS:TPOT_MS")  # fmt: skip
-    p.add_argument("--min-requests", type=int, default=10, help="fewest requests per rate")
+    p.add_argument("--min-requests", type=int, default=40,
+                   help="fewest requests per rate (40: one moves it by 2.5 %%)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="repeat k runs trace seed SEED+k-1")
     p.add_argument(
         "--profile",
@@ -548,7 +602,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')})\n\n`python -m benchmarks.bench_modes "
         f"{' '.join(sys.argv[1:] if argv is None else argv)}`: {args.model.name}, "
         f"{args.repeats} repeat(s) (repeat k on trace seed {args.seed}+k-1), "
-        f"{args.duration:g} s of arrivals per rate, context 512, "
+        f"{args.duration:g} s of arrivals and at least {args.min_requests} requests per rate, "
+        "context 512, "
         "2 threads in every configuration (colocated 1 x 2; disagg and hybrid 1P + 1D x 1; "
         f"hybrid `local_prefill_max_tokens` {HYBRID_THRESHOLD}, `spill_to_prefill` "
         f"{str(HybridConfig().spill_to_prefill).lower()}), configurations interleaved "
@@ -561,7 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {
         "walls_s": walls,
         "workloads": [
-            asdict(r) | {"medians": r.medians, "ratio": r.ratio}
+            asdict(r) | {"medians": r.medians, "ratio": r.ratio, "non_monotone": r.dips(),
+                         "ratio_spread": r.ratio_spread and r.ratio_spread.to_json()}
             for r in results
         ],
         "validation_share_inside": None if validation is None else validation["share_inside"],

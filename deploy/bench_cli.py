@@ -8,8 +8,10 @@
                   [--out DIR] ...
     pdserve report DIR [DIR ...] [--out DIR]
     pdserve demo [--model models/smollm2-135m-instruct] [--out runs/demo]
+                 [--configs colocated,disagg] [--repeats 3]
 
-Each prints the report's path and its headline on stdout (progress goes to stderr) and exits 0;
+Each prints the report's path, its headline and any non-monotone point on stdout (progress
+goes to stderr) and exits 0;
 2 for bad arguments, 1 when the benchmark failed. Heavy imports happen inside the subcommands.
 `add_*_parser(subparsers)` registers a parser and sets `func` (see deploy/cli.py).
 """
@@ -51,9 +53,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "bench",
         help="goodput benchmark: SLO attainment vs rate, max goodput, report",
         description="Start each configuration as a local cluster (or bench --addr), calibrate "
-        "the unloaded prefill/decode times, sweep request rates (refined by bisection, "
-        "configurations interleaved) with a separate load-generator process, and write "
-        "results.json + report.md + plots to --out.",
+        "the unloaded prefill/decode times, search each configuration's max goodput on "
+        "--repeats trace seeds (the highest tested rate meeting the target, with the rates "
+        "around it tested; configurations interleaved) with a separate load-generator "
+        "process, and write results.json + report.md (median and range over the repeats) + "
+        "plots to --out.",
     )
     a = p.add_argument
     a("--model", default="models/small", help="model folder to serve")
@@ -80,12 +84,27 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     a("--cv", type=float, default=2.0, help="gamma arrivals' coefficient of variation")
     a("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
     a("--rates", type=_floats, metavar="R[,R...]",
-      help="sweep rates in req/s, a comma list, e.g. 0.5,1,2 (default: --rel-rates)")  # fmt: skip
+      help="listed rates in req/s, a comma list, e.g. 0.5,1,2 (default: --rel-rates)")  # fmt: skip
     a("--rel-rates", type=_floats, default=(0.25, 0.5, 0.75, 1.0), metavar="F[,F...]",
-      help="sweep rates as fractions of 1000/unloaded-prefill-ms, a comma list; used when "
+      help="listed rates as fractions of 1000/unloaded-prefill-ms, a comma list; used when "
       "--rates is not given")  # fmt: skip
+    a("--grid-step", type=float, default=2.0,
+      help="factor between grid rates beyond the listed ones")  # fmt: skip
+    a("--grid-below", type=int, default=2,
+      help="grid steps the search may take under the lowest listed rate")  # fmt: skip
+    a("--grid-above", type=int, default=2,
+      help="grid steps the search may take over the highest listed rate")  # fmt: skip
+    a("--give-up", type=float, default=0.5,
+      help="climbing through the listed rates stops at a rate below this attainment")  # fmt: skip
+    a("--warm-start", action="store_true",
+      help="each repeat after the first starts at the previous repeat's max goodput (a walk "
+      "from one listed rate; default: every repeat starts at the lowest listed rate)")  # fmt: skip
+    a("--repeats", type=int, default=3,
+      help="trace seeds SEED .. SEED+N-1: each configuration's max goodput on each; the report "
+      "gives the median and the range")  # fmt: skip
     a("--duration", type=float, default=60.0, help="seconds of arrivals per run")
-    a("--min-requests", type=int, default=20, help="fewest requests per run")
+    a("--min-requests", type=int, default=40,
+      help="fewest requests per run (40: one request moves attainment by 2.5 %%)")  # fmt: skip
     a("--ttft-slo-ms", type=float, help="TTFT SLO in ms (default: --ttft-scale x unloaded)")
     a("--tpot-slo-ms", type=float, help="TPOT SLO in ms (default: --tpot-scale x unloaded)")
     a("--ttft-scale", type=float, default=5.0,
@@ -128,7 +147,9 @@ def bench_config(args: argparse.Namespace) -> Any:
         openai_url=args.openai_url, openai_model=args.openai_model, vocab_size=args.vocab_size,
         workload=args.workload, trace=args.trace, prompts=args.prompts, context=args.context,
         output_len=args.output_len, arrival=args.arrival, cv=args.cv, seed=args.seed,
-        rates=args.rates, rel_rates=args.rel_rates, duration_s=args.duration,
+        rates=args.rates, rel_rates=args.rel_rates, grid_step=args.grid_step,
+        grid_below=args.grid_below, grid_above=args.grid_above, give_up=args.give_up,
+        warm_start=args.warm_start, repeats=args.repeats, duration_s=args.duration,
         min_requests=args.min_requests, ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms, ttft_scale=args.ttft_scale, tpot_scale=args.tpot_scale,
         long_prompt_slo=args.long_prompt_slo, target=args.target,
@@ -159,9 +180,16 @@ def _run(prog: str, cfg: Any) -> int:
         print(f"pdserve {prog}: interrupted; runs so far in {cfg.out}/results.json",
               file=sys.stderr)  # fmt: skip
         return 130
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: Any) -> None:
+    """The report's path, the headline and each non-monotone point (stdout)."""
     print(f"report: {summary.report}")
     print(summary.headline)
-    return 0
+    for warning in summary.warnings:
+        print(f"warning: {warning}")
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -205,8 +233,7 @@ def report_main(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, OSError) as exc:
         print(f"pdserve report: {exc!r}", file=sys.stderr)
         return 2
-    print(f"report: {summary.report}")
-    print(summary.headline)
+    print_summary(summary)
     return 0
 
 
@@ -220,21 +247,28 @@ def add_goodput_demo_parser(
         help="SmolLM2-135M-Instruct: one chat over the 1P1D cluster, then disaggregated vs "
         "colocated goodput",
         description="Pull and convert SmolLM2-135M-Instruct into --model unless a model is "
-        "there (idempotent), start colocated (chunked prefill, 2 threads), colocated without "
-        "chunking and disaggregated 1P+1D (1 thread each), ask the disaggregated cluster one "
-        "question over the OpenAI chat API, then run a short goodput sweep (summarize-style "
-        "real-text prompts, outputs fixed at 24 tokens with ignore_eos, TPOT-tight SLO), "
-        "configurations interleaved; write the report and print its headline.",
+        "there (idempotent), start colocated (chunked prefill, 2 threads) and disaggregated "
+        "1P+1D (1 thread each), ask the disaggregated cluster one question over the OpenAI "
+        "chat API, then search each one's max goodput on 3 trace seeds (summarize-style "
+        "real-text prompts, outputs fixed at 24 tokens with ignore_eos, TPOT-tight SLO, 40 "
+        "requests per run), configurations interleaved; write the report and print the "
+        "headline: each max goodput and disagg/colocated, medians and ranges (~15 min on 2 "
+        "cores).",
     )
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder")
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
+    p.add_argument("--configs", type=_names, metavar="NAME[,NAME...]",
+                   help="configurations (default: colocated,disagg; colocated-nochunk and "
+                   "hybrid add about a third to the time each)")  # fmt: skip
+    p.add_argument("--repeats", type=int,
+                   help="trace seeds (default: 3; fewer: a rougher smoke run)")  # fmt: skip
     p.set_defaults(func=demo_main)
 
 
 def demo_main(args: argparse.Namespace) -> int:
     from deploy.tool_launchers import launch_cluster
-    from tooling.goodput.demo import ensure_model, run_demo
+    from tooling.goodput.demo import DEMO, DEMO_CONFIGS, ensure_model, run_demo
     from tooling.models.pull import PullError
 
     t0 = time.monotonic()
@@ -244,7 +278,13 @@ def demo_main(args: argparse.Namespace) -> int:
         print(f"pdserve demo: {exc}", file=sys.stderr)
         return 1
     try:
-        summary = run_demo(model, Path(args.out), args.seed, launch_cluster)
+        summary = run_demo(
+            model, Path(args.out), args.seed, launch_cluster, args.configs or DEMO_CONFIGS,
+            repeats=args.repeats or DEMO["repeats"],
+        )  # fmt: skip
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        print(f"pdserve demo: {exc}", file=sys.stderr)
+        return 2
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"pdserve demo: failed: {exc}", file=sys.stderr)
         return 1
@@ -252,8 +292,7 @@ def demo_main(args: argparse.Namespace) -> int:
         print(f"pdserve demo: interrupted; runs so far in {args.out}/results.json",
               file=sys.stderr)  # fmt: skip
         return 130
-    print(f"report: {summary.report}")
-    print(summary.headline)
+    print_summary(summary)
     print(f"demo took {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return 0
 

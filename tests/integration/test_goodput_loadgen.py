@@ -109,26 +109,33 @@ def test_run_bench_against_a_fake_cluster(
     cfg = BenchConfig(
         out=out, address=threaded_fake_cluster["address"], configs=("fake",), workload="chat",
         context=256, output_len=8, rates=(20.0, 40.0), duration_s=1.0, min_requests=20,
-        ttft_slo_ms=5000.0, tpot_slo_ms=1000.0, bisect_steps=1,
+        ttft_slo_ms=5000.0, tpot_slo_ms=1000.0, bisect_steps=1, grid_above=1, repeats=2,
+        warm_start=True,
     )  # fmt: skip
-    # SLOs are loose on purpose: this test checks the sweep's mechanics (every rate passes, so
-    # the sweep steps up once), not the fake cluster's speed on a loaded 2-core machine.
+    # SLOs are loose on purpose: this test checks the search's mechanics (every rate passes, so
+    # the sweep steps up once to the grid's ceiling; the second repeat starts there and tests
+    # the rate below), not the fake cluster's speed on a loaded 2-core machine.
     summary = run_bench(cfg)
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 1000.0}
     assert data["meta"]["calibration"]["decode_ms"] > 0
     assert data["meta"]["machine"]["matmul_gflops"] > 0
-    assert [r["rate"] for r in data["runs"]] == [20.0, 40.0, 80.0]  # all pass: one step up
+    assert [(r["seed"], r["rate"]) for r in data["runs"]] == [
+        (0, 20.0), (0, 40.0), (0, 80.0), (1, 80.0), (1, 40.0)
+    ]  # fmt: skip
     assert all(len(r["records"]) >= 20 and r["valid"] for r in data["runs"])
-    assert summary.max_goodput["fake"].rate == 80.0 and summary.max_goodput["fake"].lower_bound
+    assert data["meta"]["search"]["seeds"] == [0, 1]
+    assert [m.rate for m in summary.max_goodput["fake"]] == [80.0, 80.0]
+    assert all(m.lower_bound for m in summary.max_goodput["fake"])
     report = (out / "report.md").read_text()
     assert "max goodput" in report and "fake" in report and "GB/s" in report
     # A run's SLO goodput and a sweep's max goodput are named apart (report and JSON).
     assert "| SLO goodput |" in report and "| goodput |" not in report
     fake = json.loads((out / "summary.json").read_text())["series"]["fake"]
     assert fake["max_goodput_rps"] == 80.0 and fake["max_goodput_is_lower_bound"]
-    assert [r["offered_rate_rps"] for r in fake["runs"]] == [20.0, 40.0, 80.0]
-    assert all(0 < r["slo_goodput_rps"] <= r["offered_rate_rps"] * 1.5 for r in fake["runs"])
+    first = fake["repeats"][0]["runs"]
+    assert [r["offered_rate_rps"] for r in first] == [20.0, 40.0, 80.0]
+    assert all(0 < r["slo_goodput_rps"] <= r["offered_rate_rps"] * 1.5 for r in first)
     for png in ("attainment.png", "latency_cdf.png", "ttft_breakdown.png"):
         assert (out / png).stat().st_size > 1000
     # `pdserve report` re-renders it, and compares two runs

@@ -35,7 +35,8 @@ def test_bench_tiny_clusters_writes_a_valid_report(tiny_model_dir: Path, tmp_pat
     cfg = BenchConfig(
         out=out, model=tiny_model_dir, configs=("colocated", "disagg"), workload="summarize",
         context=256, output_len=8, rates=(2.0, 4.0), duration_s=2.0, min_requests=8,
-        ttft_scale=20.0, tpot_scale=20.0, bisect_steps=0, num_kv_blocks=256,
+        ttft_scale=20.0, tpot_scale=20.0, bisect_steps=0, num_kv_blocks=256, repeats=1,
+        grid_below=0, grid_above=0,
     )  # fmt: skip
     summary = run_bench(cfg, launch=launch_cluster)
     data = json.loads((out / "results.json").read_text())

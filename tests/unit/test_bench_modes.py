@@ -18,6 +18,7 @@ from benchmarks.bench_modes import (
     bench,
     config_of_row,
     hybrid_ratio,
+    hybrid_ratio_spread,
     markdown,
     max_goodputs,
     median_goodput,
@@ -34,7 +35,7 @@ from tooling.goodput.workloads import summarize_min_prompt
 REPEATS: list[dict[str, list[tuple[float, float]]]] = [
     {
         "colocated": [(0.5, 1.0), (1.0, 0.95), (1.5, 0.7)],
-        "disagg": [(0.5, 0.92), (1.0, 0.8), (1.5, 0.9)],  # 1.5 passes after a failure
+        "disagg": [(0.5, 0.92), (1.0, 0.8), (1.5, 0.9)],  # 1.5 passes above a failure
         "hybrid": [(0.5, 1.0), (1.0, 0.9), (1.5, 0.95)],
     },
     {
@@ -63,16 +64,18 @@ DISAGG = row(max_rate=0.6)
 HYBRID = row(hybrid_threshold=128, max_rate=1.1)
 
 
-def test_max_goodput_per_repeat_stops_at_the_first_failure_and_counts_absent_as_zero() -> None:
+def test_max_goodput_per_repeat_is_the_highest_passing_rate_and_names_dips() -> None:
     got = max_goodputs(REPEATS, 0.9)
-    assert got == {
+    assert {c: [m.rate for m in v] for c, v in got.items()} == {
         "colocated": [1.0, 0.5, 1.0],
-        "disagg": [0.5, 0.0, 0.0],  # 1.5 after the failing 1.0 does not count
+        "disagg": [1.5, 0.0, 0.0],  # 1.5 above the failing 1.0 counts; repeat 3 did not run
         "hybrid": [1.5, 1.0, 1.5],
     }
+    (dip,) = got["disagg"][0].dips
+    assert (dip.failed_rate, dip.passed_rate) == (1.0, 1.5)
+    assert got["disagg"][1].first_fail == 0.5 and got["disagg"][2].first_fail is None
     assert [median_goodput(v) for v in got.values()] == [1.0, 0.0, 1.5]
     assert median_goodput([]) == 0.0
-    assert median_goodput([0.5, 1.0]) == 0.75
 
 
 def test_hybrid_ratio_is_over_the_better_fixed_mode() -> None:
@@ -80,6 +83,12 @@ def test_hybrid_ratio_is_over_the_better_fixed_mode() -> None:
     assert hybrid_ratio({"colocated": 0.4, "disagg": 0.8, "hybrid": 0.76}) == pytest.approx(0.95)
     assert hybrid_ratio({"colocated": 0.0, "disagg": 0.0, "hybrid": 0.5}) is None
     assert hybrid_ratio({"colocated": 1.0}) == 0.0  # hybrid not measured: 0 of the best
+    # per repeat: hybrid over the better fixed mode of that repeat
+    sp = hybrid_ratio_spread(max_goodputs(REPEATS, 0.9))
+    assert sp is not None
+    # repeat 1: both passed every rate (>= 1.5 each); 2: 1 / 0.5; 3: >= 1.5 over 1
+    assert [v.text() for v in sp.values] == ["unknown", "2", ">= 1.5"]
+    assert hybrid_ratio_spread({"hybrid": []}) is None
 
 
 def test_plan_rows_map_to_the_measured_configurations_only() -> None:
@@ -125,12 +134,12 @@ def test_points_of_a_results_json_are_attainments_per_configuration() -> None:
 
 
 def test_markdown_has_the_tables_and_the_verdicts() -> None:
-    goodputs = max_goodputs(REPEATS, 0.9)
+    answers = max_goodputs(REPEATS, 0.9)
     curves = {"colocated": {0.5: [1.0, 1.0, 0.9]}, "hybrid": {0.5: [1.0, 1.0, 1.0]}}
-    medians = {c: median_goodput(v) for c, v in goodputs.items()}
+    medians = {c: median_goodput(v) for c, v in answers.items()}
     check = planner_verdict([HYBRID, COLOCATED, DISAGG], medians, 0.1)
     result = WorkloadResult(
-        WORKLOADS["mixed"], 0.9, ["runs/x/mixed-r1"], goodputs, curves, (30, 40), check
+        WORKLOADS["mixed"], 0.9, ["runs/x/mixed-r1"], answers, curves, (30, 40), check
     )
     validation = {
         "margin": 0.05,
@@ -142,7 +151,9 @@ def test_markdown_has_the_tables_and_the_verdicts() -> None:
     }
     text = markdown([result], validation, "## header", 0.1)
     assert "| mixed (chat + 30 % summarize) | TTFT 1500 / TPOT 100 ms | 1 (1, 0.5, 1) | " in text
-    assert "| **1.5** (1.5, 1, 1.5) | 1.50x | 75% of 40 |" in text
+    row = "| 0 (>= 1.5, < 0.5, 0) | **1.5** (>= 1.5, 1, >= 1.5) | 1.50x (unknown, 2.00x, >= 1.50x)"
+    assert row in text
+    assert "- mixed, disagg, repeat 1: 1 req/s (80.0%) missed the target below 1.5 req/s" in text
     assert "every workload: **met**; >= 1.2x on at least one: **met**" in text
     assert "| hybrid 1:1 @128 (chunk 256) | 0.9 / 0.6 / 1.1 | hybrid | hybrid | 1.00 | ok |" in text
     assert "**1 of 2 points (50%) inside the measured band**" in text

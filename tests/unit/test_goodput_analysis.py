@@ -1,4 +1,5 @@
-"""Attainment, goodput, percentiles, tightest SLO scale and max goodput on hand-built records."""
+"""Attainment, goodput, percentiles and tightest SLO scale on hand-built records (max goodput:
+`test_goodput_sweep.py`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from tooling.goodput.analysis import (
     LongPromptSLO,
     attainment,
     latency_summary,
-    max_goodput,
     slo_goodput_rps,
     tightest_scale,
     ttft_breakdown,
@@ -93,17 +93,6 @@ def test_ttft_breakdown_means() -> None:
     assert b["server_other"] == pytest.approx(10.0)  # 70 - 6 x 10
     assert b["client_other"] == pytest.approx(10.0)  # 80 - 70
     assert ttft_breakdown([rec(0, 80, 5)]) == {}
-
-
-def test_max_goodput_takes_highest_pass_below_first_fail() -> None:
-    m = max_goodput([(1.0, 0.99), (2.0, 0.95), (3.0, 0.7), (4.0, 0.2)], 0.9)
-    assert (m.rate, m.first_fail, m.lower_bound, m.non_monotone) == (2.0, 3.0, False, False)
-    m = max_goodput([(4.0, 0.95), (1.0, 0.99), (3.0, 0.5), (2.0, 0.9)], 0.9)
-    assert (m.rate, m.first_fail, m.non_monotone) == (2.0, 3.0, True)
-    m = max_goodput([(1.0, 0.95), (2.0, 0.96)], 0.9)
-    assert (m.rate, m.first_fail, m.lower_bound) == (2.0, None, True)
-    m = max_goodput([(1.0, 0.5)], 0.9)
-    assert (m.rate, m.first_fail, m.lower_bound) == (0.0, 1.0, False)
 
 
 def test_slo_validation() -> None:

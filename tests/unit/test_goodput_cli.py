@@ -36,6 +36,13 @@ def test_bench_flags_become_a_config(tmp_path: Path) -> None:
     assert (cfg.ttft_slo_ms, cfg.tpot_slo_ms, cfg.out) == (900.0, 80.0, tmp_path)
     assert cfg.workload == "summarize" and cfg.target == 0.9
     assert cfg.long_prompt_slo is None
+    assert (cfg.repeats, cfg.min_requests, cfg.warm_start) == (3, 40, False)  # the defaults
+    args = parse(["bench", "--rel-rates", "0.5", "--grid-step", "1.26", "--grid-below", "3",
+                  "--grid-above", "9", "--warm-start", "--repeats", "5", "--give-up", "0.9",
+                  "--out", str(tmp_path)])  # fmt: skip
+    cfg = bench_config(args)
+    assert (cfg.rel_rates, cfg.grid_step, cfg.grid_below, cfg.grid_above) == ((0.5,), 1.26, 3, 9)
+    assert (cfg.warm_start, cfg.repeats, cfg.give_up) == (True, 5, 0.9)
     args = parse(["bench", "--ttft-slo-ms", "300", "--tpot-slo-ms", "240", "--long-prompt-slo",
                   "307:6000:85", "--out", str(tmp_path)])  # fmt: skip
     assert bench_config(args).long_prompt_slo == "307:6000:85"
@@ -55,6 +62,8 @@ def test_bench_against_an_address_names_it_external() -> None:
         (["bench", "--calibrate-on", "disagg", "--configs", "colocated"], "calibrate_on"),
         (["bench", "--model", "/nonexistent/model"], "not a model folder"),
         (["bench", "--long-prompt-slo", "307:6000"], "MIN_PROMPT_TOKENS:TTFT_MS:TPOT_MS"),
+        (["bench", "--repeats", "0"], "repeats"),
+        (["bench", "--grid-step", "1"], "grid_step"),
     ],
 )
 def test_bad_bench_arguments_exit_2(
@@ -75,8 +84,20 @@ def test_report_of_a_folder_without_results(tmp_path: Path) -> None:
 
 def test_demo_config_is_valid(tmp_path: Path) -> None:
     cfg = demo_config(Path("models/smollm2-135m-instruct"), tmp_path)
-    assert set(cfg.configs) == set(CONFIG_NAMES) and cfg.calibrate_on in CONFIG_NAMES
+    assert cfg.configs == ("colocated", "disagg") and cfg.calibrate_on in cfg.configs
     assert cfg.prompts == "text" and cfg.http_front
+    # issue 42: points that resolve 90 %, three seeds, a walk that re-brackets per repeat
+    assert cfg.min_requests >= 40 and cfg.repeats >= 3 and cfg.warm_start
+    assert len(cfg.rel_rates) == 1 and cfg.grid_step < 1.3
+    every = demo_config(Path("m"), tmp_path, configs=CONFIG_NAMES, repeats=1)
+    assert every.configs == CONFIG_NAMES and every.repeats == 1
+
+
+def test_demo_flags() -> None:
+    args = parse(["demo", "--configs", "colocated,hybrid", "--repeats", "1"])
+    assert args.configs == ("colocated", "hybrid") and args.repeats == 1
+    args = parse(["demo"])
+    assert args.configs is None and args.repeats is None  # DEMO's, resolved in demo_main
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)

@@ -12,8 +12,11 @@ Modules, from data to report:
 - `workloads`: the synthetic length distributions (chat, code, summarize, prefix, multiturn);
 - `traces`: trace files (CSV / JSONL) and prompt token synthesis from a trace row;
 - `loadgen`: the async load generator (its own process) and the helpers that start it;
-- `analysis`: SLOs, attainment, goodput, percentiles, tightest SLO scale, max goodput;
-- `sweep`: the rate sweep refined by bisection, interleaved across configurations;
-- `clusters`: the compared configurations (colocated, colocated-nochunk, disagg) as clusters;
+- `analysis`: SLOs, attainment, goodput, percentiles, tightest SLO scale;
+- `sweep`: max goodput from tested rates (the one rule every goodput tool uses, non-monotone
+  points named) and the rate search that picks them, repeat by repeat on trace seeds,
+  interleaved across configurations;
+- `repeats`: max goodput over repeats: bounds, median and range, ratios paired by seed;
+- `clusters`: the compared configurations (colocated, colocated-nochunk, disagg, hybrid);
 - `bench`: the orchestrator; `report` and `plots`: Markdown, JSON and PNG output.
 """

@@ -12,11 +12,11 @@ DistServe):
 - *attainment* = meeting requests / all requests of the run, for TTFT only, TPOT only, both;
 - a run's *SLO goodput* = requests meeting both SLOs / the run's duration (t = 0 to the end of
   the last request), in requests/s (`slo_goodput_rps`, the same name in JSON);
-- *max goodput* = the highest offered rate whose attainment (both) is >= the target (default
-  0.9), taken over the tested rates below the lowest failing one, so one lucky run above a
-  failure does not count (`max_goodput`; `max_goodput_rps` in JSON). Two different numbers: a
-  run at 2 req/s with 90% attainment has an SLO goodput of ~1.8 req/s and, if it is the highest
-  passing rate, makes the max goodput 2 req/s;
+- *max goodput* = the highest tested offered rate whose attainment (both) is >= the target
+  (default 0.9); `sweep.max_goodput` decides it, non-monotone attainment included, and
+  `repeats` takes its median over trace seeds (`max_goodput_rps` in JSON). Two different
+  numbers: a run at 2 req/s with 90% attainment has an SLO goodput of ~1.8 req/s and, if it is
+  the highest passing rate, makes the max goodput 2 req/s;
 - the *tightest SLO scale* of a run = the smallest `s` such that attainment under
   (s * ttft, s * tpot) is >= the target (`tightest_scale`); inf when errors make it impossible.
 """
@@ -219,31 +219,3 @@ def tightest_scale(
     need.sort()
     k = max(1, math.ceil(target * len(need) - 1e-9))
     return need[k - 1]
-
-
-@dataclass(frozen=True)
-class MaxGoodput:
-    """Result of a rate sweep. `rate` = highest passing rate below `first_fail` (0 when the
-    lowest tested rate already fails); `lower_bound` = no tested rate failed, so the true max
-    may be higher; `non_monotone` = some rate above `first_fail` passed again."""
-
-    rate: float
-    first_fail: float | None
-    lower_bound: bool
-    non_monotone: bool
-
-
-def max_goodput(
-    points: Iterable[tuple[float, float]], target: float = DEFAULT_TARGET
-) -> MaxGoodput:
-    """Max goodput from (rate, attainment-both) points (see the module docstring)."""
-    pts = sorted(points)
-    best, first_fail = 0.0, None
-    for rate, att in pts:
-        if att >= target:
-            best = rate
-        else:
-            first_fail = rate
-            break
-    non_monotone = first_fail is not None and any(r > first_fail and a >= target for r, a in pts)
-    return MaxGoodput(best, first_fail, first_fail is None and bool(pts), non_monotone)

@@ -9,14 +9,22 @@
    arrivals (`openai_load`); send every target a warm-up request;
 3. calibrate the unloaded prefill and decode step times on `calibrate_on` and fix the SLOs:
    milliseconds when given, else `ttft_scale * prefill_ms` and `tpot_scale * decode_ms`;
-4. search each configuration's max goodput (`sweep.RateSearch`: the given rates, or
-   `rel_rates` x the unloaded prefill-bound rate 1000 / prefill_ms, then bisection),
-   interleaving configurations (`sweep.run_interleaved`); each run is one load-generator
-   process (`loadgen.run_load_process`) with a fresh token seed, so no run hits the prefix
-   cache of another; prompts are random ids, or with `prompts="text"` windows of a built-in
-   English corpus (`text_prompts`); outputs always have their exact length (`ignore_eos`);
+4. search each configuration's max goodput on `repeats` trace seeds (`seed`, `seed + 1`, ...:
+   lengths and arrivals), repeat by repeat, configurations interleaved within a repeat
+   (`sweep.run_repeats`; the rules: `sweep`'s docstring): the grid is the given rates, or
+   `rel_rates` x the unloaded prefill-bound rate 1000 / prefill_ms, extended by `grid_step`
+   (`grid_below` / `grid_above` steps); with `warm_start` a repeat starts at the previous
+   repeat's answer. Each run sends max(`min_requests`, rate x `duration_s`) requests (40 by
+   default: one request moves attainment by 2.5 %) from one load-generator process
+   (`loadgen.run_load_process`) with a fresh token seed, so no run hits the prefix cache of
+   another; prompts are random ids, or with `prompts="text"` windows of a built-in English
+   corpus (`text_prompts`); outputs always have their exact length (`ignore_eos`). Each run
+   prints a progress line: its attainment, its seconds against the expected (requests / rate
+   plus the overhead measured so far), the time elapsed and about how long the rest takes
+   (`sweep.RateSearch.points_left`);
 5. write `results.json` (every request of every run, machine, model, SLOs, seeds) after each
-   run, then the Markdown report and PNG plots (`report.write_report`).
+   run, then the Markdown report and PNG plots (`report.write_report`: the median and range
+   over repeats, `repeats`).
 
 It returns the report's `Summary` (max goodput per configuration and the headline).
 """
@@ -28,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -52,7 +61,8 @@ from tooling.goodput.clusters import (
 from tooling.goodput.loadgen import LoadJob, model_info, run_load_process
 from tooling.goodput.openai_load import list_models
 from tooling.goodput.records import RequestSpec, RunResult
-from tooling.goodput.sweep import RateSearch, run_interleaved
+from tooling.goodput.repeats import Bounded
+from tooling.goodput.sweep import Grid, RateSearch, run_repeats
 from tooling.goodput.traces import read_trace, scale_to_rate
 from tooling.goodput.workloads import WORKLOADS, length_summary, make_requests
 from tooling.launch import Cluster, LaunchCluster
@@ -110,7 +120,41 @@ class BenchConfig(BaseModel):
         description="Sweep rates as fractions of 1000 / unloaded prefill ms (when no rates).",
     )
     duration_s: float = Field(default=60.0, gt=0, description="Target length of one run.")
-    min_requests: int = Field(default=20, ge=1, description="Fewest requests in one run.")
+    min_requests: int = Field(
+        default=40,
+        ge=1,
+        description="Fewest requests in one run (40: one request moves attainment by 2.5 %, "
+        "so a point can resolve a 90 % target).",
+    )
+    repeats: int = Field(
+        default=3,
+        ge=1,
+        description="Trace seeds seed .. seed + repeats - 1 (lengths and arrivals; a trace "
+        "file keeps its arrivals): each configuration's max goodput is searched on each, "
+        "repeat by repeat; the report gives the median and the range.",
+    )
+    grid_step: float = Field(
+        default=2.0, gt=1, description="Factor between grid rates beyond the listed rates."
+    )
+    grid_below: int = Field(
+        default=2, ge=0, description="Grid steps the search may take under the lowest rate."
+    )
+    grid_above: int = Field(
+        default=2, ge=0, description="Grid steps the search may take over the highest rate."
+    )
+    give_up: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Climbing through the listed rates stops at a rate whose attainment is "
+        "below this (beyond them the search climbs only while rates pass).",
+    )
+    warm_start: bool = Field(
+        default=False,
+        description="Repeat k + 1 of a configuration starts at repeat k's max goodput "
+        "(instead of the lowest listed rate): a walk from one start rate re-brackets in "
+        "about three runs.",
+    )
     ttft_slo_ms: float | None = Field(default=None, gt=0, description="TTFT SLO in ms.")
     tpot_slo_ms: float | None = Field(default=None, gt=0, description="TPOT SLO in ms.")
     ttft_scale: float = Field(default=5.0, gt=0, description="TTFT SLO / unloaded prefill.")
@@ -173,14 +217,21 @@ def model_context(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
 
 
-def specs_for(cfg: BenchConfig, context: int, rate: float) -> list[RequestSpec]:
-    """The requests of one run at `rate`: the trace scaled to it, or the synthetic workload
-    with max(min_requests, rate * duration_s) requests."""
+def requests_at(cfg: BenchConfig, rate: float) -> int:
+    """How many requests a synthetic run at `rate` sends: max(min_requests, rate x duration)."""
+    return max(cfg.min_requests, math.ceil(rate * cfg.duration_s))
+
+
+def specs_for(
+    cfg: BenchConfig, context: int, rate: float, seed: int | None = None
+) -> list[RequestSpec]:
+    """The requests of one run at `rate` on trace seed `seed` (default `cfg.seed`): the trace
+    file scaled to it, or the synthetic workload with `requests_at(cfg, rate)` requests."""
     if cfg.trace is not None:
         return scale_to_rate(read_trace(cfg.trace), rate)
-    n = max(cfg.min_requests, math.ceil(rate * cfg.duration_s))
     return make_requests(
-        cfg.workload, n, rate, context=context, seed=cfg.seed, arrival=cfg.arrival, cv=cfg.cv,
+        cfg.workload, requests_at(cfg, rate), rate, context=context,
+        seed=cfg.seed if seed is None else seed, arrival=cfg.arrival, cv=cfg.cv,
         output_len=cfg.output_len,
     )  # fmt: skip
 
@@ -212,10 +263,17 @@ class Bench:
         self.meta = meta
         self.runs: list[RunResult] = []
         self.slo: SLO | None = None
+        self.context = 0  # the length budget, fixed by `prepare`
+        self.searches: dict[str, RateSearch] = {}  # the current repeat's, per configuration
+        self.repeat = 0  # the current repeat (0-based)
+        self.counts: dict[str, int] = {}  # runs so far per configuration (token seeds)
+        self.overheads: list[float] = []  # per run: wall seconds beyond requests / rate
+        self._trace_len: int | None = None
 
     def prepare(self, context: int) -> None:
         """Warm every cluster up, calibrate, fix the SLOs and the sweep rates."""
         cfg = self.cfg
+        self.context = context
         sample = specs_for(cfg, context, 1.0)
         lengths = length_summary(sample)
         prompt = max(1, int(lengths["input_p50"]))
@@ -243,7 +301,92 @@ class Bench:
             base = 1000.0 / c["prefill_ms"]
             rates = [round(base * r, 3) for r in cfg.rel_rates]
         self.meta["sweep_rates"] = rates
-        say(f"SLOs: {self.slo.text()}; rates {rates}")
+        grid = self.grid()
+        self.meta["search"] = {
+            "grid": list(grid.points), "seeds": self.seeds(), "warm_start": cfg.warm_start,
+            "give_up": cfg.give_up, "bisect_steps": cfg.bisect_steps,
+        }  # fmt: skip
+        say(f"SLOs: {self.slo.text()}; rates {rates}, grid "
+            f"{', '.join(f'{x:.3g}' for x in grid.points)} req/s")  # fmt: skip
+        first = grid.rates[0] if len(grid.rates) == 1 else None
+        say(f"{len(names)} configurations x {cfg.repeats} repeats (seeds {self.seeds()}), at "
+            f"least {cfg.min_requests} requests per run; expected about "
+            f"{self.expected_s(first):.0f} s of runs")  # fmt: skip
+
+    def seeds(self) -> list[int]:
+        """The trace seed of each repeat."""
+        return [self.cfg.seed + k for k in range(self.cfg.repeats)]
+
+    def grid(self) -> Grid:
+        cfg = self.cfg
+        return Grid(tuple(self.meta["sweep_rates"]), cfg.grid_step, cfg.grid_below, cfg.grid_above)
+
+    def point_s(self, rate: float) -> float:
+        """Expected seconds of one run at `rate`: its requests / rate (the span of their
+        arrivals) plus the median overhead of the runs so far (5 s before the first)."""
+        if self.cfg.trace is not None:
+            if self._trace_len is None:
+                self._trace_len = len(read_trace(self.cfg.trace))
+            n = self._trace_len
+        else:
+            n = requests_at(self.cfg, rate)
+        extra = statistics.median(self.overheads) if self.overheads else 5.0
+        return n / rate + extra
+
+    def expected_s(self, start: float | None = None) -> float:
+        """About how many seconds the runs still to come take: each configuration's current
+        search (`RateSearch.points_left` runs near its next rate) and the repeats after it
+        (with `warm_start` three runs plus the bisection steps near its answer, else its
+        current search's path again). Before any search: three runs per repeat at `start`
+        (default: each listed rate once)."""
+        cfg = self.cfg
+        if not self.searches:
+            rates = [start] * 3 if start is not None else list(self.meta["sweep_rates"])
+            per_repeat = sum(self.point_s(r) for r in rates) + cfg.bisect_steps * self.point_s(
+                rates[-1]
+            )
+            return len(self.clusters.names) * cfg.repeats * per_repeat
+        later = cfg.repeats - 1 - self.repeat
+        total = 0.0
+        for search in self.searches.values():
+            nxt = search.next_rate()
+            ref = nxt if nxt is not None else search.next_start()
+            left = search.points_left()
+            total += left * self.point_s(ref)
+            if cfg.warm_start:
+                total += later * (3 + cfg.bisect_steps) * self.point_s(search.next_start())
+            else:
+                path = [*search.points, *[ref] * left]
+                total += later * sum(self.point_s(r) for r in path)
+        return total
+
+    def search(self) -> dict[str, list[RateSearch]]:
+        """Step 4 of the module docstring: every configuration's search on every seed."""
+        cfg = self.cfg
+        grid = self.grid()
+
+        def new_search(name: str, k: int, previous: RateSearch | None) -> RateSearch:
+            start = previous.next_start() if cfg.warm_start and previous is not None else None
+            search = RateSearch(grid, cfg.target, cfg.bisect_steps, cfg.give_up, start=start)
+            self.searches[name] = search
+            self.repeat = k
+            return search
+
+        return run_repeats(
+            self.clusters.names, cfg.repeats, new_search, self.run_point, self._repeat_done
+        )
+
+    def _repeat_done(self, k: int, searches: dict[str, RateSearch]) -> None:
+        """Say each configuration's answer on repeat k's seed, and any non-monotone point."""
+        for name, search in searches.items():
+            res = search.result()
+            above = "" if res.rate == 0 or res.first_fail is None else (
+                f", {res.first_fail:.3g} req/s above it failed"
+            )  # fmt: skip
+            say(f"repeat {k + 1}/{self.cfg.repeats} (seed {self.seeds()[k]}) {name}: max goodput "
+                f"{Bounded.of(res).text()} req/s{above}")  # fmt: skip
+            for dip in res.dips:
+                say(f"  non-monotone: {dip.text()}")
 
     def _security(self, name: str) -> dict[str, Any]:
         """Client credentials for cluster `name`: the configured ones for the external router,
@@ -260,17 +403,22 @@ class Bench:
             classes.append((self.slo.long_prompt.ttft_ms, self.slo.long_prompt.tpot_ms))
         return max(30.0, max(5 * (ttft + out * tpot) / 1e3 for ttft, tpot in classes))
 
-    def run_point(self, name: str, rate: float, k: int, context: int) -> float:
-        """One run of configuration `name` at `rate` in its own load-generator process."""
+    def run_point(self, name: str, repeat: int, rate: float) -> float:
+        """One run of configuration `name` at `rate` on repeat `repeat`'s trace seed, in its
+        own load-generator process; returns its attainment (both SLOs)."""
         cfg = self.cfg
         assert self.slo is not None
+        seed = self.seeds()[repeat]
+        k = self.counts.get(name, 0)  # the k-th run of `name` over every repeat
+        self.counts[name] = k + 1
+        specs = specs_for(cfg, self.context, rate, seed)
         job = LoadJob(
             address=self.clusters.address(name),
-            specs=specs_for(cfg, context, rate),
+            specs=specs,
             config=name,
             rate=rate,
             arrival="trace" if cfg.trace else cfg.arrival,
-            seed=cfg.seed,
+            seed=seed,
             token_seed=cfg.seed * 1000 + k,
             timeout_s=self.timeout_s(),
             label=f"{name}-{k}",
@@ -278,6 +426,7 @@ class Bench:
             security=self._security(name),
             corpus=self.corpus,
         )
+        expected = self.point_s(rate)
         t0 = time.monotonic()
         load_before = os.getloadavg()[0]
         meter = CpuMeter()
@@ -286,13 +435,16 @@ class Bench:
         run.meta["cpu"] = meter.stop({"loadgen": float(run.meta.get("loadgen_cpu_s", 0.0))})
         run.meta["loadavg_1min"] = [load_before, os.getloadavg()[0]]
         self.runs.append(run)
+        wall = time.monotonic() - t0
+        self.overheads.append(max(0.0, wall - len(specs) / rate))
         att = attainment(run.records, self.slo)
+        self.searches[name].record(rate, att.both)  # now, for the estimate below (idempotent)
         bad = "" if run.valid else f"  INVALID (send lag p99 {run.send_lag_p99_ms:.1f} ms)"
         say(
-            f"{name:>18} @ {rate:7.3f} req/s: {len(run.records)} req, attainment "
+            f"r{repeat + 1} {name:>17} @ {rate:7.3f} req/s: {len(run.records)} req, attainment "
             f"{att.both:6.1%} (TTFT {att.ttft:6.1%}, TPOT {att.tpot:6.1%}, errors {att.errors}), "
-            f"SLO goodput {slo_goodput_rps(run, self.slo):.3f} req/s, "
-            f"{time.monotonic() - t0:.0f} s{bad}"
+            f"SLO goodput {slo_goodput_rps(run, self.slo):.3f} req/s, {wall:.0f} s (expected "
+            f"{expected:.0f} s); about {self.expected_s():.0f} s to go{bad}"
         )
         self.save()
         return att.both
@@ -406,9 +558,7 @@ def run_bench(
         bench.prepare(context)
         if on_ready is not None:
             on_ready(bench)
-        rates = meta["sweep_rates"]
-        searches = {n: RateSearch(rates, cfg.target, cfg.bisect_steps) for n in clusters.names}
-        run_interleaved(searches, lambda n, r, k: bench.run_point(n, r, k, context))
+        bench.search()
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     meta["wall_s"] = round(time.time() - started, 1)
     bench.save()

@@ -16,7 +16,7 @@ same model, block size, KV blocks and batch limits:
 `spill_to_prefill`).
 
 `bench` compares the first three by default (`DEFAULT_CONFIGS`); `hybrid` is asked for by name
-(`--configs`) and `pdserve demo` shows all four.
+(`--configs`); `pdserve demo` compares colocated and disagg (`--configs` for more).
 
 `start_clusters` launches them with the launch function it is given (`tooling.launch`; deploy's
 `tool_launchers.launch_cluster` starts router + workers as local processes), all at once, so

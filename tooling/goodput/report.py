@@ -5,10 +5,13 @@
 `attainment.png`, `latency_cdf.png`, `ttft_breakdown.png`); `write_comparison(run_dirs, out)`
 puts several saved runs side by side (series labelled `<folder>:<configuration>`, each judged
 by its own SLOs). Both recompute everything from the raw request records, so a report can
-always be rebuilt. Both return a `Summary`: max goodput per series and the one-line headline.
-`summary.json` holds the same numbers for programs: per series `max_goodput_rps` (the sweep's
-answer) and per run `slo_goodput_rps` (SLO-meeting requests per second of that one run) — two
-different quantities, named apart everywhere (console, report, JSON).
+always be rebuilt: each configuration's max goodput on each trace seed (`sweep.max_goodput`,
+runs grouped by `RunResult.seed`), its median and range over the seeds and the paired ratios
+(`repeats`), and every non-monotone point, named with both rates. Both return a `Summary`.
+`summary.json` holds the same numbers for programs: per series `max_goodput_rps` (the median
+of the repeats' answers) and every repeat with its runs, each run's `slo_goodput_rps`
+(SLO-meeting requests per second of that one run) — two different quantities, named apart
+everywhere (console, report, JSON) — and the ratios.
 """
 
 from __future__ import annotations
@@ -16,24 +19,26 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tooling.goodput.analysis import (
     SLO,
-    MaxGoodput,
     attainment,
     latency_summary,
-    max_goodput,
     slo_goodput_rps,
     tightest_scale,
     ttft_breakdown,
 )
 from tooling.goodput.plots import plot_attainment, plot_breakdown, plot_cdfs
 from tooling.goodput.records import SEND_LAG_LIMIT_MS, RunResult
+from tooling.goodput.repeats import Spread, ratio_fmt, ratio_spread, spread
+from tooling.goodput.sweep import MaxGoodput, max_goodput
 
 BASELINES = ("colocated", "colocated-nochunk")
+TOPS = ("disagg", "hybrid")
+RESOLVING_REQUESTS = 40  # below this one request moves attainment by more than 2.5 %
 
 
 @dataclass
@@ -60,14 +65,33 @@ class Source:
         out: dict[str, list[RunResult]] = {}
         for r in self.runs:
             out.setdefault(r.config, []).append(r)
-        return {k: sorted(v, key=lambda r: r.rate) for k, v in out.items()}
+        return {k: sorted(v, key=lambda r: (r.rate, r.seed)) for k, v in out.items()}
+
+    def seeds(self) -> list[int]:
+        """The trace seeds of the runs (one per repeat), ascending."""
+        return sorted({r.seed for r in self.runs})
+
+    def answers(self) -> dict[str, dict[int, MaxGoodput]]:
+        """Per configuration, its max goodput on each seed it ran (`sweep.max_goodput`)."""
+        out: dict[str, dict[int, MaxGoodput]] = {}
+        for cfg, runs in self.by_config().items():
+            for seed in sorted({r.seed for r in runs}):
+                pts = [(r.rate, attainment(r.records, self.slo).both) for r in runs
+                       if r.seed == seed]  # fmt: skip
+                out.setdefault(cfg, {})[seed] = max_goodput(pts, self.target)
+        return out
 
 
 @dataclass
 class Summary:
-    """Max goodput (req/s) per series label, the headline, and where the report is."""
+    """Per series label: each repeat's max goodput (req/s, seed order) and their spread; the
+    paired ratios ('disagg/colocated', prefixed by the series' source when comparing); the
+    non-monotone warnings; the headline; where the report is."""
 
-    max_goodput: dict[str, MaxGoodput]
+    max_goodput: dict[str, list[MaxGoodput]]
+    spreads: dict[str, Spread]
+    ratios: dict[str, Spread]
+    warnings: list[str]
     headline: str
     report: Path
 
@@ -90,32 +114,54 @@ def _rate(mg: MaxGoodput) -> str:
     return f"{'>=' if mg.lower_bound else ''}{mg.rate:.3g} req/s"
 
 
-def headline(src: Source, mgs: dict[str, MaxGoodput]) -> str:
-    """One line: each configuration's max goodput and disagg's (and hybrid's) ratio to each
-    baseline."""
-    slo = src.slo
-    parts = [f"{src.label(c)} {_rate(m)}" for c, m in mgs.items()]
-    ratios = []
-    for top in ("disagg", "hybrid"):
-        if top not in mgs:
-            continue
-        d = mgs[top]
+def ratios(answers: dict[str, dict[int, MaxGoodput]]) -> dict[str, Spread]:
+    """disagg's and hybrid's max goodput over each baseline's, paired by trace seed (the seeds
+    both ran), as spreads over those repeats."""
+    out = {}
+    for top in TOPS:
         for base in BASELINES:
-            if base not in mgs:
+            if top not in answers or base not in answers:
                 continue
-            b = mgs[base]
-            if d.lower_bound and b.lower_bound:
-                ratios.append(f"{top}/{base} = n/a (no tested rate failed for either)")
-            elif b.rate > 0:
-                bound = ">= " if d.lower_bound else "<= " if b.lower_bound else ""
-                ratios.append(f"{top}/{base} = {bound}{d.rate / b.rate:.2f}x")
-            elif d.rate > 0 and b.first_fail is not None:  # base's max < its first failing rate
-                ratios.append(f"{top}/{base} > {d.rate / b.first_fail:.2f}x ({base} met the "
-                              f"target at no tested rate)")  # fmt: skip
-            else:
-                ratios.append(f"{top}/{base} = n/a ({base} met the target at no tested rate)")
-    text = f"max goodput (>= {src.target:.0%} of requests with {slo.text()}): " + ", ".join(parts)
-    return text + ("; " + ", ".join(ratios) if ratios else "")
+            seeds = sorted(set(answers[top]) & set(answers[base]))
+            if seeds:
+                out[f"{top}/{base}"] = ratio_spread(
+                    [answers[top][s] for s in seeds], [answers[base][s] for s in seeds]
+                )
+    return out
+
+
+def headline(src: Source, answers: dict[str, dict[int, MaxGoodput]]) -> str:
+    """One line: each configuration's max goodput (median and range over repeats) and disagg's
+    (and hybrid's) ratio to each baseline, paired by seed."""
+    parts = [f"{src.label(c)} {_spread_text(spread(list(a.values())))}" for c, a in answers.items()]
+    rs = [f"{src.label(name)} {r.text(ratio_fmt)}" for name, r in ratios(answers).items()]
+    text = f"max goodput (>= {src.target:.0%} of requests with {src.slo.text()}): " + ", ".join(
+        parts
+    )
+    return text + ("; " + ", ".join(rs) if rs else "")
+
+
+def _spread_text(sp: Spread) -> str:
+    """'0.63 req/s (0.5-0.794 over 3 repeats)' for a configuration's spread."""
+    text = sp.text()
+    text = text.removeprefix("= ")
+    head, _, rest = text.partition(" (")
+    return f"{head} req/s ({rest}"
+
+
+def dip_warnings(src: Source, answers: dict[str, dict[int, MaxGoodput]]) -> list[str]:
+    """Every non-monotone point, naming both rates with attainment and requests."""
+    out = []
+    for cfg, per_seed in answers.items():
+        for seed, mg in per_seed.items():
+            runs = [r for r in src.runs if r.config == cfg and r.seed == seed]
+
+            def requests(rate: float, runs: list[RunResult] = runs) -> int:
+                return next(len(r.records) for r in runs if r.rate == rate)
+
+            for dip in mg.dips:
+                out.append(f"{src.label(cfg)}, seed {seed}: non-monotone: {dip.text(requests)}")
+    return out
 
 
 def _fmt(x: float | None, digits: int = 0) -> str:
@@ -186,8 +232,24 @@ def _setup(src: Source) -> list[str]:
             f"{', '.join(f'{x:.0f}' for x in u['ttft_samples'])}, TPOT "
             f"{', '.join(f'{x:.1f}' for x in u['tpot_samples'])})"
         )
-    lines.append(f"- sweep rates {m.get('sweep_rates')}, then {cfg['bisect_steps']} bisection "
-                 "step(s) per configuration; configurations interleaved")  # fmt: skip
+    search = m.get("search")
+    if search is None:  # a run from before repeats
+        lines.append(f"- sweep rates {m.get('sweep_rates')}, then {cfg['bisect_steps']} "
+                     "bisection step(s) per configuration; configurations interleaved")  # fmt: skip
+    else:
+        grid = ", ".join(f"{x:.3g}" for x in search["grid"])
+        start = (
+            "each repeat after the first starts at the previous one's answer"
+            if search["warm_start"]
+            else "each repeat starts at the lowest listed rate"
+        )
+        lines.append(
+            f"- rate search: listed rates {m.get('sweep_rates')}, grid {grid} req/s; climbing "
+            f"through the listed rates stops below {search['give_up']:.0%} attainment; "
+            f"{search['bisect_steps']} bisection step(s); {len(search['seeds'])} repeat(s) on "
+            f"trace seeds {search['seeds']}, {start}; configurations interleaved within a "
+            f"repeat; at least {cfg['min_requests']} requests per run"
+        )
     for name, c in m.get("clusters", {}).items():
         if "config" in c:
             cc = c["config"]
@@ -222,21 +284,22 @@ def _setup(src: Source) -> list[str]:
 
 def _run_table(src: Source) -> list[str]:
     head = (
-        "| configuration | rate | n | both | TTFT ok | TPOT ok | errors | SLO goodput "
+        "| configuration | seed | rate | n | both | TTFT ok | TPOT ok | errors | SLO goodput "
         "| TTFT p50/p90/p99 | TPOT p50/p90/p99 | ITL p50/p99 | tightest SLO scale "
         "| send lag p99 |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for cfg, runs in src.by_config().items():
-        for r in runs:
+        for r in sorted(runs, key=lambda r: (r.seed, r.rate)):
             a = attainment(r.records, src.slo)
             lat = latency_summary(r.records)
             t, p, i = lat["ttft_ms"], lat["tpot_ms"], lat["itl_ms"]
             lag = _fmt(r.send_lag_p99_ms, 1) + ("" if r.valid else " INVALID")
+            n = f"{a.n}" if a.n >= RESOLVING_REQUESTS else f"{a.n} (< {RESOLVING_REQUESTS})"
             rows.append(
-                f"| {src.label(cfg)} | {r.rate:.3g} | {a.n} | {a.both:.0%} | {a.ttft:.0%} | "
-                f"{a.tpot:.0%} | {a.errors} | {slo_goodput_rps(r, src.slo):.3f} | "
+                f"| {src.label(cfg)} | {r.seed} | {r.rate:.3g} | {n} | {a.both:.0%} | "
+                f"{a.ttft:.0%} | {a.tpot:.0%} | {a.errors} | {slo_goodput_rps(r, src.slo):.3f} | "
                 f"{_fmt(t['p50'])}/{_fmt(t['p90'])}/{_fmt(t['p99'])} | "
                 f"{_fmt(p['p50'])}/{_fmt(p['p90'])}/{_fmt(p['p99'])} | "
                 f"{_fmt(i['p50'])}/{_fmt(i['p99'])} | "
@@ -246,21 +309,31 @@ def _run_table(src: Source) -> list[str]:
 
 
 def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
-    """Write report.md and the plots for `sources` into `out`."""
+    """Write report.md, summary.json and the plots for `sources` into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     series, cdfs, parts, scales = {}, {}, {}, {}
-    mgs_all: dict[str, MaxGoodput] = {}
+    repeats_all: dict[str, list[MaxGoodput]] = {}
+    spreads: dict[str, Spread] = {}
+    ratios_all: dict[str, Spread] = {}
+    warnings: list[str] = []
     per_series: dict[str, dict[str, Any]] = {}  # summary.json
     heads = []
     for src in sources:
-        mgs = {}
+        answers = src.answers()
+        several = len(src.seeds()) > 1
         for cfg, runs in src.by_config().items():
-            pts = [(r.rate, attainment(r.records, src.slo)) for r in runs]
-            series[src.label(cfg)] = [(x, a.both, a.ttft, a.tpot) for x, a in pts]
-            mgs[cfg] = max_goodput([(x, a.both) for x, a in pts], src.target)
-            mgs_all[src.label(cfg)] = mgs[cfg]
-            per_series[src.label(cfg)] = _series_json(src, runs, mgs[cfg])
-        heads.append(headline(src, mgs))
+            for seed in answers[cfg]:
+                pts = [(r.rate, attainment(r.records, src.slo)) for r in runs if r.seed == seed]
+                lab = f"{src.label(cfg)} seed {seed}" if several else src.label(cfg)
+                series[lab] = [(x, a.both, a.ttft, a.tpot) for x, a in pts]
+            label = src.label(cfg)
+            repeats_all[label] = list(answers[cfg].values())
+            spreads[label] = spread(repeats_all[label])
+            per_series[label] = _series_json(src, cfg, answers[cfg], spreads[label])
+        for name, r in ratios(answers).items():
+            ratios_all[src.label(name)] = r
+        heads.append(headline(src, answers))
+        warnings += dip_warnings(src, answers)
         rate = compare_rate(src)
         for cfg, runs in src.by_config().items():
             run = next((r for r in runs if r.rate == rate), runs[0])
@@ -276,42 +349,94 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
     plot_cdfs(cdfs, (first.slo.ttft_ms, first.slo.tpot_ms), out / "latency_cdf.png")
     plot_breakdown(parts, out / "ttft_breakdown.png", "server-side TTFT breakdown")
     lines = [f"# {title}\n", "**Headline:** " + " | ".join(heads) + "\n"]
-    lines += ["## Max goodput\n", "| series | max goodput | first failing rate | note |",
-              "|---|---|---|---|"]  # fmt: skip
-    for lab, m in mgs_all.items():
-        note = "no tested rate failed (lower bound)" if m.lower_bound else ""
-        note += " non-monotone: a higher rate passed again" if m.non_monotone else ""
-        lines.append(f"| {lab} | {_rate(m)} | {_fmt(m.first_fail, 3)} | {note.strip()} |")
+    lines += _goodput_tables(sources, ratios_all, warnings)
     lines += ["", "![attainment vs rate](attainment.png)\n"]
     for src in sources:
         lines += ([f"# {src.prefix}\n"] if src.prefix else []) + _setup(src)
         lines += ["## Runs\n", *_run_table(src)]
     lines += _at_one_rate(parts, scales)
-    lines += ["", _DEFINITIONS.format(lag=SEND_LAG_LIMIT_MS)]
+    lines += ["", _DEFINITIONS.format(lag=SEND_LAG_LIMIT_MS, n=RESOLVING_REQUESTS)]
     path = out / "report.md"
     path.write_text("\n".join(lines))
-    summary = {"title": title, "headline": " | ".join(heads), "series": per_series}
+    summary = {
+        "title": title,
+        "headline": " | ".join(heads),
+        "series": per_series,
+        "ratios": {name: r.to_json() for name, r in ratios_all.items()},
+        "non_monotone": warnings,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return Summary(mgs_all, " | ".join(heads), path)
+    return Summary(repeats_all, spreads, ratios_all, warnings, " | ".join(heads), path)
 
 
-def _series_json(src: Source, runs: Sequence[RunResult], mg: MaxGoodput) -> dict[str, Any]:
-    """One series of summary.json: its max goodput (a sweep's answer) and each run's SLO
-    goodput (what that one run delivered), named apart on purpose."""
+def _goodput_tables(
+    sources: Sequence[Source], ratios_all: dict[str, Spread], warnings: Sequence[str]
+) -> list[str]:
+    """The max goodput table (each repeat, then the median and range per series), the ratios
+    table and the non-monotone points."""
+    lines = [
+        "## Max goodput\n",
+        "| series | seed | max goodput | first failing rate above | note |",
+        "|---|---|---|---|---|",
+    ]
+    for src in sources:
+        for cfg, per_seed in src.answers().items():
+            for seed, m in per_seed.items():
+                note = "no tested rate above failed (lower bound)" if m.lower_bound else ""
+                if m.non_monotone:
+                    low = ", ".join(f"{d.failed_rate:.3g}" for d in m.dips)
+                    note += f" non-monotone: failed at {low} req/s below it"
+                lines.append(f"| {src.label(cfg)} | {seed} | {_rate(m)} | "
+                             f"{_fmt(m.first_fail, 3)} | {note.strip()} |")  # fmt: skip
+            sp = spread(list(per_seed.values()))
+            lines.append(f"| **{src.label(cfg)}** | median of {len(sp.values)} | "
+                         f"**{_spread_text(sp)}** | | |")  # fmt: skip
+    if ratios_all:
+        lines += ["", "| ratio (paired by seed) | median | range | per repeat |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for name, r in ratios_all.items():
+            each = ", ".join(v.text(ratio_fmt) for v in r.values)
+            lines.append(f"| {name} | **{r.median.text(ratio_fmt)}** | "
+                         f"{r.range_text(ratio_fmt)} | {each} |")  # fmt: skip
+    if warnings:
+        lines += ["", "Non-monotone attainment (a failing rate below a passing one; the max "
+                  "goodput is the higher passing rate):", ""]  # fmt: skip
+        lines += [f"- {w}" for w in warnings]
+    return lines
+
+
+def _series_json(
+    src: Source, cfg: str, answers: dict[int, MaxGoodput], sp: Spread
+) -> dict[str, Any]:
+    """One series of summary.json: the median of its repeats' max goodput (each a search's
+    answer) and every repeat with its runs' SLO goodput (what that one run delivered), named
+    apart on purpose."""
+    med = sp.median
     return {
-        "max_goodput_rps": mg.rate,
-        "first_failing_rate_rps": mg.first_fail,
-        "max_goodput_is_lower_bound": mg.lower_bound,
+        "max_goodput_rps": med.lo,
+        "max_goodput_is_lower_bound": not med.exact and med.lo > 0,
+        "max_goodput": sp.to_json(),
         "slo": src.slo.to_json() | {"target": src.target},
-        "runs": [
+        "repeats": [
             {
-                "offered_rate_rps": r.rate,
-                "requests": len(r.records),
-                "attainment": attainment(r.records, src.slo).both,
-                "slo_goodput_rps": slo_goodput_rps(r, src.slo),
-                "valid": r.valid,
+                "seed": seed,
+                "max_goodput_rps": mg.rate,
+                "first_failing_rate_rps": mg.first_fail,
+                "max_goodput_is_lower_bound": mg.lower_bound,
+                "non_monotone": [asdict(d) for d in mg.dips],
+                "runs": [
+                    {
+                        "offered_rate_rps": r.rate,
+                        "requests": len(r.records),
+                        "attainment": attainment(r.records, src.slo).both,
+                        "slo_goodput_rps": slo_goodput_rps(r, src.slo),
+                        "valid": r.valid,
+                    }
+                    for r in src.runs
+                    if r.config == cfg and r.seed == seed
+                ],
             }
-            for r in runs
+            for seed, mg in answers.items()
         ],
     }
 
@@ -341,10 +466,17 @@ _DEFINITIONS = """## Definitions
 - Attainment: requests meeting the SLO / all requests sent (errors and timeouts are misses).
 - SLO goodput (of one run, req/s; `slo_goodput_rps` in summary.json): requests meeting both
   SLOs / run duration (first send to last response).
-- Max goodput (of a configuration, req/s; `max_goodput_rps`): the highest tested offered rate
-  whose attainment (both SLOs) reaches the target, below the lowest failing rate (DistServe's
-  definition), found by a sweep refined by bisection. Not the same number as any run's SLO
-  goodput, which is at most its offered rate.
+- Max goodput (of a configuration on one trace seed, req/s): the highest tested offered rate
+  whose attainment (both SLOs) reaches the target (DistServe's definition), with the grid
+  rates around it tested too: the lowest failing rate above it and the grid rate below it.
+  When a rate below it failed (non-monotone attainment) the report names both points and keeps
+  the higher. Not the same number as any run's SLO goodput, which is at most its offered rate.
+- Over repeats (trace seeds; `max_goodput_rps` in summary.json): the median of the seeds'
+  answers and their range; a ratio (disagg/colocated) is taken per seed, between two searches
+  run side by side on the same arrivals, then its median and range. `>=` marks a lower bound
+  (no tested rate above failed), `<` a value below the lowest tested rate (none passed).
+- A run of fewer than {n} requests cannot resolve a 90 % target: one request moves its
+  attainment by more than 2.5 %.
 - Tightest SLO scale: the smallest factor s such that the run would reach the target under
   (s x TTFT SLO, s x TPOT SLO).
 - TTFT breakdown: the router's server-side timings, means over successful requests;
