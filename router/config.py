@@ -131,11 +131,13 @@ class RouterSettings(BaseModel):
     stall_timeout_s: float = Field(
         default=3.0,
         gt=0,
-        description="A decode (or colocated) stream that brings nothing for this long has its "
-        "worker asked for its status (`status_poll_timeout_s`): a worker that does not answer "
-        "is frozen (stopped, hung), is marked unhealthy, and the request moves to another "
-        "worker as from a dead one (`max_migrations`); one that answers (busy, queueing) "
-        "keeps the stream.",
+        description="A worker a request waits on (Reserve, Prefill and its KV push, Decode, "
+        "Generate: at any phase) that neither the call nor a status call heard from for this "
+        "long is asked for its status (answered within `status_poll_timeout_s`, so the "
+        "verdict comes by this time): a worker that does not answer is frozen (stopped, "
+        "hung), is marked unhealthy, and the request moves to another worker as from a dead "
+        "one (a retry before its first token; `max_migrations` after); one that answers "
+        "(busy, queueing) keeps the call.",
     )
 
     @field_validator("policy")

@@ -21,6 +21,13 @@ prompt is the client's. Steps (disagg):
 4. `Decode` stream on D -> token chunks -> text deltas (stop strings end the request early);
 5. the final message carries finish reason, usage, timings and the number of migrations.
 
+Frozen workers (`router.freeze_watch`): every call of a leg runs under a watch on the workers
+it waits on (Reserve: D; Prefill: P and D, its KV push's target; Decode / Generate: the worker
+streaming); a watched worker silent for `stall_timeout_s` that does not answer a status call
+ends the call as a dead worker's failure would — a retry without it before anything reached
+the client (step 3's rule), a migration after — so no phase waits out the request's deadline
+on a frozen worker.
+
 Migration: when the decode (or colocated) worker's stream fails after tokens reached the
 client (`WorkerLost`: the worker died, stopped, ended the stream early, or froze: silent for
 `stall_timeout_s` and no answer to a status call), the request moves
@@ -204,7 +211,7 @@ class RequestRun:
         first chunk (the leg's first token) is already known."""
         last: Retryable | None = None
         prefix = await self._prefix_lookup(spec)
-        for _ in range(self.max_attempts):
+        for attempt in range(self.max_attempts):
             decision = self._choose(spec, last, prefix)
             leg = Leg(
                 self.request_id,
@@ -233,6 +240,14 @@ class RequestRun:
                 return leg, chunks
             except Retryable as exc:
                 last = exc
+                log.warning(
+                    "request %s: %s; trying workers without %s (attempt %d of %d)",
+                    self.request_id,
+                    exc.message,
+                    exc.address,
+                    attempt + 1,
+                    self.max_attempts,
+                )
                 self.excluded.add(exc.address)
                 leg.close()
                 holders = leg.give_up()

@@ -12,13 +12,17 @@ a leg never calls back into the request. Failure classes:
   at fault — the one called, or the KV peer its answer blames (`trailers.FAILED_PEER`) — and the
   flow retries on other workers; anything else ends the request with its status;
 - after it: `WorkerLost` (the stream failed with a code in `LOST`: the worker died, stopped or
-  broke; or it froze: `StreamStalled`) lets the flow move the request to another worker;
-  anything else ends the request.
+  broke; or it froze: `freeze_watch.WorkerFrozen`) lets the flow move the request to another
+  worker; anything else ends the request.
 
-A worker stream that brings nothing for the leg's `stall_timeout_s` has its worker asked for
-its status (`WorkerPool.answers`); a worker that does not answer is frozen (SIGSTOPped, hung)
-and its stream ends `StreamStalled`, as a dead worker's would fail; one that answers (a long
-step, a queue, a KV transfer still landing) keeps the stream, and the watch starts over.
+Every worker call, at every phase, runs under a `freeze_watch.FreezeWatch` on the workers it
+waits on: `Reserve` (D), `Prefill` (P, and D, which its KV push goes into), `Decode` (D) and
+`Generate` (the worker called; before its first chunk that is a hybrid decode worker's local
+prefill). A watched worker silent for the leg's `stall_timeout_s` that does not answer a status
+call is frozen (SIGSTOPped, hung): the call is cancelled and fails as a dead worker's would —
+`Retryable` naming the frozen worker before the leg's first token, `WorkerLost` after — so the
+request moves within the stall timeout, not at its deadline. A worker that answers (a long
+step, a queue, a KV transfer still landing) keeps the call.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from proto.pdserve.v1.trailers import failed_peer
 from router.errors import Retryable, RouterError, worker_error
+from router.freeze_watch import FreezeWatch, UnaryCall, WorkerFrozen, watched_call
 from router.hybrid import PathChoice
 from router.policy import WorkerView
 from router.pool import WorkerPool
@@ -42,6 +48,7 @@ from router.wire import worker_sampling
 from tracing.spans import NO_SPAN, Span
 
 Chunks = AsyncGenerator[worker_pb2.TokenChunk]
+T = TypeVar("T")
 
 # Reserve answers after which the decode worker holds nothing for the request
 NOTHING_RESERVED = frozenset(
@@ -140,7 +147,7 @@ class Leg:
         self.req = req
         self.pool = pool
         self.deadline = deadline  # loop.time() by which everything must be over
-        self.stall_timeout_s = stall_timeout_s  # a silent stream: is its worker frozen?
+        self.stall_timeout_s = stall_timeout_s  # a silent worker: is it frozen?
         self.holders: set[str] = set()
         self.placed: list[str] = []
         self.report = LegReport()
@@ -226,7 +233,7 @@ class Leg:
         span = worker_call(self.span, "Reserve", d.address, d.worker_id)
         try:
             left = self.remaining()
-            reserved = await d_stub.Reserve(
+            reserve = d_stub.Reserve(
                 worker_pb2.ReserveRequest(
                     request_id=self.request_id,
                     num_prompt_tokens=len(spec.prompt),
@@ -236,6 +243,15 @@ class Leg:
                 timeout=left,
                 metadata=span.headers() or None,
             )
+            reserved = await self._watched(reserve, [d.address])
+        except WorkerFrozen as frozen:  # D may hold blocks: it stays in `holders`
+            span.fail("WorkerFrozen", frozen.why)
+            raise Retryable(
+                grpc.StatusCode.UNAVAILABLE,
+                f"Reserve on decode worker {d.address}: {frozen.why}",
+                d.address,
+                "Reserve on a decode worker failed (UNAVAILABLE)",
+            ) from frozen
         except grpc.aio.AioRpcError as exc:
             _failed(span, exc)
             if exc.code() in NOTHING_RESERVED:
@@ -251,9 +267,10 @@ class Leg:
             span.end()
         self.holders.add(p.address)
         span = worker_call(self.span, "Prefill", p.address, p.worker_id)
+        what = f"Prefill on prefill worker {p.address}"
         try:
             left = self.remaining()
-            resp = await p_stub.Prefill(
+            prefill = p_stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=self.request_id,
                     prompt_token_ids=spec.prompt,
@@ -264,12 +281,23 @@ class Leg:
                 timeout=left,
                 metadata=span.headers() or None,
             )
+            # D too: a frozen D stalls P's KV push, and P's answer with it
+            resp = await self._watched(prefill, [p.address, d.address])
+        except WorkerFrozen as frozen:
+            span.fail("WorkerFrozen", frozen.why)
+            raise Retryable(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: {frozen.why}",
+                frozen.address,
+                _prefill_public(frozen.address == d.address, "UNAVAILABLE"),
+            ) from frozen
         except grpc.aio.AioRpcError as exc:
             _failed(span, exc)
             culprit = await self.blame(exc, "Prefill", p.address, d.address)
-            err = worker_error(
-                exc, f"Prefill on prefill worker {p.address}", "Prefill on a prefill worker"
-            )
+            err = worker_error(exc, what, "Prefill on a prefill worker")
+            if culprit == d.address and err.code == grpc.StatusCode.UNAVAILABLE:
+                # P's KV push failed because D did: the decode worker's failure, not P's
+                err = RouterError(err.code, err.message, _prefill_public(True, err.code.name))
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 raise Retryable(err.code, err.message, culprit, err.public) from exc
             raise err from exc
@@ -319,8 +347,13 @@ class Leg:
         try:
             with self.pool.track_prefill(w.address, len(self.spec.prompt), cached):
                 first = await anext(stream)
-        except StreamStalled as stalled:
-            raise Retryable(grpc.StatusCode.UNAVAILABLE, str(stalled), w.address) from stalled
+        except WorkerFrozen as frozen:
+            raise Retryable(
+                grpc.StatusCode.UNAVAILABLE,
+                f"Generate on {w.role} worker {w.address}: {frozen.why}",
+                w.address,
+                "Generate on a worker failed (UNAVAILABLE)",
+            ) from frozen
         except StreamFailed as failed:
             await self.blame(failed.exc, "Generate", w.address)
             err = worker_error(
@@ -376,8 +409,8 @@ class Leg:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
-        except StreamStalled as stalled:  # already marked unhealthy by the status call
-            raise WorkerLost(addr, f"{what} on worker {addr}: {stalled}") from stalled
+        except WorkerFrozen as frozen:  # already marked unhealthy by the status call
+            raise WorkerLost(addr, f"{what} on worker {addr}: {frozen.why}") from frozen
         except StreamFailed as failed:
             await self.blame(failed.exc, what, addr)
             err = worker_error(failed.exc, f"{what} on worker {addr}", f"{what} on a worker")
@@ -389,9 +422,11 @@ class Leg:
         self, call: grpc.aio.UnaryStreamCall[object, worker_pb2.TokenChunk], addr: str
     ) -> Chunks:
         """Iterate a worker stream; cancel the call if the consumer stops early. Raises
-        `StreamFailed` when the call fails, `StreamStalled` when its worker froze (see the
-        module docstring: a `_StallWatch` beside the stream)."""
-        watch = _StallWatch(self, call, addr)
+        `StreamFailed` when the call fails, `WorkerFrozen` when its worker froze (see the
+        module docstring: a `FreezeWatch` beside the stream)."""
+        watch = FreezeWatch(
+            self.pool, call, [addr], self.stall_timeout_s, f"{self.request_id}@{addr}"
+        )
         try:
             async for chunk in call:
                 watch.progress()
@@ -401,17 +436,22 @@ class Leg:
                 if chunk.finished:
                     return
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if watch.frozen is None or (task is not None and task.cancelling()):
+            frozen = watch.cancelled_by_me()
+            if frozen is None:
                 raise  # this task was cancelled (deadline, client), not the call by the watch
-            raise StreamStalled(watch.frozen) from None
+            raise frozen from None
         except grpc.aio.AioRpcError as exc:
             if watch.frozen is not None:
-                raise StreamStalled(watch.frozen) from exc
+                raise watch.frozen from exc
             raise StreamFailed(exc) from exc
         finally:
             watch.stop()
             call.cancel()
+
+    async def _watched(self, call: UnaryCall[T], watched: list[str]) -> T:
+        """A unary worker call's answer, under a `FreezeWatch` on `watched`."""
+        name = f"{self.request_id}@{'+'.join(watched)}"
+        return await watched_call(self.pool, call, watched, self.stall_timeout_s, name)
 
 
 def _failed(span: Span, exc: grpc.aio.AioRpcError) -> None:
@@ -422,7 +462,7 @@ def _failed(span: Span, exc: grpc.aio.AioRpcError) -> None:
 
 async def _spanned(chunks: Chunks, span: Span) -> Chunks:
     """`chunks`, with `span` ended when the stream ends (its tokens counted; failed with the
-    worker's status, `StreamStalled` or a cancel)."""
+    worker's status, `WorkerFrozen` or a cancel)."""
     tokens = 0
     try:
         async with contextlib.aclosing(chunks):
@@ -432,7 +472,7 @@ async def _spanned(chunks: Chunks, span: Span) -> Chunks:
     except StreamFailed as failed:
         _failed(span, failed.exc)
         raise
-    except (StreamStalled, asyncio.CancelledError) as exc:
+    except (WorkerFrozen, asyncio.CancelledError) as exc:
         span.fail(type(exc).__name__, str(exc))
         raise
     finally:
@@ -441,54 +481,17 @@ async def _spanned(chunks: Chunks, span: Span) -> Chunks:
         span.end()
 
 
-class _StallWatch:
-    """One task beside a worker stream: when nothing came for the leg's `stall_timeout_s`, it
-    asks the worker for its status; no answer: `frozen` says why and the call is cancelled (the
-    stream's reader turns that into `StreamStalled`); an answer: the wait starts over. Costs
-    the stream one clock read per message."""
-
-    def __init__(
-        self,
-        leg: Leg,
-        call: grpc.aio.UnaryStreamCall[object, worker_pb2.TokenChunk],
-        addr: str,
-    ) -> None:
-        self._leg, self._call, self._addr = leg, call, addr
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self.frozen: str | None = None
-        self._task = asyncio.create_task(self._watch(), name=f"stall-watch-{leg.request_id}")
-
-    def progress(self) -> None:
-        self._last = self._loop.time()
-
-    def stop(self) -> None:
-        self._task.cancel()
-
-    async def _watch(self) -> None:
-        stall = self._leg.stall_timeout_s
-        answered = self._last  # when the worker last answered a status call
-        while True:
-            left = max(self._last, answered) + stall - self._loop.time()
-            if left > 0:
-                await asyncio.sleep(left)
-                continue
-            if await self._leg.pool.answers(self._addr):
-                answered = self._loop.time()  # alive (busy, queueing): start over
-                continue
-            silent = self._loop.time() - self._last
-            self.frozen = f"nothing for {silent:.1f} s and no answer to a status call: frozen"
-            self._call.cancel()
-            return
-
-
-class StreamStalled(Exception):
-    """A worker stream brought nothing for a while and its worker did not answer: frozen."""
-
-
 class StreamFailed(Exception):
     """A worker stream failed; carries the grpc error out of the chunk iterator."""
 
     def __init__(self, exc: grpc.aio.AioRpcError) -> None:
         super().__init__(str(exc))
         self.exc = exc
+
+
+def _prefill_public(decode_failed: bool, code: str) -> str:
+    """What the client reads of a failed Prefill: the decode worker's failure when P's KV push
+    failed because D died or froze (it is D the request moves away from), else P's."""
+    if decode_failed:
+        return f"a decode worker failed while receiving the prompt's KV ({code})"
+    return f"Prefill on a prefill worker failed ({code})"

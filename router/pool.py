@@ -9,6 +9,10 @@ CPU-starved worker is not dead); any other failure (connection refused or reset,
 unhealthy at once. A request path that sees a worker fail calls `report_failure`, which marks
 it unhealthy at once (the next good poll makes it healthy again). `views(role)` builds the
 `WorkerView` snapshots policies choose from, adding this router's live in-flight counts.
+`last_answer(address)` is when the worker last answered a status call (the poll's or an
+`answers` probe's): a request's freeze watch (`router.leg`) reads it to tell a frozen worker
+from a busy one without a call of its own while the poll still hears from it; `answers`
+probes one worker, one probe in flight per worker however many requests ask.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 
@@ -108,6 +113,8 @@ class WorkerPool:
         self._in_flight: dict[str, int] = {}
         # address -> [prompt tokens, tokens to compute] of this router's in-flight requests
         self._in_flight_tokens: dict[str, list[int]] = {}
+        self._answered: dict[str, float] = {}  # address -> loop time of its last status answer
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # `answers` calls in flight
         self._task: asyncio.Task[None] | None = None
 
     async def add(self, address: str, role: Role) -> None:
@@ -129,6 +136,7 @@ class WorkerPool:
         self._stubs.pop(address, None)
         self._in_flight.pop(address, None)
         self._in_flight_tokens.pop(address, None)
+        self._answered.pop(address, None)
         self._health.forget(address)
         if channel is not None:
             await channel.close()
@@ -226,9 +234,27 @@ class WorkerPool:
             await self._registry.heartbeat(address, None, error)
             await self._refresh()
 
+    @property
+    def probe_timeout_s(self) -> float:
+        """How long one status call (a poll, an `answers` probe) waits for its answer."""
+        return self._timeout
+
+    def last_answer(self, address: str) -> float:
+        """Loop time at which `address` last answered a status call (-inf: never)."""
+        return self._answered.get(address, -math.inf)
+
     async def answers(self, address: str) -> bool:
         """One `GetStatus` call to `address` (the poll's timeout): True when it answers;
-        else the worker is marked unhealthy (until a good poll) and False."""
+        else the worker is marked unhealthy (until a good poll) and False. Callers asking
+        while a probe of `address` is in flight share its outcome (one call per worker)."""
+        probe = self._probes.get(address)
+        if probe is None:
+            probe = asyncio.ensure_future(self._probe(address))
+            self._probes[address] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(address, None))
+        return await asyncio.shield(probe)
+
+    async def _probe(self, address: str) -> bool:
         stub = self._stubs.get(address)
         if stub is None:
             return False
@@ -237,6 +263,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             await self.report_failure(address, f"no status answer: {exc.code().name}")
             return False
+        self._answered[address] = asyncio.get_running_loop().time()
         await self._registry.heartbeat(address, status)
         return True
 
@@ -261,6 +288,7 @@ class WorkerPool:
                 log.info("worker %s slow to answer GetStatus: %s", address, error)
             return
         self._health.observe(address, None)
+        self._answered[address] = asyncio.get_running_loop().time()
         await self._registry.heartbeat(address, status)
 
     async def _poll_loop(self) -> None:

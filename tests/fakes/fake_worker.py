@@ -17,7 +17,12 @@ Behaviour (deterministic, no torch):
   worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
   `token_delay_s` / `prefill_delay_s` slow the work down; `hold_prefills` holds every
   `Prefill` (blocks taken) until `release_prefills`, `hold_reserves` every `Reserve` until
-  `release_reserves`;
+  `release_reserves`; `freeze()` stops the worker as SIGSTOP would (every call, new or
+  streaming, and `GetStatus` wait for `thaw`; `freeze(status_too=False)`: only the token
+  streams stop, a worker busy elsewhere); `stall_kv_push_to(decode id)` makes a `Prefill`
+  whose ticket names that decode worker hold its blocks and not answer until
+  `resume_kv_push_to` (or its cancel), as a real prefill worker's push into a frozen decode
+  worker does;
 - records: `calls[method]` counts, `last[method]` is the latest request, `aborts` lists
   aborted request ids, `held` maps request ids to their blocks; `free_blocks == total_blocks`
   again means nothing leaked;
@@ -90,9 +95,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     address: str = ""
     kv: FakeKVWorker | None = None
     _server: grpc.aio.Server | None = None
-    # Cleared by `freeze`: token streams (and, frozen whole, GetStatus) wait for `thaw`.
+    # Cleared by `freeze`: token streams (and, frozen whole, every call) wait for `thaw`.
     _streams_run: asyncio.Event = field(default_factory=asyncio.Event)
     _status_runs: asyncio.Event = field(default_factory=asyncio.Event)
+    # decode worker id -> cleared while a push into it stalls (`stall_kv_push_to`)
+    _pushes_run: dict[str, asyncio.Event] = field(default_factory=dict)
     # Cleared by `hold_prefills`: a `Prefill` holds its blocks and does not answer until
     # `release_prefills`, so tests can have many requests in flight at once by construction.
     _prefills_run: asyncio.Event = field(default_factory=asyncio.Event)
@@ -150,9 +157,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def release_prefills(self) -> None:
         self._prefills_run.set()
 
+    def stall_kv_push_to(self, decode_worker_id: str) -> None:
+        """Every `Prefill` whose ticket names `decode_worker_id` takes its blocks and does not
+        answer until `resume_kv_push_to` (or its cancel): its KV push is stuck."""
+        self._pushes_run.setdefault(decode_worker_id, asyncio.Event()).clear()
+
+    def resume_kv_push_to(self, decode_worker_id: str) -> None:
+        self._pushes_run.setdefault(decode_worker_id, asyncio.Event()).set()
+
     def freeze(self, status_too: bool = True) -> None:
-        """Stop every token stream where it is (as SIGSTOP would); `status_too`: GetStatus
-        does not answer either (frozen whole), else it does (a worker busy elsewhere)."""
+        """Stop every token stream where it is (as SIGSTOP would); `status_too` (frozen whole):
+        every call, new ones and GetStatus included, waits for `thaw` too, else GetStatus and
+        new calls are answered (a worker busy elsewhere)."""
         self._streams_run.clear()
         if status_too:
             self._status_runs.clear()
@@ -174,6 +190,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(self.fail[method], f"fake {method} failure")
         if method in self.hang:
             await asyncio.Event().wait()  # until the caller's deadline or cancel
+        await self._status_runs.wait()  # frozen whole: nothing is answered until `thaw`
 
     def _take(self, request_id: str, blocks: int, transfer_id: str = "") -> bool:
         if request_id in self.held or blocks > self.free_blocks:
@@ -243,7 +260,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         await self._enter("GetStatus", context)
-        await self._status_runs.wait()
         return worker_pb2.WorkerStatus(
             worker_id=self.config.worker_id,
             role=self.config.role,
@@ -308,6 +324,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if delay:
                 await asyncio.sleep(delay)
             await self._prefills_run.wait()
+            push = self._pushes_run.get(peer)
+            if push is not None:
+                await push.wait()
             if rid not in self.held:
                 await context.abort(grpc.StatusCode.ABORTED, "aborted during prefill")
         except asyncio.CancelledError:

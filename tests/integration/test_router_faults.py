@@ -196,6 +196,9 @@ def test_kv_push_failure_blames_the_decode_worker_not_the_prefill_worker(
             # which worker failed is in the log; the client reads what failed and its request id
             assert "fake-decode" not in (err.details() or "") and "127.0.0.1" not in err.details()
             assert err.details().endswith("(request none)"), err.details()
+            # the decode worker failed, not the prefill worker (issue 39)
+            assert "a decode worker failed while receiving" in err.details(), err.details()
+            assert "prefill worker" not in err.details(), err.details()
             assert c.router.pool.views("prefill")[0].healthy
             await c.assert_no_leaks()
 

@@ -9,6 +9,8 @@ KV blocks return to their totals (`GetStatus`), whatever was aborted, expired or
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvtransfer.wire import PEER_SLACK_S
 from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
@@ -429,6 +432,58 @@ def test_decode_killed_mid_prefill_blames_the_decode_worker(
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
         assert "victim-d" in err.details(), err.details()
         assert failed_peer(err.trailing_metadata()) == "victim-d"
+    finally:
+        victim.kill()
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["joining", "joined"])
+def test_a_push_into_a_frozen_decode_worker_gives_up_and_blames_it(
+    tiny_model_dir: Path, pd: tuple[Worker, Worker], joined: bool
+) -> None:
+    """D answered its Reserve, then froze (SIGSTOP) before P pushed a byte: P's push gives up
+    by the transport's bound (the ticket's deadline + `PEER_SLACK_S`; a join, by the connect
+    timeout), and P answers UNAVAILABLE naming D in the `FAILED_PEER` trailer, then frees its
+    blocks. `joined`: P already streams to D on a pair (the exchange stalls, not the join)."""
+    p, _ = pd
+    victim = spawn(tiny_model_dir, "decode", "frozen-d")
+    try:
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address, OPTS))
+        vd = Worker(victim, stub)
+        prompt = [(i * 11) % 1000 + 3 for i in range(40)]
+        sampling = pb.WorkerSampling(max_tokens=4)
+        if joined:  # one whole hand-off first: the pair P -> D is up
+            ticket = reserve(vd, "warm", len(prompt), 4, 10.0)
+            req = pb.PrefillRequest(
+                request_id="warm", prompt_token_ids=prompt, sampling=sampling, ticket=ticket
+            )
+            first = p.stub.Prefill(req, timeout=10).first_token
+            dec = pb.DecodeRequest(
+                request_id="warm",
+                transfer_id=ticket.transfer_id,
+                prompt_token_ids=prompt,
+                first_token=first,
+                sampling=sampling,
+            )
+            assert len([c for c in vd.stub.Decode(dec, timeout=10)]) >= 1
+        ticket = reserve(vd, "stuck", len(prompt), 4, 3.0)  # the ticket's deadline: 3 s
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            req = pb.PrefillRequest(
+                request_id="stuck",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                ticket=ticket,
+                timeout_s=60.0,
+            )
+            started = time.monotonic()
+            err = rpc_error(lambda: p.stub.Prefill(req, timeout=60))
+            took = time.monotonic() - started
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+            assert failed_peer(err.trailing_metadata()) == "frozen-d", err.details()
+            assert took < 3.0 + PEER_SLACK_S + 10.0, took  # the ticket's bound, not the 60 s
+            p.wait_all_free(timeout_s=3.0 + PEER_SLACK_S + 10.0)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
     finally:
         victim.kill()
 
