@@ -214,7 +214,7 @@ def tier_table(run_dir: Path, target: float) -> tuple[str, dict[str, Any]]:
             for r in rates:
                 atts = [p[r] for p in per_seed.values() if r in p]
                 cells.append(f"{statistics.median(atts):.0%}" if atts else "—")
-            best = sp.text().removeprefix("= ")
+            best = sp.text(equals=False)
             lines.append(f"| {tier} ({ttft:g} / {tpot:g}) | {label} | {best} | "
                          + " | ".join(cells) + " |")  # fmt: skip
     if dips:

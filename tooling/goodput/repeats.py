@@ -106,12 +106,13 @@ class Spread:
             return f"{fmt(self.low)}-{fmt(self.high)}"
         return ", ".join(v.text(fmt) for v in self.values)
 
-    def text(self, fmt: Fmt = rate_fmt) -> str:
-        """The median and, over several repeats, the range: '= 2.00x (1.59x-2.52x over 3
-        repeats)', or each repeat's value when some are bounds: '>= 2.38x (repeats: >= 2.38x,
-        2.52x, unknown)'; the median's relation leads ('= ', '>= ', '< ', 'between')."""
-        med = self.median.text(fmt)
-        med = f"= {med}" if self.median.exact else med
+    def text(self, fmt: Fmt = rate_fmt, unit: str = "", equals: bool = True) -> str:
+        """The median (with `unit`) and, over several repeats, the range: '= 2.00x (1.59x-2.52x
+        over 3 repeats)', or each repeat's value when some are bounds: '>= 2.38x (repeats:
+        >= 2.38x, 2.52x, unknown)'. A bound leads with its relation ('>= ', '< ', 'between'),
+        an exact median with '= ' unless not `equals`."""
+        med = self.median.text(fmt) + unit
+        med = f"= {med}" if self.median.exact and equals else med
         n = len(self.values)
         if n == 1:
             return f"{med} (1 repeat)"

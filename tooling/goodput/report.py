@@ -133,7 +133,8 @@ def ratios(answers: dict[str, dict[int, MaxGoodput]]) -> dict[str, Spread]:
 def headline(src: Source, answers: dict[str, dict[int, MaxGoodput]]) -> str:
     """One line: each configuration's max goodput (median and range over repeats) and disagg's
     (and hybrid's) ratio to each baseline, paired by seed."""
-    parts = [f"{src.label(c)} {_spread_text(spread(list(a.values())))}" for c, a in answers.items()]
+    parts = [f"{src.label(c)} {_spread_text(spread(list(a.values())))}"
+             for c, a in answers.items()]  # fmt: skip
     rs = [f"{src.label(name)} {r.text(ratio_fmt)}" for name, r in ratios(answers).items()]
     text = f"max goodput (>= {src.target:.0%} of requests with {src.slo.text()}): " + ", ".join(
         parts
@@ -142,11 +143,8 @@ def headline(src: Source, answers: dict[str, dict[int, MaxGoodput]]) -> str:
 
 
 def _spread_text(sp: Spread) -> str:
-    """'0.63 req/s (0.5-0.794 over 3 repeats)' for a configuration's spread."""
-    text = sp.text()
-    text = text.removeprefix("= ")
-    head, _, rest = text.partition(" (")
-    return f"{head} req/s ({rest}"
+    """'0.63 req/s (0.5-0.794 over 3 repeats)': a configuration's spread in the headline."""
+    return sp.text(unit=" req/s", equals=False)
 
 
 def dip_warnings(src: Source, answers: dict[str, dict[int, MaxGoodput]]) -> list[str]:
@@ -318,8 +316,8 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
     warnings: list[str] = []
     per_series: dict[str, dict[str, Any]] = {}  # summary.json
     heads = []
-    for src in sources:
-        answers = src.answers()
+    answers_of = [(src, src.answers()) for src in sources]
+    for src, answers in answers_of:
         several = len(src.seeds()) > 1
         for cfg, runs in src.by_config().items():
             for seed in answers[cfg]:
@@ -349,7 +347,7 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
     plot_cdfs(cdfs, (first.slo.ttft_ms, first.slo.tpot_ms), out / "latency_cdf.png")
     plot_breakdown(parts, out / "ttft_breakdown.png", "server-side TTFT breakdown")
     lines = [f"# {title}\n", "**Headline:** " + " | ".join(heads) + "\n"]
-    lines += _goodput_tables(sources, ratios_all, warnings)
+    lines += _goodput_tables(answers_of, ratios_all, warnings)
     lines += ["", "![attainment vs rate](attainment.png)\n"]
     for src in sources:
         lines += ([f"# {src.prefix}\n"] if src.prefix else []) + _setup(src)
@@ -370,7 +368,9 @@ def _render(sources: Sequence[Source], out: Path, title: str) -> Summary:
 
 
 def _goodput_tables(
-    sources: Sequence[Source], ratios_all: dict[str, Spread], warnings: Sequence[str]
+    answers_of: Sequence[tuple[Source, dict[str, dict[int, MaxGoodput]]]],
+    ratios_all: dict[str, Spread],
+    warnings: Sequence[str],
 ) -> list[str]:
     """The max goodput table (each repeat, then the median and range per series), the ratios
     table and the non-monotone points."""
@@ -379,8 +379,8 @@ def _goodput_tables(
         "| series | seed | max goodput | first failing rate above | note |",
         "|---|---|---|---|---|",
     ]
-    for src in sources:
-        for cfg, per_seed in src.answers().items():
+    for src, answers in answers_of:
+        for cfg, per_seed in answers.items():
             for seed, m in per_seed.items():
                 note = "no tested rate above failed (lower bound)" if m.lower_bound else ""
                 if m.non_monotone:
