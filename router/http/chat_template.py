@@ -49,6 +49,14 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
 
 
+def _call_dict(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    try:
+        args: Any = json.loads(arguments)
+    except json.JSONDecodeError:
+        args = arguments
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may use."""
 
@@ -95,19 +103,32 @@ class ChatTemplate:
             raise ValueError(f"{config_path}: chat_template must be a string or a named list")
         return cls(source, special)
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; `ChatTemplateError` when the template refuses."""
-        dicts: list[dict[str, str]] = []
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`, for a template that renders them:
+        `router.http.tools`); `ChatTemplateError` when the template refuses. Assistant tool
+        calls reach the template as Hugging Face passes them (arguments parsed)."""
+        dicts: list[dict[str, Any]] = []
         for m in messages:
-            d = {"role": m.role, "content": m.text()}
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    _call_dict(c.id, c.function.name, c.function.arguments) for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             dicts.append(d)
         try:
             return self._template.render(
                 messages=dicts,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )

@@ -189,7 +189,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     t = await lc.run_blocking(render)  # render + tokenize: never on the event loop
     created = int(time.time())
-    fmt = ChatFormatter(f"chatcmpl-{rid}", created, state.model_name, lc.tokenizer, t.logprobs)
+    fmt = ChatFormatter(
+        f"chatcmpl-{rid}",
+        created,
+        state.model_name,
+        lc.tokenizer,
+        t.logprobs,
+        parse_tools=t.parse_tools,
+    )
     return await _serve(request, t, fmt, _trace_start(request, "chat", arrived_ns))
 
 

@@ -7,7 +7,15 @@ checked by `router.http.translate`). `user` is accepted: it is an end-user id fo
 own abuse tracking, not an instruction.
 
 Engine extensions, as vLLM and SGLang accept them: `top_k` (-1 or 0 = off), `min_tokens`,
-`ignore_eos`.
+`ignore_eos`, and structured output beyond `response_format` under vLLM's names:
+`structured_outputs` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``) and
+the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+
+Structured output and tools (`router.http.structured`, `router.http.tools`): `response_format`
+(``text``, ``json_object``, ``json_schema`` with `strict`), `tools` (functions) with
+`tool_choice` (``none``, ``auto``, ``required``, or a named function) and
+`parallel_tool_calls`; assistant messages may carry `tool_calls`, tool messages
+`tool_call_id`.
 
 Responses follow OpenAI's shapes field for field; streaming chunks are the same objects sent
 as Server-Sent Events (`router.http.handlers`). One extension, namespaced so no OpenAI field
@@ -32,6 +40,33 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`. `schema` is the JSON schema (`schema_` here: pydantic
+    reserves the name)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Request):
     """What completions and chat share."""
 
@@ -52,6 +87,13 @@ class SamplingRequest(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # Structured output (router.http.structured).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -71,10 +113,27 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """A call's function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    """One tool call of an assistant message (as the API returned it earlier)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
     def text(self) -> str:
         """`content` as one string (text parts joined by newlines, as vLLM does)."""
@@ -85,10 +144,38 @@ class ChatMessage(_Request):
         return "\n".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Request):
+    """A tool's function: `parameters` is the JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     """`POST /v1/chat/completions`; `messages` are rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -185,9 +272,30 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob]
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(_Response):
+    """A whole answer's message: `content` null when the model called tools only."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer
+    def _without_empty_tool_calls(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChoice(_Response):
@@ -207,15 +315,51 @@ class ChatCompletionResponse(_Response):
     pdserve: PdserveInfo
 
 
+class FunctionDelta(_Response):
+    """A streamed piece of a call's function: its name once (first piece), then arguments
+    text to append."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer
+    def _without_unset(self) -> dict[str, str]:
+        pairs = (("name", self.name), ("arguments", self.arguments))
+        return {k: v for k, v in pairs if v is not None}
+
+
+class ToolCallDelta(_Response):
+    """A streamed piece of tool call `index`: `id` and `type` on its first piece only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer
+    def _without_unset(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"], out["type"] = self.id, self.type or "function"
+        out["function"] = self.function.model_dump()
+        return out
+
+
 class ChatDelta(_Response):
     """A streamed message delta; unset keys are left out (the last chunk's delta is `{}`)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
-    def _without_unset(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    def _without_unset(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChunkChoice(_Response):

@@ -14,6 +14,13 @@ and `usage_chunk()` build the rest. Chunk rules (as OpenAI sends them):
   ``"pdserve": {"prefill_path", "prefill_path_reason"}`` (`pdserve_of`); other chunks leave
   the key out.
 
+Tools (a chat request that offered them, `router.http.tools`): the text goes through a
+`ToolCallParser`; content before a ``<tool_call>`` block is content, each complete block's
+calls are `message.tool_calls` (streamed as tool-call deltas: id, type and name with empty
+arguments, then the arguments), and a request that ended normally with calls has
+``finish_reason: "tool_calls"``. A block cut off by `max_tokens` is content, and the finish
+reason stays ``length``.
+
 Logprobs: completions use the legacy parallel lists (`tokens`, `token_logprobs`,
 `top_logprobs` as ``{token: logprob}``, `text_offset`); chat uses ``content: [{token,
 logprob, bytes, top_logprobs: [...]}]``. A token's text is its own decoding (special tokens
@@ -42,10 +49,13 @@ from router.http.protocol import (
     CompletionResponse,
     PdserveInfo,
     PromptTokensDetails,
+    ResponseToolCall,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from router.http.tools import ToolCallParser, call_deltas
 
 
 def usage_of(final: inference_pb2.FinalInfo) -> Usage:
@@ -189,10 +199,11 @@ class CompletionFormatter(_Formatter):
 class ChatFormatter(_Formatter):
     """`/v1/chat/completions` answers (`chat.completion` / `chat.completion.chunk`)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, parse_tools: bool = False, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._content: list[TokenLogprob] = []
         self._started = False
+        self._tools = ToolCallParser() if parse_tools else None
 
     def _logprobs(self, resp: inference_pb2.GenerateResponse) -> ChatLogprobs | None:
         if self.logprobs is None:
@@ -227,21 +238,41 @@ class ChatFormatter(_Formatter):
             self._started = True
             out.append(self._chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))))
         logprobs = self._logprobs(resp)
-        if resp.text or logprobs is not None:
-            delta = ChatDelta(content=resp.text)
+        text, calls = resp.text, list[ResponseToolCall]()
+        deltas: list[ToolCallDelta] = []
+        if self._tools is not None:
+            before = len(self._tools.calls)
+            text, calls = self._tools.push(resp.text)
+            if resp.HasField("final"):
+                text += self._tools.finish()
+            deltas = call_deltas(calls, before)
+        if text or logprobs is not None:
+            delta = ChatDelta(content=text)
             out.append(self._chunk(ChatChunkChoice(delta=delta, logprobs=logprobs)))
+        if calls:
+            out.append(self._chunk(ChatChunkChoice(delta=ChatDelta(tool_calls=deltas))))
         if resp.HasField("final"):
             self.final = resp.final
-            end = ChatChunkChoice(delta=ChatDelta(), finish_reason=resp.final.finish_reason)
+            reason = self._finish_reason(resp.final.finish_reason)
+            end = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
             out.append(self._chunk(end, pdserve_of(resp.final)))
         return out
 
+    def _finish_reason(self, reason: str) -> str:
+        """``tool_calls`` for an answer that ended normally with calls."""
+        called = self._tools is not None and self._tools.calls
+        return "tool_calls" if called and reason == "stop" else reason
+
     def whole(self) -> BaseModel:
         assert self.final is not None, "whole() before the final message"
+        text: str | None = "".join(self.text)
+        calls = None
+        if self._tools is not None:
+            text, calls = self._tools.parse(text or "")
         choice = ChatChoice(
-            message=AssistantMessage(content="".join(self.text)),
+            message=AssistantMessage(content=text, tool_calls=calls or None),
             logprobs=ChatLogprobs(content=self._content) if self.logprobs is not None else None,
-            finish_reason=self.final.finish_reason,
+            finish_reason=self._finish_reason(self.final.finish_reason),
         )
         return ChatCompletionResponse(
             id=self.id,

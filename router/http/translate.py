@@ -34,6 +34,8 @@ from router.http.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from router.http.structured import Structured, structured_of
+from router.http.tools import render_messages, supports_tools, tool_use, tools_json
 from router.validation import MAX_SEED, ModelLimits
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -49,6 +51,7 @@ class Translated:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token; None: no logprobs
+    parse_tools: bool = False  # chat with tools offered: look for calls in the output
 
 
 def _check_neutral(req: SamplingRequest) -> None:
@@ -71,9 +74,15 @@ def _int32(name: str, value: int) -> int:
 
 
 def _sampling(
-    req: SamplingRequest, max_tokens: int | None, max_name: str
+    req: SamplingRequest, max_tokens: int | None, max_name: str, forced: Structured | None = None
 ) -> tuple[inference_pb2.SamplingParams, FieldRename]:
+    """The request's `SamplingParams`; `forced`: a tool call the request's `tool_choice`
+    demands (exclusive with the request's own structured-output fields)."""
     _check_neutral(req)
+    structured = structured_of(req)
+    if forced is not None and structured.message is not None:
+        field = next(iter(structured.rename.values()))
+        raise OpenAIError.invalid(field, "not with a tool_choice that forces a call")
     if req.stream_options is not None and not req.stream:
         raise OpenAIError.invalid("stream_options", "only allowed with stream: true")
     sp = inference_pb2.SamplingParams(
@@ -95,7 +104,10 @@ def _sampling(
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp.stop.extend(stops)
     scalar = frozenset({"stop"}) if isinstance(req.stop, str) else frozenset()
-    return sp, FieldRename({"max_tokens": max_name}, scalar)
+    constraint = forced or structured
+    if constraint.message is not None:
+        sp.structured_outputs.CopyFrom(constraint.message)
+    return sp, FieldRename({"max_tokens": max_name, **constraint.rename}, scalar)
 
 
 def completion_request(req: CompletionRequest, request_id: str) -> Translated:
@@ -185,7 +197,8 @@ def chat_request(
             f"the model folder {model_dir} has no chat template (no chat_template in its "
             "tokenizer_config.json, no chat_template.jinja): use /v1/completions",
         )
-    sp, rename = _sampling(req, max_tokens, max_name)
+    tools = tool_use(req)
+    sp, rename = _sampling(req, max_tokens, max_name, tools.forced)
     logprobs: int | None = None
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError.invalid("top_logprobs", "only allowed with logprobs: true")
@@ -194,7 +207,10 @@ def chat_request(
         sp.logprobs = logprobs
     check_chat_content(req, limits)
     try:
-        text = template.render(req.messages)
+        if tools.offered and not supports_tools(template.source):
+            text = template.render(render_messages(req.messages, tools.offered))
+        else:
+            text = template.render(req.messages, tools=tools_json(tools.offered) or None)
     except ChatTemplateError as exc:
         raise OpenAIError.invalid("messages", str(exc)) from exc
     if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
@@ -211,5 +227,10 @@ def chat_request(
     heads = {**rename.heads, "prompt": "messages", "logprobs": "top_logprobs"}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return Translated(
-        out, FieldRename(heads, rename.scalar | {"prompt"}), req.stream, include_usage, logprobs
+        out,
+        FieldRename(heads, rename.scalar | {"prompt"}),
+        req.stream,
+        include_usage,
+        logprobs,
+        parse_tools=tools.parse,
     )
