@@ -84,6 +84,13 @@ class RouterSettings(BaseModel):
     http_body_timeout_s: float = Field(
         default=60.0, gt=0, description="HTTP front: a request body must arrive within this (408)."
     )
+    http_default_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="HTTP front: max_tokens of a chat request that sets neither max_tokens nor "
+        "max_completion_tokens (vLLM's generation-config max_new_tokens); None: the rest of "
+        "the context, as OpenAI.",
+    )
     max_inflight: int = Field(
         default=64, ge=1, description="Requests running worker calls at once."
     )

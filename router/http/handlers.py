@@ -185,7 +185,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid = uuid.uuid4().hex
     arrived_ns = time.time_ns()
     render = functools.partial(
-        chat_request, body, rid, state.template, lc.tokenizer, lc.limits, str(lc.config.model_dir)
+        chat_request,
+        body,
+        rid,
+        state.template,
+        lc.tokenizer,
+        lc.limits,
+        str(lc.config.model_dir),
+        lc.config.http_default_max_tokens,
     )
     t = await lc.run_blocking(render)  # render + tokenize: never on the event loop
     created = int(time.time())

@@ -179,10 +179,12 @@ def chat_request(
     tokenizer: Tokenizer,
     limits: ModelLimits,
     model_dir: str,
+    default_max_tokens: int | None = None,
 ) -> Translated:
     """`/v1/chat/completions` -> `GenerateRequest`: messages bounded (`check_chat_content`),
     rendered and tokenized here — seconds of CPU for a long conversation, so the caller runs
-    it off the event loop. Raises `OpenAIError` (400) naming the field at fault."""
+    it off the event loop. Without a max_tokens, `default_max_tokens` (None: the rest of the
+    context) applies. Raises `OpenAIError` (400) naming the field at fault."""
     context_length = limits.context_length
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise OpenAIError.invalid(
@@ -222,6 +224,8 @@ def chat_request(
     ids = tokenizer.encode(text, add_bos=False)
     if max_tokens is None:  # OpenAI: up to the rest of the context
         sp.max_tokens = max(1, context_length - len(ids))
+        if default_max_tokens is not None:
+            sp.max_tokens = min(sp.max_tokens, default_max_tokens)
     out = inference_pb2.GenerateRequest(request_id=request_id, sampling=sp)
     out.token_ids.ids.extend(ids)
     heads = {**rename.heads, "prompt": "messages", "logprobs": "top_logprobs"}
