@@ -19,7 +19,7 @@ from typing import Any
 
 from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
-from model_runtime.scheduler import SchedulerOutput
+from model_runtime.scheduler_types import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
 from worker.convert import logprobs_to_proto, sampling_from_proto
 from worker.roles import RoleHandler, Rpc, ms

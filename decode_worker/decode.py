@@ -1,46 +1,43 @@
-"""Decode role: reserve KV blocks, receive a prompt's KV, then decode with continuous batching.
+"""Decode role, remote-prefill part: reserve KV blocks, receive a prompt's KV, then decode.
 
-Runs in the engine thread of a decode worker. One request's life here::
+Runs in the engine thread of a decode worker, as one part of its "decode" role
+(`worker_main.ROLES`). Every step of the KV hand-off is the worker's hand-off owner's
+(`worker.kv_handoff.KVHandoff`); this role only turns RPCs into hand-off calls and outcomes
+into answers. One request's life here::
 
-    Reserve ──> TRANSFERRING ──poll ok──> READY ──Decode──> DECODING ──finished──> gone
-                    │   ^ Decode may arrive here too: admitted when the result is ok
-                    └──poll failed──> blocks freed, Decode answers UNAVAILABLE
+    Reserve ──> TRANSFERRING ──RECEIVED──> READY ──Decode──> DECODING ──finished──> gone
+                    │   ^ Decode may arrive here too: admitted when the KV is in
+                    └──RECEIVE_FAILED──> blocks freed, Decode answers UNAVAILABLE
 
-1. `Reserve` allocates blocks for every KV position the request can ever write (prompt +
-   max_tokens - 1), builds a ticket addressed to this worker's transport and calls
-   ``transport.expect(ticket)``. RESOURCE_EXHAUSTED when the blocks are short.
+1. `Reserve` takes blocks for every KV position the request can ever write (prompt +
+   max_tokens - 1) and a ticket the transport expects (`KVHandoff.reserve`).
+   RESOURCE_EXHAUSTED when the blocks are short.
    *Trade-off:* booking the worst case up front means a decode worker never preempts (a
    request admitted here always runs to its end at one token per step), at the price of
    blocks that sit idle when a request stops early (EOS) — capacity is booked, not used.
-2. The transport writes the layers; its result (``poll()``) makes the reservation READY, or
-   fails it: the reserved blocks are freed exactly once and a waiting `Decode` answers
-   UNAVAILABLE naming the transfer and why.
+2. The transport writes the layers; the outcome (`on_handoff`) makes the reservation READY,
+   or fails it: the reserved blocks were freed and a waiting `Decode` answers UNAVAILABLE
+   naming the transfer and why.
 3. `Decode` (prompt, first token, sampling) hands the blocks to the engine as an
-   already-prefilled request (`LLMEngine.add_prefilled_request`); it then streams the tokens
-   after the first one (the router already sent that). The first chunk carries `admission_ms`
-   (Decode arrival until the step that ran it: transfer wait + admission) and
-   `first_step_ms`.
+   already-prefilled request (`KVHandoff.admit`); it then streams the tokens after the first
+   one (the router already sent that). The first chunk carries `admission_ms` (Decode arrival
+   until the step that ran it: transfer wait + admission) and `first_step_ms`.
 4. A reservation with no `Decode` within its `timeout_s` is released, and a late `Decode`
    gets DEADLINE_EXCEEDED, also when the transfer's own deadline (never earlier than the
-   reservation's) is what noticed it. `Abort` or a cancelled RPC releases it from any state.
-   A transfer still in flight is cancelled first and its blocks are freed when its result
-   arrives (the transport's ownership rule); the request id is free for a new `Reserve` at
-   once (a router retrying after an abort reuses it).
+   reservation's) is what noticed it. `Abort` or a cancelled RPC releases it from any state
+   (`KVHandoff.abandon`: a transfer still in flight is cancelled and its blocks are freed
+   when its result arrives); the request id is free for a new `Reserve` at once (a router
+   retrying after an abort reuses it).
 
 A request that ended without decoding leaves a short-lived tombstone, so a late `Decode`
 gets the reason (transfer failed, expired, aborted) instead of "no reservation".
 
-State: the engine scheduler owns each request's state and blocks, not this role: the reserved
-blocks are a "receiving KV" reservation (`Scheduler.reserve_remote`, keyed by transfer id) that
-the transport's result makes RECEIVED or frees, that `abandon_remote` gives up (at the result
-when the transfer is still in flight: ABANDONED) and that `admit_received` hands to the
-decoding request; the scheduler frees each exactly once. The diagram's TRANSFERRING and READY
-are the reservation's RECEIVING and RECEIVED there, DECODING is the engine request. This role
-keeps two maps of RPC data, neither of them block state: request id -> `_Reservation` (the
-Reserve and Decode calls' sinks, ticket, lifetime and deadline: what answering needs, from
-Reserve until the request ends) and the tombstones (request id -> the error a late `Decode`
-gets). A transfer result finds its reservation by its request id and transfer id; one whose
-reservation was given up finds none and only frees its blocks in the scheduler.
+State: the engine scheduler owns each request's state and blocks, not this role: the diagram's
+TRANSFERRING and READY are its reservation's RECEIVING and RECEIVED
+(`KVHandoff.receive_state`), DECODING is the engine request. This role keeps two maps of RPC
+data, neither of them block state: request id -> `_Reservation` (the Reserve and Decode calls'
+sinks, ticket, lifetime and deadline: what answering needs, from Reserve until the request
+ends) and the tombstones (request id -> the error a late `Decode` gets).
 """
 
 from __future__ import annotations
@@ -48,20 +45,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from kvtransfer.types import TransferResult, TransferTicket, blocks_needed, new_ticket
 from model_runtime.limits import check_context
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import Receive
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import logprobs_to_proto, sampling_from_proto, ticket_to_proto
+from worker.convert import logprobs_to_proto, sampling_from_proto
+from worker.kv_handoff import HandoffOutcome, Outcome, TransferRefused
 from worker.roles import RoleHandler, Rpc, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 
@@ -85,7 +81,7 @@ class _DecodeCall:
 class _Reservation:
     """The RPCs of one request from Reserve until it ends (its blocks are the scheduler's)."""
 
-    ticket: TransferTicket
+    ticket: worker_pb2.TransferTicket
     max_tokens: int
     expires: float  # released if no Decode arrives by then
     reserve_sink: UnarySink
@@ -97,7 +93,6 @@ class RemoteDecodeRole(RoleHandler):
     docstring); one part of the worker's "decode" role (`worker_main.ROLES`)."""
 
     name = "decode-remote"
-    starts_transfers = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -114,52 +109,30 @@ class RemoteDecodeRole(RoleHandler):
         rid, n, m = req.request_id, req.num_prompt_tokens, req.max_tokens
         if not rid:
             raise self.invalid(ValueError("request_id is empty"))
-        if rid in self._res or rid in self.engine.scheduler.requests:
+        if rid in self._res:
             raise self.duplicate(rid)
-        try:
-            check_context(rid, n, m, self.engine.model_config.max_position_embeddings)
-        except ValueError as exc:
-            raise self.invalid(exc) from exc
-        pool = self.engine.block_pool
-        need = blocks_needed(n + m - 1, self.engine.config.block_size)
-        if need > pool.num_blocks:
-            raise self.invalid(
-                ValueError(
-                    f"request {rid!r} needs {need} KV blocks, the cache has {pool.num_blocks}"
-                )
-            )
-        tid = f"{self.ctx.transport.endpoint.worker_id}/{uuid.uuid4().hex}"
-        blocks = self.engine.scheduler.reserve_remote(tid, need)
-        if blocks is None:
-            raise WorkerError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker {self.ctx.worker_id}: request {rid!r} needs {need} KV blocks "
-                f"(prompt {n} + max_tokens {m}), {pool.num_free} free",
-            )
         life = timeout_s or self.ctx.transfer_timeout_s
-        transport = self.ctx.transport
-        # Read before `expect` starts the transport's clock: the reservation expires no later
-        # than its transfer's deadline, so a transfer that times out with no Decode call is
-        # always seen as the reservation's expiry.
+        # Read before the transport's clock starts: the reservation expires no later than its
+        # transfer's deadline, so a transfer that times out with no Decode call is always seen
+        # as the reservation's expiry.
         started = time.monotonic()
         try:
-            ticket = new_ticket(
-                transport.endpoint,
-                transport.layout,
-                rid,
-                blocks,
-                n,
-                life,
-                transfer_id=tid,
-                epoch=self.ctx.epoch,
-            )
-            transport.expect(ticket)
+            check_context(rid, n, m, self.engine.model_config.max_position_embeddings)
+            ticket = self.handoff.reserve(rid, n, m, life)
         except ValueError as exc:
-            self.engine.scheduler.remote_result(tid, ok=False)  # refused: a failed transfer
-            raise WorkerError(grpc.StatusCode.INTERNAL, f"expect failed: {exc}") from exc
+            raise self.invalid(exc) from exc
+        except TransferRefused as exc:
+            raise WorkerError(grpc.StatusCode.INTERNAL, str(exc)) from exc
+        if ticket is None:
+            raise WorkerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode worker {self.ctx.worker_id}: request {rid!r} needs "
+                f"{self.handoff.blocks_for(n, m)} KV blocks (prompt {n} + max_tokens {m}), "
+                f"{self.engine.block_pool.num_free} free",
+            )
         self._res[rid] = _Reservation(ticket, m, started + ticket.timeout_ms / 1000, sink)
         self._gone.pop(rid, None)
-        sink.set(worker_pb2.ReserveResponse(ticket=ticket_to_proto(ticket)))
+        sink.set(worker_pb2.ReserveResponse(ticket=ticket))
 
     def decode(
         self, req: worker_pb2.DecodeRequest, sink: StreamSink, timeout_s: float | None
@@ -204,26 +177,21 @@ class RemoteDecodeRole(RoleHandler):
             sink, deadline, sink.created, prompt, req.first_token, params, req.sampling.num_sampled
         )
         res.expires = math.inf  # the Decode deadline governs from now on
-        if self._receive(res) is Receive.RECEIVED:
-            self._admit(res)
+        if self.handoff.receive_state(rid) is Receive.RECEIVED:
+            self._admit(rid, res)
 
-    def _receive(self, res: _Reservation) -> Receive | None:
-        """The reservation's state in the scheduler; None once its request was admitted (the
-        engine request owns the blocks then)."""
-        return self.engine.scheduler.remote_state(res.ticket.transfer_id)
-
-    def _admit(self, res: _Reservation) -> None:
+    def _admit(self, rid: str, res: _Reservation) -> None:
         d = res.decode
-        assert d is not None and self._receive(res) is Receive.RECEIVED, self._receive(res)
-        rid = res.ticket.request_id
-        tid = res.ticket.transfer_id
+        state = self.handoff.receive_state(rid)
+        assert d is not None and state is Receive.RECEIVED, (rid, state)
         try:
-            out = self.engine.admit_received(
-                tid, rid, d.prompt, d.first_token, d.params, d.num_sampled
+            request = self.engine.prefilled_request(
+                rid, d.prompt, d.first_token, d.params, d.num_sampled
             )
+            out = self.handoff.admit(request, d.first_token)
         except ValueError as exc:  # nothing was taken over
             error = self.invalid(exc)
-            self.engine.scheduler.abandon_remote(tid)
+            self.handoff.abandon(rid)
             d.sink.fail(error)
             self._end(rid, error)
             return
@@ -242,7 +210,7 @@ class RemoteDecodeRole(RoleHandler):
     def on_outputs(self, outputs: Sequence[RequestOutput], started: float, ended: float) -> None:
         for out in outputs:
             res = self._res[out.request_id]
-            assert res.decode is not None and self._receive(res) is None, self._receive(res)
+            assert res.decode is not None, out.request_id
             chunk = worker_pb2.TokenChunk(
                 token_ids=list(out.new_token_ids),
                 finished=out.finished,
@@ -257,27 +225,20 @@ class RemoteDecodeRole(RoleHandler):
             if out.finished:
                 self._end(out.request_id, None)
 
-    def on_transfer_results(self, results: Sequence[TransferResult]) -> None:
-        sched = self.engine.scheduler
-        for r in results:
-            if r.role != "recv" or sched.remote_state(r.transfer_id) is None:
-                log.error("transfer result for no reservation of this worker: %s", r)
-                continue
-            received = sched.remote_result(r.transfer_id, r.ok)  # RECEIVED, or freed
-            rid = r.request_id
-            res = self._res.get(rid)
-            if res is None or res.ticket.transfer_id != r.transfer_id:
-                assert not received, r  # abandoned (its RPCs answered): freed at its result
-            elif received:
+    def on_handoff(self, outcomes: Sequence[HandoffOutcome]) -> None:
+        for o in outcomes:
+            rid, r = o.request_id, o.result
+            res = self._res[rid]  # a live reservation's RPCs are open until it ends
+            if o.outcome is Outcome.RECEIVED:
                 if res.decode is not None:
-                    self._admit(res)
+                    self._admit(rid, res)
             elif res.decode is None and time.monotonic() >= res.expires:
                 self._end(rid, self._expiry(res))  # ran out with its reservation: no one came
             else:
                 error = WorkerError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"KV transfer {r.transfer_id} for request {rid!r} failed: {r.error}; its "
-                    f"{len(res.ticket.dst_block_ids)} reserved blocks on decode worker "
+                    f"{len(res.ticket.block_ids)} reserved blocks on decode worker "
                     f"{self.ctx.worker_id} were freed",
                     failed_peer=r.peer if r.peer != "?" else "",
                 )
@@ -290,7 +251,8 @@ class RemoteDecodeRole(RoleHandler):
             if res.decode is None and now >= res.expires:
                 self.abort(rid, None, self._expiry(res))
             elif res.decode is not None and now >= res.decode.deadline:
-                what = "decoding" if self._receive(res) is None else "waiting for the KV transfer"
+                receiving = self.handoff.receive_state(rid) is not None
+                what = "waiting for the KV transfer" if receiving else "decoding"
                 self.abort(rid, None, self.expired(rid, what))
         for rid, (_, until) in list(self._gone.items()):
             if now >= until:
@@ -315,14 +277,7 @@ class RemoteDecodeRole(RoleHandler):
             return False
         if decode_sink is not None:
             decode_sink.fail(error)
-        tid = res.ticket.transfer_id
-        receive = self._receive(res)
-        if receive is None:
-            self.engine.abort_request(request_id)  # frees the blocks it took over
-        else:
-            self.engine.scheduler.abandon_remote(tid)  # RECEIVED: freed now; else at the result
-            if receive is Receive.RECEIVING:
-                self.ctx.transport.cancel(tid)
+        self.handoff.abandon(request_id)  # blocks a transfer still writes: freed at its result
         self._end(request_id, error)
         return True
 
@@ -338,20 +293,6 @@ class RemoteDecodeRole(RoleHandler):
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._res
-
-    def num_active(self) -> int:
-        """Live requests, and abandoned reservations whose transfer result is still to come."""
-        remote = self.engine.scheduler.remote.values()
-        return len(self._res) + sum(1 for kv in remote if kv.state is Receive.ABANDONED)
-
-    def transfers_in_flight(self) -> bool:
-        return any(kv.state is not Receive.RECEIVED for kv in self.engine.scheduler.remote.values())
-
-    def num_pending(self) -> int:
-        return sum(1 for r in self._res.values() if self._receive(r) is not None)
-
-    def num_receiving(self) -> int:
-        return sum(1 for r in self._res.values() if self._receive(r) is Receive.RECEIVING)
 
     rpcs = (
         # A reservation only takes free blocks and registers a ticket: safe in the middle of a

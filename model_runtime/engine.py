@@ -11,12 +11,13 @@ The engine owns the runner (model + KV cache), the block pool, the scheduler and
 engine's own RNG (`EngineConfig.seed`), so a seeded request draws the same tokens whatever else
 shares its batches.
 
-Disaggregated workers drive the same engine through extra paths: `step(before_forward=...)`
-(prefill: open KV transfers before the forward, mark them with `Scheduler.open_send` so a
+Disaggregated workers drive the same engine through extra paths, all through their hand-off
+owner (`worker.kv_handoff.KVHandoff`, which pairs the KV transport with this engine's
+scheduler): `step(before_forward=...)` (prefill: open KV transfers before the forward, so a
 finished request keeps its blocks until the transport's result, and push each layer from the
-runner's `on_layer_done`), the scheduler's "receiving KV" reservations (`Scheduler.reserve_remote`
-and `admit_received`: a request whose prompt KV arrived in blocks the worker reserved) and
-`add_prefilled_request` (the same with blocks the caller allocated).
+runner's `on_layer_done`), the scheduler's "receiving KV" reservations and `prefilled_request`
+(a request whose prompt KV arrived in blocks the worker reserved), and `add_prefilled_request`
+(the same with blocks the caller allocated).
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ class LLMEngine:
         """Start over with an empty scheduler on the same runner, KV cache and block pool (the
         prefix cache is kept). RuntimeError if any request is unfinished or holds blocks."""
         sched = self.scheduler
-        if sched.requests or sched.sending or sched.remote:
+        if sched.requests or sched.holds_kv():
+            held = len(sched.sending) + len(sched.remote) + len(sched.abandoned)
             raise RuntimeError(
                 f"reset_scheduler needs an idle engine: {len(sched.requests)} unfinished, "
-                f"{len(sched.sending) + len(sched.remote)} holding blocks"
+                f"{held} holding blocks"
             )
         self.scheduler = self._new_scheduler()
 
@@ -210,33 +212,25 @@ class LLMEngine:
         (nothing taken over) for a duplicate id, bad params or tokens, or a prompt +
         max_tokens beyond the model's context.
         """
-        request = self._prefilled(request_id, prompt_token_ids, first_token, params, num_sampled)
+        request = self.prefilled_request(
+            request_id, prompt_token_ids, first_token, params, num_sampled
+        )
         request.block_ids = list(block_ids)
         return self.scheduler.add_prefilled(request, first_token)
 
-    def admit_received(
+    def prefilled_request(
         self,
-        transfer_id: str,
         request_id: str,
         prompt_token_ids: Sequence[int],
         first_token: int,
         params: SamplingParams,
         num_sampled: int = 0,
-    ) -> RequestOutput | None:
-        """`add_prefilled_request` with the blocks of `transfer_id`'s RECEIVED reservation
-        (`Scheduler.reserve_remote`), which the request takes over. Raises ValueError as
-        `add_prefilled_request` does; the reservation then stays RECEIVED."""
-        request = self._prefilled(request_id, prompt_token_ids, first_token, params, num_sampled)
-        return self.scheduler.admit_remote(transfer_id, request, first_token)
-
-    def _prefilled(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        first_token: int,
-        params: SamplingParams,
-        num_sampled: int,
     ) -> Request:
+        """A request whose prompt ran elsewhere and whose first output token `first_token` was
+        sampled there, ready to take over received KV (`worker.kv_handoff.KVHandoff.admit`).
+        A sampled request's generator skips the draws of `first_token` and of the
+        `num_sampled` tokens sampled before it. Raises ValueError for bad params or tokens, or
+        a prompt + max_tokens beyond the model's context."""
         request = self._make_request(
             request_id, prompt_token_ids, params, num_sampled + 1, num_sampled
         )
@@ -324,7 +318,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         # An empty step with work left is a deadlock, unless finished requests hold blocks
         # (prefill worker: they come back when their KV transfers end).
-        assert scheduled.items or not self.has_unfinished() or self.scheduler.sending, (
+        assert scheduled.items or not self.has_unfinished() or self.scheduler.holds_kv(), (
             f"no progress: {len(self.scheduler.waiting)} waiting, "
             f"{len(self.scheduler.running)} running, {self.block_pool.num_free} free blocks"
         )

@@ -10,8 +10,8 @@ mutated only by the scheduler (tokens computed, blocks, status) and dropped when
 Two worker paths enter and leave this machine differently: a *prefilled* request (decode
 worker: prompt KV arrived by transfer, first token given) starts RUNNING with
 `num_computed_tokens = len(prompt)`; a request whose KV a transfer reads (prefill worker,
-`send_transfer_id`) keeps its `block_ids` after FINISHED until the transport's result frees them
-(`Scheduler.send_result`).
+`Scheduler.open_send`) keeps its `block_ids` after FINISHED until the transport's result frees
+them (`Scheduler.send_result`).
 
 Token bookkeeping: `all_token_ids = prompt_token_ids + output_token_ids`; the first
 `num_computed_tokens` of them have their K/V in the blocks `block_ids` (block i holds positions
@@ -131,9 +131,6 @@ class Request:
     """Leading blocks already offered to the pool's prefix cache."""
     num_reported_tokens: int = 0
     """Output tokens already reported by `make_output`."""
-    send_transfer_id: str | None = None
-    """The transfer reading this request's blocks (`Scheduler.open_send`); set by the
-    scheduler only."""
     queued_seq: int = 0
     """The order in which its scheduler took it (`add` / `add_prefilled`): waiting and
     prefilled requests take free running slots in this order. Set by the scheduler only."""

@@ -36,25 +36,31 @@ Two entry/exit paths serve disaggregated workers:
   `running` as a decoding request.
 - **Sending KV** (prefill worker; vLLM v1's connector `request_finished` delayed free):
   `open_send(request_id, transfer_id)` records, in the step that samples a request's first
-  token, that the transport now reads its blocks (state SENDING, keyed by transfer id). When
+  token, that the transport now reads its blocks (a live send, keyed by request id). When
   that request finishes its blocks are not freed but stay with the send until the transport's
-  result (`send_result`), which frees them. `abandon_send` gives the send up (ABANDONED): the
-  blocks are still freed at the result, only nobody wants the answer; aborting a running
-  request whose send is open abandons it the same way. A request with no open send (its open
-  failed, or none was asked for) frees its blocks when it finishes, as any other.
+  result (`send_result`), which frees them. A request with no open send (its open failed, or
+  none was asked for) frees its blocks when it finishes, as any other.
 - **Receiving KV** (decode worker; vLLM v1's WAITING_FOR_REMOTE_KVS): `reserve_remote` takes
-  blocks for a transfer that will write them, keyed by transfer id, in state RECEIVING. The
+  blocks for a transfer that will write them, keyed by request id, in state RECEIVING. The
   transport's result (`remote_result`) makes them RECEIVED or, on failure, frees them;
-  `abandon_remote` gives them up (freed at once when RECEIVED; when still RECEIVING they stay
-  ABANDONED until the result, since the transport writes them until then); `admit_remote`
-  hands RECEIVED blocks to a prefilled request.
+  `admit_remote` hands RECEIVED blocks to the prefilled request of the same id.
+- **Abandoned KV**: a send or a reservation given up while the transport may still read or
+  write its blocks (`abandon_send`; `abort` of a running request whose send is open;
+  `abandon_remote` of a RECEIVING reservation) leaves its request: the blocks move to
+  `abandoned`, keyed by the transfer's id, until the transport's result for that transfer
+  (`release_abandoned`) frees them. The request id is free again at once (a router retrying
+  the request here reuses it), while the earlier transfer's blocks wait for its result. A
+  RECEIVED reservation given up is freed at once (the transport is done with it).
+
+Who calls these: `worker.kv_handoff.KVHandoff`, the one place a worker pairs its KV transport
+with this scheduler (and, over a simulated transport, the planner's simulator).
 
 The planner's simulator drives decode-only steps through a `DecodeClock`
 (`model_runtime/decode_clock.py`) instead, with the same effect on the queues and the pool.
 
 Every block is freed exactly once, or handed over once: each path above removes the request or
 the transfer entry that held it, and `check_integrity` counts every holder (running and ready
-requests, sends, reservations) against the pool's reference counts.
+requests, sends, reservations, abandoned transfers) against the pool's reference counts.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import Request, RequestOutput, RequestStatus
@@ -78,37 +85,40 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class Receive(enum.Enum):
-    """Where the KV of a reservation (`Scheduler.reserve_remote`) stands."""
+    """Where the KV of a live reservation (`Scheduler.reserve_remote`) stands."""
 
     RECEIVING = "receiving"  # the transport may write the blocks
     RECEIVED = "received"  # the transport reported every layer written; no admission yet
-    ABANDONED = "abandoned"  # given up while RECEIVING: freed at the transport's result
 
 
 @dataclass
 class RemoteKV:
-    """The blocks a transfer writes into, and its `Receive` state."""
+    """A request's reserved blocks, which the transfer `transfer_id` writes, and their state."""
 
     transfer_id: str
     block_ids: list[int]
     state: Receive = Receive.RECEIVING
 
 
-class Send(enum.Enum):
-    """Where the KV of an open send (`Scheduler.open_send`) stands."""
-
-    SENDING = "sending"  # the transport may read the blocks; its result is awaited
-    ABANDONED = "abandoned"  # given up: the blocks are still freed at the result, unanswered
-
-
 @dataclass
 class SendingKV:
-    """The request whose blocks a transfer reads, and its `Send` state. The blocks are the
-    request's (`request.block_ids`) while it runs and stay with this entry once it finishes."""
+    """The request whose blocks the transfer `transfer_id` reads. The blocks are the request's
+    (`request.block_ids`) while it runs and stay with this entry once it finishes."""
 
     transfer_id: str
     request: Request
-    state: Send = Send.SENDING
+
+
+@dataclass
+class AbandonedKV:
+    """The blocks of a transfer whose request was given up while the transport may still read
+    (`side` "send") or write ("recv") them: nobody's request any more, freed at the
+    transport's result for `transfer_id` (`Scheduler.release_abandoned`)."""
+
+    transfer_id: str
+    request_id: str
+    side: Literal["send", "recv"]
+    block_ids: list[int]
 
 
 class Scheduler:
@@ -121,8 +131,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.ready: deque[Request] = deque()  # prefilled, holding blocks, waiting for a slot
-        self.sending: dict[str, SendingKV] = {}  # sends the transport reads, by transfer id
-        self.remote: dict[str, RemoteKV] = {}  # reserved for incoming KV, by transfer id
+        self.sending: dict[str, SendingKV] = {}  # live sends the transport reads, by request id
+        self.remote: dict[str, RemoteKV] = {}  # live reservations for incoming KV, by request id
+        self.abandoned: dict[str, AbandonedKV] = {}  # given up in flight, by transfer id
         self._queued = itertools.count()  # Request.queued_seq: first come, first served
 
     # ------------------------------------------------------------------ requests in and out
@@ -202,129 +213,152 @@ class Scheduler:
 
     # ------------------------------------------------------------------ receiving KV
 
-    def reserve_remote(self, transfer_id: str, num_blocks: int) -> list[int] | None:
-        """Blocks for incoming KV (state RECEIVING), or None when fewer are free. ValueError
-        for a transfer id already reserved."""
-        if transfer_id in self.remote:
-            raise ValueError(f"transfer {transfer_id!r} already has a reservation")
+    def reserve_remote(
+        self, request_id: str, transfer_id: str, num_blocks: int
+    ) -> list[int] | None:
+        """Blocks for `request_id`'s incoming KV, which transfer `transfer_id` writes (state
+        RECEIVING), or None when fewer are free. ValueError for a request id already in use
+        here (a reservation, a request or a live send)."""
+        if request_id in self.remote or self._in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert transfer_id not in self.abandoned, (transfer_id, "reused while abandoned")
         blocks = self.block_pool.allocate(num_blocks)
         if blocks is not None:
-            self.remote[transfer_id] = RemoteKV(transfer_id, blocks)
+            self.remote[request_id] = RemoteKV(transfer_id, blocks)
         return blocks
 
-    def remote_state(self, transfer_id: str) -> Receive | None:
-        """The reservation's state (None: none, or it ended)."""
-        kv = self.remote.get(transfer_id)
+    def remote_state(self, request_id: str) -> Receive | None:
+        """The live reservation's state (None: none, or it ended)."""
+        kv = self.remote.get(request_id)
         return None if kv is None else kv.state
 
-    def remote_result(self, transfer_id: str, ok: bool) -> bool:
-        """The transport's one result for `transfer_id`: True when the blocks are now
-        RECEIVED; else they were freed (failed, or abandoned before it)."""
-        kv = self.remote[transfer_id]
-        assert kv.state is not Receive.RECEIVED, f"transfer {transfer_id!r}: a second result"
-        if ok and kv.state is Receive.RECEIVING:
+    def remote_result(self, request_id: str, ok: bool) -> bool:
+        """The transport's one result for the live reservation of `request_id`: True when
+        the blocks are now RECEIVED; else they were freed. KeyError for no reservation."""
+        kv = self.remote[request_id]
+        assert kv.state is Receive.RECEIVING, f"request {request_id!r}: a second result"
+        if ok:
             kv.state = Receive.RECEIVED
             return True
-        self._free_remote(kv)
+        del self.remote[request_id]  # once: a second result finds no reservation
+        self._free(kv.block_ids)
         return False
 
-    def abandon_remote(self, transfer_id: str) -> None:
-        """Give up a reservation: RECEIVED blocks are freed now, RECEIVING ones at the
-        transport's result (ABANDONED)."""
-        kv = self.remote[transfer_id]
-        assert kv.state is not Receive.ABANDONED, f"transfer {transfer_id!r} abandoned twice"
-        if kv.state is Receive.RECEIVING:
-            kv.state = Receive.ABANDONED
-        else:
-            self._free_remote(kv)
+    def abandon_remote(self, request_id: str) -> bool:
+        """Give up the live reservation of `request_id`: RECEIVED blocks are freed now
+        (False); RECEIVING ones move to `abandoned` until the transport's result (True: the
+        caller cancels the transfer). KeyError for no reservation."""
+        kv = self.remote.pop(request_id)
+        if kv.state is Receive.RECEIVED:
+            self._free(kv.block_ids)
+            return False
+        self._abandon(AbandonedKV(kv.transfer_id, request_id, "recv", kv.block_ids))
+        return True
 
-    def admit_remote(
-        self, transfer_id: str, request: Request, first_token: int
-    ) -> RequestOutput | None:
-        """`add_prefilled` with the RECEIVED blocks of `transfer_id`, which leave the
-        reservation (the request frees them). On ValueError nothing is taken over: the
-        reservation stays RECEIVED."""
-        kv = self.remote[transfer_id]
-        assert kv.state is Receive.RECEIVED, (transfer_id, kv.state)
+    def admit_remote(self, request: Request, first_token: int) -> RequestOutput | None:
+        """`add_prefilled` with the RECEIVED blocks reserved for `request.request_id`, which
+        leave the reservation (the request frees them). On ValueError nothing is taken over:
+        the reservation stays RECEIVED."""
+        rid = request.request_id
+        kv = self.remote[rid]
+        assert kv.state is Receive.RECEIVED, (rid, kv.state)
         request.block_ids = list(kv.block_ids)
         try:
             out = self.add_prefilled(request, first_token)
         except ValueError:
             request.block_ids = []
             raise
-        del self.remote[transfer_id]
+        del self.remote[rid]
         return out
-
-    def _free_remote(self, kv: RemoteKV) -> None:
-        del self.remote[kv.transfer_id]  # once: a second free finds no reservation
-        self.block_pool.free(list(reversed(kv.block_ids)))
 
     # ------------------------------------------------------------------ sending KV
 
     def open_send(self, request_id: str, transfer_id: str) -> None:
         """The transport reads the blocks of the running request `request_id` for
-        `transfer_id` from now on (state SENDING): when the request finishes they stay held
-        until `send_result`. ValueError for a transfer id already sending or a request that is
-        not running or already sends."""
+        `transfer_id` from now on: when the request finishes they stay held until
+        `send_result`. ValueError for a request that is not running or already sends."""
         request = self.requests.get(request_id)
         if request is None or request.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {request_id!r} is not running: no blocks to send")
-        if transfer_id in self.sending or request.send_transfer_id is not None:
-            raise ValueError(f"transfer {transfer_id!r} / request {request_id!r} already sends")
-        request.send_transfer_id = transfer_id
-        self.sending[transfer_id] = SendingKV(transfer_id, request)
+        if request_id in self.sending:
+            raise ValueError(f"request {request_id!r} already sends")
+        assert transfer_id not in self.abandoned, (transfer_id, "reused while abandoned")
+        self.sending[request_id] = SendingKV(transfer_id, request)
 
-    def send_state(self, transfer_id: str) -> Send | None:
-        """The send's state (None: none, or its result freed it)."""
-        kv = self.sending.get(transfer_id)
-        return None if kv is None else kv.state
+    def sends(self, request: Request) -> bool:
+        """Whether a live send reads `request`'s blocks."""
+        kv = self.sending.get(request.request_id)
+        return kv is not None and kv.request is request
 
-    def send_result(self, transfer_id: str) -> str | None:
-        """The transport's one result for `transfer_id`, ok or not: the transport never reads
-        the blocks again, so they are freed now. Returns the id of the finished request whose
-        answer waits on it, or None when the send was abandoned. KeyError for an unknown id."""
-        kv = self.sending[transfer_id]
+    def send_result(self, request_id: str) -> None:
+        """The transport's one result for the live send of the finished request
+        `request_id`, ok or not: the transport never reads the blocks again, so they are
+        freed now. KeyError for no live send."""
+        kv = self.sending[request_id]
         request = kv.request
         assert request.status is RequestStatus.FINISHED, (
-            f"transfer {transfer_id!r}: result before request {request.request_id!r} finished"
+            f"transfer {kv.transfer_id!r}: result before request {request_id!r} finished"
         )
-        del self.sending[transfer_id]  # once: a second result finds no send
+        del self.sending[request_id]  # once: a second result finds no send
         self._release_blocks(request)
-        return request.request_id if kv.state is Send.SENDING else None
 
-    def abandon_send(self, transfer_id: str) -> None:
-        """Give up a SENDING send of a finished request: its blocks are still freed at the
-        transport's result (ABANDONED), which `send_result` then reports as unwanted."""
-        kv = self.sending[transfer_id]
-        assert kv.state is Send.SENDING, f"transfer {transfer_id!r} abandoned twice"
-        assert kv.request.status is RequestStatus.FINISHED, (transfer_id, kv.request.status)
-        kv.state = Send.ABANDONED
+    def abandon_send(self, request_id: str) -> None:
+        """Give up the live send of the finished request `request_id`: its blocks move to
+        `abandoned` until the transport's result. KeyError for no live send."""
+        kv = self.sending[request_id]
+        assert kv.request.status is RequestStatus.FINISHED, (request_id, kv.request.status)
+        self._abandon_send(kv)
+
+    def _abandon_send(self, kv: SendingKV) -> None:
+        request = kv.request
+        del self.sending[request.request_id]
+        self._abandon(AbandonedKV(kv.transfer_id, request.request_id, "send", request.block_ids))
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
+    # ------------------------------------------------------------------ abandoned KV
+
+    def _abandon(self, kv: AbandonedKV) -> None:
+        assert kv.transfer_id not in self.abandoned, (kv.transfer_id, "abandoned twice")
+        self.abandoned[kv.transfer_id] = kv
+
+    def release_abandoned(self, transfer_id: str) -> AbandonedKV:
+        """The transport's one result for the abandoned transfer `transfer_id`: its blocks
+        are freed now. KeyError for an unknown id (freed exactly once)."""
+        kv = self.abandoned.pop(transfer_id)
+        self._free(kv.block_ids)
+        return kv
 
     def num_parked(self) -> int:
-        """Finished requests whose blocks a send still holds."""
-        return sum(1 for kv in self.sending.values() if kv.request.status is RequestStatus.FINISHED)
+        """Finished requests whose blocks a send still holds (live or abandoned)."""
+        live = sum(1 for kv in self.sending.values() if kv.request.status is RequestStatus.FINISHED)
+        return live + sum(1 for kv in self.abandoned.values() if kv.side == "send")
+
+    def holds_kv(self) -> bool:
+        """Blocks held beside the requests: live sends, reservations, abandoned transfers."""
+        return bool(self.sending or self.remote or self.abandoned)
 
     def _in_use(self, request_id: str) -> bool:
-        """Unfinished, or finished with its blocks still held by a send."""
-        if request_id in self.requests:
-            return True
-        return any(kv.request.request_id == request_id for kv in self.sending.values())
+        """Unfinished, or finished with its blocks still held by a live send."""
+        return request_id in self.requests or request_id in self.sending
+
+    def _free(self, block_ids: list[int]) -> None:
+        self.block_pool.free(list(reversed(block_ids)))
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish an unfinished request with reason 'abort', freeing its blocks.
 
         Raises KeyError for an id that is unknown or already finished (a finished request
         whose send holds its blocks: use `abandon_send`). A running request whose send is open
-        keeps its blocks with the send, ABANDONED: the transport reads them until its result.
+        leaves its blocks to `abandoned`: the transport reads them until its result.
         """
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            send = self.sending.get(request.send_transfer_id or "")
-            if send is not None:
-                send.state = Send.ABANDONED  # freed at the transport's result
+            if self.sends(request):
+                self._abandon_send(self.sending[request_id])  # freed at the transport's result
             else:
                 self._release_blocks(request)
         elif request in self.ready:
@@ -474,7 +508,7 @@ class Scheduler:
         """The running `request` sampled its last token: it leaves the batch and its blocks
         are freed, unless an open send holds them until the transport's result."""
         self.running.remove(request)
-        if request.send_transfer_id not in self.sending:  # else freed at its result
+        if not self.sends(request):  # else freed at its result
             self._release_blocks(request)
         del self.requests[request.request_id]
 
@@ -511,7 +545,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        assert request.send_transfer_id is None, (request.request_id, "preempted while sending")
+        assert not self.sends(request), (request.request_id, "preempted while sending")
         self.running.remove(request)
         self._release_blocks(request)
         request.num_computed_tokens = 0
@@ -568,18 +602,22 @@ class Scheduler:
         bs = self.config.block_size
         held: dict[int, int] = {}
         assert len(self.running) <= self.config.max_num_seqs, len(self.running)
-        for tid, kv in self.remote.items():
-            assert kv.transfer_id == tid and kv.block_ids, (tid, kv)
+        for rid, kv in self.remote.items():
+            assert kv.block_ids and rid not in self.requests, (rid, kv)
             for b in kv.block_ids:
                 held[b] = held.get(b, 0) + 1
-        for tid, send in self.sending.items():
+        for tid, gone in self.abandoned.items():
+            assert gone.transfer_id == tid and gone.block_ids, (tid, gone)
+            for b in gone.block_ids:
+                held[b] = held.get(b, 0) + 1
+        for rid, send in self.sending.items():
             request = send.request
-            assert request.send_transfer_id == tid, (tid, request.request_id)
-            if self.requests.get(request.request_id) is request:  # running: counted there
-                assert send.state is Send.SENDING and request in self.running, (tid, send.state)
+            assert request.request_id == rid, (rid, request.request_id)
+            if self.requests.get(rid) is request:  # running: counted there
+                assert request in self.running, (rid, request.status)
             else:  # finished: the send holds its blocks until the transport's result
                 assert request.status is RequestStatus.FINISHED and request.block_ids, (
-                    tid,
+                    rid,
                     request.status,
                 )
                 for b in request.block_ids:

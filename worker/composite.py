@@ -9,9 +9,9 @@ prefills on it (`router.hybrid`).
 
 It is dispatch, not a third implementation. Ownership: a request id belongs to at most one
 part at a time (an RPC for an id live in another part is refused with ALREADY_EXISTS); each
-RPC goes to the part whose table lists it, each output and each abort to the part that holds
-its request id; every KV block stays the engine scheduler's, so `LLMEngine.check_integrity`
-and the role switch's drain see all of them.
+RPC goes to the part whose table lists it, each output, hand-off outcome and abort to the
+part that holds its request id; every KV block stays the engine scheduler's, so
+`LLMEngine.check_integrity` and the role switch's drain see all of them.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
-from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler_types import SchedulerOutput
+from worker.kv_handoff import HandoffOutcome
 from worker.roles import RoleContext, RoleHandler, Rpc
 from worker.sinks import Sink, WorkerError
 
 R = TypeVar("R", bound=RoleHandler)
+Out = TypeVar("Out", RequestOutput, HandoffOutcome)
 
 
 class CompositeRole(RoleHandler):
@@ -70,18 +71,21 @@ class CompositeRole(RoleHandler):
 
         return on_layer_done
 
-    def on_outputs(self, outputs: Sequence[RequestOutput], started: float, ended: float) -> None:
-        mine: dict[int, list[RequestOutput]] = {}
-        for out in outputs:
-            mine.setdefault(id(self._owner(out.request_id)), []).append(out)
-        for part in self._parts:
-            if id(part) in mine:
-                part.on_outputs(mine[id(part)], started, ended)
+    def _by_owner(self, items: Sequence[Out]) -> list[tuple[RoleHandler, list[Out]]]:
+        """`items` (each naming a request id) grouped by the part that holds the request, in
+        part order."""
+        mine: dict[int, list[Out]] = {}
+        for item in items:
+            mine.setdefault(id(self._owner(item.request_id)), []).append(item)
+        return [(p, mine[id(p)]) for p in self._parts if id(p) in mine]
 
-    def on_transfer_results(self, results: Sequence[TransferResult]) -> None:
-        for part in self._parts:
-            if part.starts_transfers:
-                part.on_transfer_results(results)
+    def on_outputs(self, outputs: Sequence[RequestOutput], started: float, ended: float) -> None:
+        for part, mine in self._by_owner(outputs):
+            part.on_outputs(mine, started, ended)
+
+    def on_handoff(self, outcomes: Sequence[HandoffOutcome]) -> None:
+        for part, mine in self._by_owner(outcomes):
+            part.on_handoff(mine)
 
     def expire(self, now: float) -> None:
         for part in self._parts:
@@ -99,20 +103,10 @@ class CompositeRole(RoleHandler):
     def num_active(self) -> int:
         return sum(part.num_active() for part in self._parts)
 
-    def transfers_in_flight(self) -> bool:
-        return any(part.transfers_in_flight() for part in self._parts)
-
-    def num_pending(self) -> int:
-        return sum(part.num_pending() for part in self._parts)
-
-    def num_receiving(self) -> int:
-        return sum(part.num_receiving() for part in self._parts)
-
 
 def compose(name: str, *parts: type[RoleHandler]) -> type[CompositeRole]:
     """The role `name` made of `parts` (module docstring). Each part's RPCs keep their types
-    and their draining and between-layers rules; no RPC may be listed by two parts, and at
-    most one part may start KV transfers (each gets every transfer result)."""
+    and their draining and between-layers rules; no RPC may be listed by two parts."""
     rpcs: list[Rpc[Any, Any, Any]] = []
     for index, part in enumerate(parts):
         for rpc in part.rpcs:
@@ -131,13 +125,10 @@ def compose(name: str, *parts: type[RoleHandler]) -> type[CompositeRole]:
     methods = [rpc.method for rpc in rpcs]
     if len(set(methods)) != len(methods):
         raise ValueError(f"role {name!r}: an RPC listed by two parts ({methods})")
-    if sum(part.starts_transfers for part in parts) > 1:
-        raise ValueError(f"role {name!r}: more than one part starts KV transfers")
     namespace = {
         "name": name,
         "parts": parts,
         "rpcs": tuple(rpcs),
-        "starts_transfers": any(part.starts_transfers for part in parts),
         "__doc__": f"The {name!r} role: {', '.join(p.__name__ for p in parts)} on one engine.",
     }
     return cast(type[CompositeRole], type(f"Composite_{name}", (CompositeRole,), namespace))

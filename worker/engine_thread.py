@@ -1,5 +1,6 @@
 """The engine thread of a worker process: the one owner of model, KV cache, block pool and KV
-transport, driving the current role.
+hand-off owner (`worker.kv_handoff.KVHandoff`, over the KV transport), driving the current
+role.
 
 Runs in every worker process, in its own thread; the gRPC handlers on the asyncio loop reach it
 only through `submit` / `cancel` / `abort` / `set_role` / `stop` (thread-safe: they enqueue a
@@ -10,16 +11,19 @@ command) and read `snapshot` (an immutable object swapped each iteration). One i
    an RPC runs the typed entry point its method names in the role's `Rpc` table);
    RPCs the role marks `between_layers` (a decode worker's Reserve) also run between two
    layers of a forward pass, so a long step does not hold them up;
-   the KV transport's waker ends the wait as soon as a transfer has news;
+   the KV transport's waker (`KVHandoff.set_waker`) ends the wait as soon as a transfer has
+   news;
 2. `role.expire(now)`: deadlines and reservation lifetimes;
 3. one engine step if any request is unfinished (`role.before_forward` opens KV transfers,
    `role.on_outputs` delivers tokens);
-4. ``transport.poll()`` -> `role.on_transfer_results` (arrived layers, acks, failures);
+4. `KVHandoff.poll()` applies the transport's results to the scheduler (arrived layers,
+   acks, failures) -> `role.on_handoff` with the outcomes of live hand-offs;
 5. drain progress (below), then publish a new `Snapshot`.
 
 Draining (SetRole, stop): new work (the role's `new_work` RPCs) is answered UNAVAILABLE at
 once; work in flight — including Decode calls for existing reservations — runs on. When the
-role holds nothing (`num_active() == 0`) the role switches: same engine, runner, KV cache and
+role holds nothing (`num_active() == 0`) and no abandoned transfer's result is still to come
+(`KVHandoff.num_abandoned`), the role switches: same engine, runner, KV cache and
 block pool (prefix cache kept), fresh scheduler. At the drain timeout whatever is left is
 aborted (UNAVAILABLE); the switch then waits only for cancelled transfers' results, so every
 block is released exactly once, by the role that took it.
@@ -120,6 +124,7 @@ class EngineThread:
             raise ValueError(f"role must be one of {sorted(roles)}, got {role!r}")
         self.ctx = ctx
         self.engine = ctx.engine
+        self.handoff = ctx.handoff
         self.metrics = metrics
         self.roles = dict(roles)
         self._served_by = {m: r.name for r in self.roles.values() for m in r.methods}
@@ -140,7 +145,7 @@ class EngineThread:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.snapshot = self._make_snapshot()
-        ctx.transport.set_waker(self._wake)
+        self.handoff.set_waker(self._wake)
 
     def _wake(self) -> None:
         """The transport has news (KV arrived, an ack, a failure): end the wait for commands
@@ -223,7 +228,7 @@ class EngineThread:
     def _iterate(self) -> None:
         if self.engine.has_unfinished() and self.engine.last_step_size > 0:
             wait = 0.0
-        elif self.engine.has_unfinished() or self.role.transfers_in_flight():
+        elif self.engine.has_unfinished() or self.handoff.in_flight():
             wait = TRANSFER_POLL_S
         else:
             wait = IDLE_WAIT_S
@@ -231,9 +236,7 @@ class EngineThread:
         self.role.expire(time.monotonic())
         if self.engine.has_unfinished():
             self._step()
-        results = self.ctx.transport.poll()
-        if results:
-            self._transfer_results(results)
+        self._poll_handoff()
         self._drain_progress()
         self.snapshot = self._make_snapshot()
 
@@ -296,9 +299,11 @@ class EngineThread:
         self._step_wall_s += time.monotonic() - started
         self._step_cpu_s += time.thread_time() - cpu
 
-    def _transfer_results(self, results: list[TransferResult]) -> None:
-        self.role.on_transfer_results(results)
-        if self.metrics is not None:
+    def _poll_handoff(self) -> None:
+        outcomes, results = self.handoff.poll()
+        if outcomes:
+            self.role.on_handoff(outcomes)
+        if results and self.metrics is not None:
             self.metrics.on_transfers(results)
 
     def _before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
@@ -355,7 +360,7 @@ class EngineThread:
         drain = self._drain
         if drain is None:
             return
-        if self.role.num_active() > 0:
+        if self.role.num_active() + self.handoff.num_abandoned() > 0:
             if time.monotonic() >= drain.deadline and not drain.aborted:
                 what = "stopping" if drain.target is None else f"switching to '{drain.target}'"
                 self.role.abort_all(
@@ -381,10 +386,8 @@ class EngineThread:
     def _shutdown(self) -> None:
         """Close the transport; results of transfers it fails release their blocks."""
         self._stopped.set()
-        self.ctx.transport.close()
-        results = self.ctx.transport.poll()
-        if results:
-            self._transfer_results(results)
+        self.handoff.close()
+        self._poll_handoff()
         self.snapshot = self._make_snapshot()
         self._fail_queued()
 
@@ -397,7 +400,7 @@ class EngineThread:
         return Snapshot(
             role=self.role.name,
             draining=self._drain is not None,
-            num_waiting=len(sched.waiting) + len(sched.ready) + self.role.num_pending(),
+            num_waiting=len(sched.waiting) + len(sched.ready) + self.handoff.num_reserved(),
             num_running=len(sched.running) + sched.num_parked(),
             waiting_tokens=waiting_tokens,
             free_blocks=pool.num_free,
@@ -406,5 +409,5 @@ class EngineThread:
             engine_steps=self._steps,
             engine_step_wall_s=self._step_wall_s,
             engine_step_cpu_s=self._step_cpu_s,
-            num_receiving=self.role.num_receiving(),
+            num_receiving=self.handoff.num_receiving(),
         )

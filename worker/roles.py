@@ -1,31 +1,35 @@
 """What a worker role is: the engine-thread half of the RPCs one role serves.
 
 Runs in the engine thread of every worker process; nothing here is thread-safe and nothing
-blocks. A role is a thin typed adapter between RPCs and the engine: every KV block and every
-request's engine state (queued, running, sending KV, receiving KV) is the engine scheduler's;
-a role keeps only what it needs to answer its RPCs (their sinks, timings, deadlines). The
-engine thread (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
+blocks. A role is a thin typed adapter from RPCs to sinks: every KV block and every request's
+engine state (queued, running, sending KV, receiving KV) is the engine scheduler's, and every
+KV hand-off goes through the worker's hand-off owner (`worker.kv_handoff.KVHandoff`, in the
+role's context), so a role never touches the scheduler or a transport; it keeps only what it
+needs to answer its RPCs (their sinks, timings, deadlines). The engine thread
+(`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
 
 - for each accepted RPC (it has already checked the role and the draining state), the typed
-  entry point its `Rpc` names in the role's `rpcs` table, e.g. ``RemoteDecodeRole.reserve(request,
-  sink, timeout_s)`` for `Reserve`. Rejections raise `WorkerError`; the engine thread fails the
-  sink with it. An entry point that raises must have undone whatever it started.
+  entry point its `Rpc` names in the role's `rpcs` table, e.g.
+  ``RemoteDecodeRole.reserve(request, sink, timeout_s)`` for `Reserve`. Rejections raise
+  `WorkerError`; the engine thread fails the sink with it. An entry point that raises must
+  have undone whatever it started.
 - `before_forward(scheduled)` just before each forward; the callback it returns becomes the
   runner's ``on_layer_done``. It must not raise (a forward cannot be half-undone).
 - `on_outputs(outputs, started, ended)` after each step, with the step's wall-clock bounds.
-- `on_transfer_results(results)` with every `TransferResult` that ``transport.poll()`` returns.
+- `on_handoff(outcomes)` with the `HandoffOutcome`s of the hand-offs it started (a send's or
+  a reservation's transfer ended), by request id, from `KVHandoff.poll`.
 - `expire(now)` every loop iteration: deadlines and reservation lifetimes.
 - `abort(request_id, sink, error)` for the Abort RPC (``sink`` None) and for a cancelled RPC
   handler (``sink`` = that RPC's sink, so only the request it started is touched). It answers
-  the request's open RPCs with `error` and releases what the request holds, exactly once
-  (blocks of a transfer in flight: when its result arrives). Returns whether it found it.
+  the request's open RPCs with `error` and gives up what the request holds
+  (`KVHandoff.abandon`: blocks of a transfer in flight are freed at its result). Returns
+  whether it found it.
 
-`num_active()` counts requests the role or the scheduler still holds anything for (a cancelled
-transfer's blocks included); a role switch waits until it is 0. Block ownership: every KV block
-is the engine scheduler's (a decode reservation is a "receiving KV" reservation there,
-`Scheduler.reserve_remote`; a prefill request's blocks a transfer reads are a "sending KV"
-entry, `Scheduler.open_send`); a role holds none itself, so `LLMEngine.check_integrity` sees
-them all.
+`num_active()` counts requests whose RPCs the role still answers; a role switch waits until
+it is 0 and the hand-off owner has no abandoned transfer left. Block ownership: every KV block
+is the engine scheduler's (a decode reservation is a "receiving KV" reservation there, a
+prefill request's blocks a transfer reads a "sending KV" entry, a given-up transfer's blocks
+an abandoned entry); a role holds none itself, so `LLMEngine.check_integrity` sees them all.
 """
 
 from __future__ import annotations
@@ -38,11 +42,10 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 
-from kvtransfer.base import KVTransport
-from kvtransfer.types import TransferResult
 from model_runtime.engine import LayerCallback, LLMEngine
 from model_runtime.request import RequestOutput
-from model_runtime.scheduler import SchedulerOutput
+from model_runtime.scheduler_types import SchedulerOutput
+from worker.kv_handoff import HandoffOutcome, KVHandoff
 from worker.sinks import Sink, WorkerError
 
 
@@ -51,9 +54,8 @@ class RoleContext:
     """What every role works with (engine-thread only)."""
 
     engine: LLMEngine
-    transport: KVTransport
+    handoff: KVHandoff  # the one place KV hand-offs meet the transport and the scheduler
     worker_id: str
-    epoch: int
     transfer_timeout_s: float
     default_timeout_s: float
 
@@ -116,7 +118,6 @@ class RoleHandler(ABC):
     methods: ClassVar[frozenset[str]] = frozenset()  # RPCs this role serves
     new_work: ClassVar[frozenset[str]] = frozenset()  # of those, the ones refused while draining
     between_layers: ClassVar[frozenset[str]] = frozenset()  # see `Rpc.between_layers`
-    starts_transfers: ClassVar[bool] = False  # gets `on_transfer_results`
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -129,6 +130,7 @@ class RoleHandler(ABC):
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx
         self.engine = ctx.engine
+        self.handoff = ctx.handoff
 
     def before_forward(self, scheduled: SchedulerOutput) -> LayerCallback | None:
         return None
@@ -138,8 +140,9 @@ class RoleHandler(ABC):
         self, outputs: Sequence[RequestOutput], started: float, ended: float
     ) -> None: ...
 
-    def on_transfer_results(self, results: Sequence[TransferResult]) -> None:
-        raise AssertionError(f"role {self.name} started no transfer, got results {results}")
+    def on_handoff(self, outcomes: Sequence[HandoffOutcome]) -> None:
+        """The outcomes of hand-offs this role started (none by default)."""
+        assert not outcomes, f"role {self.name} started no KV hand-off, got {outcomes}"
 
     @abstractmethod
     def expire(self, now: float) -> None: ...
@@ -159,19 +162,8 @@ class RoleHandler(ABC):
             self.abort(rid, None, error)
 
     def num_active(self) -> int:
+        """Requests whose RPCs this role still answers."""
         return len(self.request_ids())
-
-    def transfers_in_flight(self) -> bool:
-        return False
-
-    def num_pending(self) -> int:
-        """Requests the role holds that the engine has not seen yet (status: waiting)."""
-        return 0
-
-    def num_receiving(self) -> int:
-        """Of `num_pending`: reservations whose KV has not arrived yet (status:
-        `num_receiving`). They wait for a prefill elsewhere, not for this worker."""
-        return 0
 
     # ---- helpers for subclasses --------------------------------------------------------------
 

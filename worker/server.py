@@ -34,6 +34,7 @@ from tracing import NO_TRACER, Tracer, make_tracer
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.kv_events import KVEventPublisher
+from worker.kv_handoff import KVHandoff
 from worker.metrics import WorkerMetrics
 from worker.roles import RoleContext, RoleHandler
 from worker.service import WorkerService
@@ -111,9 +112,8 @@ class WorkerServer:
         self._transport = transport
         ctx = RoleContext(
             engine=engine,
-            transport=transport,
+            handoff=KVHandoff(engine, transport, self.epoch),
             worker_id=cfg.worker_id,
-            epoch=self.epoch,
             transfer_timeout_s=cfg.transfer_timeout_s,
             default_timeout_s=cfg.default_timeout_s,
         )

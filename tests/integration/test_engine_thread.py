@@ -17,6 +17,7 @@ from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import EngineConfig, LLMEngine, RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from worker.engine_thread import EngineThread
+from worker.kv_handoff import KVHandoff
 from worker.roles import RoleContext, RoleHandler, Rpc
 from worker.sinks import Sink, UnarySink, WorkerError
 
@@ -77,7 +78,7 @@ def held_thread(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(engine.runner, "execute", held_execute)
     transport = LoopbackTransport(LoopbackHub(), "w", engine.runner.kv_cache)
-    ctx = RoleContext(engine, transport, "w", 1, 30.0, 60.0)
+    ctx = RoleContext(engine, KVHandoff(engine, transport, 1), "w", 30.0, 60.0)
     thread = EngineThread(ctx, {SlowStepRole.name: SlowStepRole}, SlowStepRole.name)
     thread.start()
     yield thread, in_step, release

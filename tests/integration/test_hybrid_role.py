@@ -27,6 +27,7 @@ from model_runtime.sampling_params import SamplingParams
 from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2 as pb
 from worker.composite import CompositeRole
+from worker.kv_handoff import KVHandoff
 from worker.roles import RoleContext, RoleHandler
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 from worker_main import ROLES
@@ -53,10 +54,12 @@ class Cluster:
         self.d_engine = LLMEngine.from_model_dir(model_dir, CFG)
         self.p_tr = LoopbackTransport(hub, "p", self.p_engine.runner.kv_cache)
         self.d_tr = LoopbackTransport(hub, "d", self.d_engine.runner.kv_cache)
-        self.p = PrefillRole(RoleContext(self.p_engine, self.p_tr, "p", 1, 30.0, 60.0))
+        self.p_handoff = KVHandoff(self.p_engine, self.p_tr, 1)
+        self.d_handoff = KVHandoff(self.d_engine, self.d_tr, 1)
+        self.p = PrefillRole(RoleContext(self.p_engine, self.p_handoff, "p", 30.0, 60.0))
         decode = ROLES["decode"]
         assert issubclass(decode, CompositeRole), decode
-        self.d = decode(RoleContext(self.d_engine, self.d_tr, "d", 1, 30.0, 60.0))
+        self.d = decode(RoleContext(self.d_engine, self.d_handoff, "d", 30.0, 60.0))
         self.loop = asyncio.new_event_loop()
         self.totals = (self.p_engine.block_pool.num_free, self.d_engine.block_pool.num_free)
         self.mixed_steps = 0  # decode-engine steps that ran a local prefill chunk and a decode
@@ -82,8 +85,8 @@ class Cluster:
         )  # fmt: skip
         while not prefill.closed:
             self.p.on_outputs(self.p_engine.step(self.p.before_forward), 0.0, 0.0)
-            self.d.on_transfer_results(self.d_tr.poll())
-            self.p.on_transfer_results(self.p_tr.poll())
+            self.d.on_handoff(self.d_handoff.poll()[0])
+            self.p.on_handoff(self.p_handoff.poll()[0])
         answer: pb.PrefillResponse = self.loop.run_until_complete(prefill.wait())
         sink = StreamSink(self.loop)
         rpc(self.d, "Decode", pb.DecodeRequest(
@@ -138,9 +141,11 @@ class Cluster:
         return self.loop.run_until_complete(read())
 
     def all_free(self) -> None:
-        for role, engine, total in ((self.p, self.p_engine, self.totals[0]),
-                                    (self.d, self.d_engine, self.totals[1])):  # fmt: skip
-            assert role.num_active() == 0 and not role.transfers_in_flight(), role.name
+        for role, engine, handoff, total in (
+            (self.p, self.p_engine, self.p_handoff, self.totals[0]),
+            (self.d, self.d_engine, self.d_handoff, self.totals[1]),
+        ):
+            assert role.num_active() == 0 and not handoff.in_flight(), role.name
             assert role.request_ids() == [], role.request_ids()
             engine.check_integrity()
             assert engine.block_pool.num_free == total, (role.name, engine.block_pool.num_free)

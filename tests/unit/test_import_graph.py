@@ -189,6 +189,21 @@ def test_the_role_packages_never_import_each_other(package: str) -> None:
     assert _violations({package}, ROLE_PACKAGES - {package}) == []
 
 
+@pytest.mark.parametrize("package", sorted(ROLE_PACKAGES))
+def test_roles_never_touch_a_transport_or_the_scheduler(package: str) -> None:
+    """Roles are RPC -> sink adapters: every KV hand-off goes through the worker's hand-off
+    owner (`worker.kv_handoff`), so no role imports `kvtransfer` or reads an engine's
+    `scheduler`."""
+    assert _violations({package}, {"kvtransfer"}) == []
+    reaches = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute) and node.attr == "scheduler"
+    ]
+    assert reaches == []
+
+
 def test_the_worker_host_core_knows_no_role_package() -> None:
     """The host takes its roles from the composition root above it (`worker_main`)."""
     assert _violations({"worker"}, ROLE_PACKAGES | {"worker_main"}) == []

@@ -1,18 +1,19 @@
 """The worker roles' interleavings, scripted one event at a time over the loopback transport.
 
-`PrefillRole` and `RemoteDecodeRole` run on two tiny random engines; the test thread plays both
-engine threads through the roles' typed entry points (`prefill`, `reserve`, `decode`) and the
-lifecycle calls `worker.engine_thread` makes (`before_forward`/`on_outputs` around a step,
-`on_transfer_results` with what each side's `poll()` returns, `expire(now)`, `abort`). The
+`PrefillRole` and `RemoteDecodeRole` run on two tiny random engines, each over its worker's
+hand-off owner (`worker.kv_handoff.KVHandoff`); the test thread plays both engine threads
+through the roles' typed entry points (`prefill`, `reserve`, `decode`) and the lifecycle calls
+`worker.engine_thread` makes (`before_forward`/`on_outputs` around a step, `on_handoff` with
+the outcomes each side's `KVHandoff.poll()` returns, `expire(now)`, `abort`). The
 loopback transport (`kvtransfer.loopback`, the seam's same-process implementation, held to the
 real transport by tests/integration/test_kvtransfer_contract.py) delivers layers during the
 step and reports a result only when its side polls, so "the transfer is in flight" lasts as
 long as a script wants; an open that raises is a transport closed beforehand, or a transfer id
 still open; deadlines are reached by passing `expire` a later `now`, never by sleeping.
 
-Every script ends with every block of both workers free, both roles holding nothing and both
-engines' `check_integrity` (which counts each block's holders: running requests, sends,
-reservations) passing.
+Every script ends with every block of both workers free, both roles holding nothing, no
+transfer in flight and both engines' `check_integrity` (which counts each block's holders:
+running requests, sends, reservations, abandoned transfers) passing.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from decode_worker.decode import RemoteDecodeRole
 from kvtransfer.loopback import LoopbackHub, LoopbackTransport
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
-from model_runtime.scheduler import Receive, Send
+from model_runtime.scheduler import Receive
 from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2 as pb
+from worker.kv_handoff import KVHandoff
 from worker.roles import RoleContext
 from worker.sinks import StreamSink, UnarySink, WorkerError
 
@@ -52,8 +54,10 @@ class Pair:
         self.d_engine = LLMEngine.from_model_dir(model_dir, cfg)
         self.p_tr = LoopbackTransport(hub, "p", self.p_engine.runner.kv_cache)
         self.d_tr = LoopbackTransport(hub, "d", self.d_engine.runner.kv_cache)
-        self.p = PrefillRole(RoleContext(self.p_engine, self.p_tr, "p", 1, 30.0, 60.0))
-        self.d = RemoteDecodeRole(RoleContext(self.d_engine, self.d_tr, "d", 1, 30.0, 60.0))
+        self.p_handoff = KVHandoff(self.p_engine, self.p_tr, 1)
+        self.d_handoff = KVHandoff(self.d_engine, self.d_tr, 1)
+        self.p = PrefillRole(RoleContext(self.p_engine, self.p_handoff, "p", 30.0, 60.0))
+        self.d = RemoteDecodeRole(RoleContext(self.d_engine, self.d_handoff, "d", 30.0, 60.0))
         self.loop = asyncio.new_event_loop()
         self.total = cfg.num_kv_blocks
 
@@ -115,13 +119,13 @@ class Pair:
         self.p.on_outputs(outputs, time.monotonic(), time.monotonic())
 
     def poll_d(self) -> list[bool]:
-        results = self.d_tr.poll()
-        self.d.on_transfer_results(results)
+        outcomes, results = self.d_handoff.poll()
+        self.d.on_handoff(outcomes)
         return [r.ok for r in results]
 
     def poll_p(self) -> list[bool]:
-        results = self.p_tr.poll()
-        self.p.on_transfer_results(results)
+        outcomes, results = self.p_handoff.poll()
+        self.p.on_handoff(outcomes)
         return [r.ok for r in results]
 
     def run_decode(self) -> None:
@@ -165,8 +169,11 @@ class Pair:
         return self.total - self.p_engine.block_pool.num_free
 
     def all_free(self) -> None:
-        for role, engine in ((self.p, self.p_engine), (self.d, self.d_engine)):
-            assert role.num_active() == 0 and not role.transfers_in_flight(), role.name
+        for role, engine, handoff in (
+            (self.p, self.p_engine, self.p_handoff),
+            (self.d, self.d_engine, self.d_handoff),
+        ):
+            assert role.num_active() == 0 and not handoff.in_flight(), role.name
             assert not role.request_ids(), (role.name, role.request_ids())
             engine.check_integrity()
             assert engine.block_pool.num_free == self.total, (role.name, engine.block_pool.num_free)
@@ -186,7 +193,7 @@ def test_the_whole_hand_off_then_decode(pair: Pair) -> None:
     t = pair.reserve("a")
     sink = pair.prefill("a", t)
     pair.step_prefill()  # 1. prefill + layers sent; the send holds the blocks
-    assert pair.p_engine.scheduler.send_state(t.transfer_id) is Send.SENDING
+    assert pair.p_handoff.sending("a")
     assert not sink.closed and pair.p_held() > 0
     assert pair.poll_d() == [True]  # 2. the receiver writes and acknowledges
     assert pair.poll_p() == [True]  # 3. the sender's result frees its blocks, answers
@@ -243,19 +250,19 @@ def test_a_retry_with_the_same_ticket_while_the_cancelled_send_is_in_flight(pair
     t = pair.reserve("a")
     first = pair.prefill("a", t)
     pair.step_prefill()  # 1. the transfer is open
-    assert pair.p.abort("a", None, CANCELLED)  # 2. cancelled in flight: ABANDONED, held
-    assert pair.p_engine.scheduler.send_state(t.transfer_id) is Send.ABANDONED
+    assert pair.p.abort("a", None, CANCELLED)  # 2. cancelled in flight: abandoned, held
+    assert t.transfer_id in pair.p_engine.scheduler.abandoned
     assert pair.failed(first) == grpc.StatusCode.CANCELLED
     retry = pair.prefill("a", t)  # 3. the id is free again; the transfer id is still open
     pair.step_prefill()  # 4. its open raises ("already open"): answered, its blocks freed
     assert pair.failed(retry) == grpc.StatusCode.INTERNAL
-    assert pair.p_engine.scheduler.send_state(t.transfer_id) is Send.ABANDONED  # untouched
-    assert pair.p.num_active() == 1  # the abandoned send still holds its blocks
+    assert t.transfer_id in pair.p_engine.scheduler.abandoned  # untouched
+    assert pair.p.num_active() == 0 and pair.p_handoff.num_abandoned() == 1  # still held
     queued = pair.prefill("a", t)  # 5. another retry, its deadline passes before its step:
     pair.p.expire(time.monotonic() + LATER)  # the predecessor's send is not its own
     error = pair.answer(queued)
     assert isinstance(error, WorkerError) and "while prefilling" in error.message, error
-    assert pair.p_engine.scheduler.send_state(t.transfer_id) is Send.ABANDONED
+    assert t.transfer_id in pair.p_engine.scheduler.abandoned
     pair.poll_d()
     assert pair.poll_p() == [False]  # 6. the cancelled transfer's result frees them
     assert pair.d.abort("a", None, CANCELLED) in (True, False)  # the router's clean-up
@@ -284,7 +291,7 @@ def test_abort_after_the_first_token_ended_the_request(pair: Pair) -> None:
     assert not pair.p_engine.has_unfinished() and pair.p_held() > 0
     assert pair.p.abort("a", None, CANCELLED)  # 2. aborted: answered now, freed at the result
     assert pair.failed(sink) == grpc.StatusCode.CANCELLED
-    assert pair.p_held() > 0 and pair.p.num_active() == 1
+    assert pair.p_held() > 0 and pair.p_handoff.num_abandoned() == 1
     assert not pair.p.abort("a", None, CANCELLED)  # 3. a second abort finds nothing
     assert pair.poll_d() == [False]  # 4. the receiver sees the cancel
     assert pair.poll_p() == [False]  # 5. the sender's result frees the blocks once
@@ -312,8 +319,8 @@ def test_cancel_during_the_transfer_then_a_late_decode(pair: Pair) -> None:
     t = pair.reserve("a")
     pair.prefill("a", t)
     pair.step_prefill()  # 1. layers delivered, not yet written (the receiver has not polled)
-    assert pair.d.abort("a", None, CANCELLED)  # 2. cancelled while RECEIVING: ABANDONED
-    assert pair.d_engine.scheduler.remote_state(t.transfer_id) is Receive.ABANDONED
+    assert pair.d.abort("a", None, CANCELLED)  # 2. cancelled while RECEIVING: abandoned
+    assert t.transfer_id in pair.d_engine.scheduler.abandoned
     assert pair.d_engine.block_pool.num_free < pair.total  # the transport still writes them
     assert pair.decode_refused("a", t).code == grpc.StatusCode.CANCELLED  # 3. a late Decode
     assert pair.poll_d() == [False]  # 4. its result frees them once
@@ -351,7 +358,7 @@ def test_decode_after_cancel_of_a_received_reservation(pair: Pair) -> None:
     pair.prefill("a", t)
     pair.step_prefill()
     pair.poll_d()  # 1. the KV arrived: RECEIVED, no Decode yet
-    assert pair.d_engine.scheduler.remote_state(t.transfer_id) is Receive.RECEIVED
+    assert pair.d_handoff.receive_state("a") is Receive.RECEIVED
     pair.poll_p()
     assert pair.d.abort("a", None, CANCELLED)  # 2. cancelled before any Decode: freed now
     assert pair.decode_refused("a", t).code == grpc.StatusCode.CANCELLED  # 3. Decode arrives
@@ -409,7 +416,7 @@ def test_a_retried_reservation_is_not_touched_by_its_predecessor_result(pair: Pa
     assert new.transfer_id != old.transfer_id
     assert pair.poll_d() == [False]  # 3. the old transfer's result: frees only its blocks
     assert pair.d.request_ids() == ["a"]
-    assert pair.d_engine.scheduler.remote_state(new.transfer_id) is Receive.RECEIVING
+    assert pair.d_handoff.receive_state("a") is Receive.RECEIVING
     pair.poll_p()
     assert pair.d.abort("a", None, CANCELLED)
     pair.poll_d()
@@ -429,7 +436,7 @@ def test_duplicate_reserve_and_duplicate_decode_are_refused(pair: Pair) -> None:
 
 
 def test_reserve_resource_exhausted_takes_nothing(pair: Pair) -> None:
-    t = pair.reserve("big", max_tokens=60)  # 1. 18 of the 32 blocks
+    pair.reserve("big", max_tokens=60)  # 1. 18 of the 32 blocks
     free = pair.d_engine.block_pool.num_free
     error = pair.reserve_refused("more", max_tokens=60)  # 2. 18 more do not fit
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
@@ -437,7 +444,7 @@ def test_reserve_resource_exhausted_takes_nothing(pair: Pair) -> None:
     pair.d_engine.check_integrity()
     assert pair.d.abort("big", None, CANCELLED)  # 3. its transfer never started
     assert pair.poll_d() == [False]
-    assert t.transfer_id not in pair.d_engine.scheduler.remote
+    assert "big" not in pair.d_engine.scheduler.remote
     pair.reserve("more", max_tokens=60)  # 4. now it fits
     assert pair.d.abort("more", None, CANCELLED)
     pair.poll_d()

@@ -137,11 +137,11 @@ def _prefilled(s: Scheduler, rid: str, rng: random.Random, n: int) -> Request | 
     prompt = ([1000 + n] if rng.random() < 0.5 else [7]) + [7] * rng.randint(2, 9)
     params = SamplingParams(max_tokens=rng.randint(2, 30), ignore_eos=True)
     blocks = -(-(len(prompt) + params.max_tokens - 1) // s.config.block_size)
-    if s.reserve_remote(f"t-{rid}", blocks) is None:
+    if s.reserve_remote(rid, f"t-{rid}", blocks) is None:
         return None
-    assert s.remote_result(f"t-{rid}", ok=True)
+    assert s.remote_result(rid, ok=True)
     r = Request(rid, prompt, params, arrival_time=0.0)
-    s.admit_remote(f"t-{rid}", r, TOKEN)
+    s.admit_remote(r, TOKEN)
     return r
 
 
@@ -153,7 +153,7 @@ def _drive(d: Driver, made: list[Request], seed: int, steps: int) -> list[Any]:
         ran = d.begin()
         roll = rng.random()
         if roll < 0.15:  # a reservation between the two halves
-            d.s.reserve_remote(f"mid{i}", rng.randint(1, 3))
+            d.s.reserve_remote(f"mid{i}", f"t-mid{i}", rng.randint(1, 3))
         elif roll < 0.2 and d.s.running:  # a row aborted between the two halves
             d.abort(sorted(r.request_id for r in d.s.running)[0])
         log.append(d.end() if ran else "idle")

@@ -12,9 +12,9 @@ from tests.unit.test_scheduler_receiving import prefilled
 
 def hand_over(s: Scheduler, rid: str, tid: str, max_tokens: int = 4) -> None:
     """A prefilled request's KV arrives: reserve, receive, admit (it waits in `ready`)."""
-    assert s.reserve_remote(tid, 3) is not None and s.remote_result(tid, ok=True)
+    assert s.reserve_remote(rid, tid, 3) is not None and s.remote_result(rid, ok=True)
     request = prefilled(rid, max_tokens=max_tokens)
-    assert s.admit_remote(tid, request, first_token=50) is None
+    assert s.admit_remote(request, first_token=50) is None
 
 
 def running_ids(s: Scheduler) -> list[str]:

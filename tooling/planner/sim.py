@@ -22,13 +22,14 @@ the KV hand-offs and the shared CPU are modelled around it:
   chunked inside its decode batches, and the policy that picked the pair is told
   (`prefilled_elsewhere`, as `router.flow` does: `prefix_aware` moves its pending cache credit
   to the decode worker) — or "remote", as below;
-- **remote path**: the decode worker reserves the request's blocks (`reserve_remote`, prompt +
-  output - 1 tokens; none free: it fails) and the prefill worker's scheduler runs the prompt
-  as a one-token request that keeps its blocks when it finishes (`hold_blocks`). When its
-  first token is sampled, the KV hand-off takes `transfer_s` (the router seam's, or
-  `handoff`), then the prefill worker frees its blocks, the decode worker's reservation is
-  RECEIVED and becomes a prefilled request (`admit_received`), and the client has its first
-  token `cost.ttft_overhead` after the sampling;
+- **remote path**: the decode worker's hand-off owner reserves the request's blocks
+  (`KVHandoff.reserve`, prompt + output - 1 tokens; none free: it fails) and the prefill
+  worker's scheduler runs the prompt as a one-token request whose send opens in the step that
+  samples its first token (`KVHandoff.open_send`), so it keeps its blocks when it finishes.
+  The KV hand-off then takes `transfer_s` (the router seam's, or `handoff`); when it lands
+  (`SimEngine.land`: each side's `KVHandoff.poll`) the prefill worker's blocks are freed, the
+  decode worker's reservation is RECEIVED and becomes a prefilled request (`KVHandoff.admit`),
+  and the client has its first token `cost.ttft_overhead` after the sampling;
 - **steps**: a worker with work runs one engine step at a time: `schedule()`, the step's
   price on the shared CPU, then `update()`. A request's first sampled token reaches the client
   `cost.ttft_overhead` later (TTFT); TPOT is first token to last over output - 1 tokens;
@@ -60,7 +61,7 @@ from collections.abc import Callable, Sequence
 
 from tooling.planner.costs import CostModel
 from tooling.planner.sim_cpu import SharedCpu
-from tooling.planner.sim_engine import SimEngine, Step, blocks_for
+from tooling.planner.sim_engine import SimEngine, Step
 from tooling.planner.sim_routing import (
     ROUTE_ID,
     Choose,
@@ -75,6 +76,7 @@ from tooling.planner.sim_routing import (
 )
 from tooling.planner.sim_types import ClusterSpec, SimOutcome, SimRequest, attainment
 from tooling.planner.sim_workers import Entity, Job, Route, Worker
+from worker.kv_handoff import Outcome
 
 __all__ = [
     "ClusterSpec",
@@ -265,22 +267,23 @@ class Sim:
             if job.route is Route.REMOTE:
                 p = job.prefill
                 assert p is not None
-                need = blocks_for(r.input_len + r.output_len - 1, self.spec.block_size)
-                if not d.eng.reserve_remote(job.tid, need):
+                ticket = d.eng.reserve(job.rid, r.input_len, r.output_len)
+                if ticket is None:
                     self._reject(job.idx)  # the decode worker's Reserve: RESOURCE_EXHAUSTED
                     return
+                job.transfer_id = ticket.transfer_id
                 d.jobs[job.rid] = job
-                p.eng.add(job.rid, job.prompt, 1, hold=True, seed=job.seed)
+                p.eng.add(job.rid, job.prompt, 1, ticket=ticket, seed=job.seed)
                 p.jobs[job.rid] = job
                 self.ready.add(p)
             else:
-                d.eng.add(job.rid, job.prompt, r.output_len, hold=False, seed=job.seed)
+                d.eng.add(job.rid, job.prompt, r.output_len, seed=job.seed)
                 d.jobs[job.rid] = job
                 self.ready.add(d)
         except ValueError:  # can never run there (e.g. whole prompts above the budget)
             for w in (job.prefill, d):
                 if w is not None and w.jobs.pop(job.rid, None) is not None:
-                    w.eng.drop(job.rid, job.tid)
+                    w.eng.drop(job.rid)
             self._reject(job.idx)
             return
         self.routes[job.route] += 1
@@ -316,7 +319,7 @@ class Sim:
         """Abort `job` wherever it is (a drain that timed out)."""
         for w in (job.prefill, job.decode):
             if w is not None and job.rid in w.jobs:
-                w.eng.drop(job.rid, job.tid)
+                w.eng.drop(job.rid)
         self.end(job, ok=False)
 
     # ---- steps -----------------------------------------------------------------------------
@@ -386,11 +389,14 @@ class Sim:
             return
         p, d = job.prefill, job.decode
         assert p is not None
-        p.eng.release_held(job.rid)
+        (sent,) = p.eng.land(job.transfer_id)  # the send's blocks are freed
+        assert sent.outcome is Outcome.SENT, sent
         p.jobs.pop(job.rid, None)
         self.ready.add(p)
         self._check_drained(p)
-        finished = d.eng.admit_received(job.tid, job.rid, job.prompt, job.req.output_len, job.seed)
+        (received,) = d.eng.land(job.transfer_id)  # the reservation is RECEIVED
+        assert received.outcome is Outcome.RECEIVED, received
+        finished = d.eng.admit(job.rid, job.prompt, job.req.output_len, job.seed)
         self.host_work(self.cost.decode_kv_token_cpu_s * job.req.input_len, d)  # KV received
         self._first(job, self.now)
         if finished:

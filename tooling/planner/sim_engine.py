@@ -1,14 +1,17 @@
 """The simulator's one seam to the engine's real scheduler: a simulated worker's
-`model_runtime.scheduler.Scheduler` and `BlockPool`, driven without a model. Pure; used by
-`sim.Sim`.
+`model_runtime.scheduler.Scheduler` and `BlockPool`, driven without a model, and its KV
+hand-off owner (`worker.kv_handoff.KVHandoff`) over a simulated transport
+(`sim_transport.SimTransport`). Deterministic; used by `sim.Sim`.
 
 Every call the simulator makes into the scheduler goes through `SimEngine`, so a change of the
 scheduler's API is a change here only. What runs is the engine's own code: admission, chunked
-prefill, preemption by recompute, block accounting, the prefix cache of the block pool, the
-prefill worker's "sending KV" state (`open_send` in the step that samples the first token,
-`send_result` when the simulated transfer lands) and the
-decode worker's "receiving KV" reservations (`reserve_remote`, `remote_result`,
-`admit_remote`), exactly as `prefill_worker/prefill.py` and `decode_worker/decode.py` call them.
+prefill, preemption by recompute, block accounting, the prefix cache of the block pool — and
+the workers' own hand-off owner, under the names the roles use: the decode worker's
+`KVHandoff.reserve` (blocks + ticket), the prefill worker's `KVHandoff.open_send` in the step
+that samples the first token (as `prefill_worker/prefill.py` does), `KVHandoff.poll` when the
+simulated transfer lands (the send's blocks freed; the reservation RECEIVED), then
+`KVHandoff.admit` (as `decode_worker/decode.py` does), and `KVHandoff.abandon` when a request
+is dropped.
 The simulator supplies what a model would: one sampled token per item that samples (always
 `TOKEN`; requests ignore EOS, so they end by `max_tokens`).
 
@@ -48,7 +51,10 @@ from model_runtime.block_pool import BlockPool
 from model_runtime.decode_clock import DecodeClock
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
-from model_runtime.scheduler import Receive, Scheduler, SchedulerConfig, SchedulerOutput
+from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from proto.pdserve.v1 import worker_pb2
+from tooling.planner.sim_transport import SimTransport, sim_layout
+from worker.kv_handoff import HandoffOutcome, KVHandoff
 
 TOKEN = 1  # what the simulated model samples
 MAX_MODEL_LEN = 1 << 30  # lengths are the planner's to check, not the simulator's
@@ -165,16 +171,6 @@ def block_hashes(prompt: list[int], block_size: int) -> list[int]:
     return probe.block_hashes
 
 
-def _send_id(request_id: str) -> str:
-    """The transfer id of a prefill request's (simulated) send."""
-    return f"send:{request_id}"
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """KV blocks that hold `tokens` tokens (a decode reservation: prompt + output - 1)."""
-    return -(-tokens // block_size)
-
-
 def prompt_tokens(seed: int, n: int) -> list[int]:
     """A prompt of `n` tokens that shares no block with another seed's (no prefix hits)."""
     return [seed] * n
@@ -191,7 +187,9 @@ class SimEngine:
         max_num_seqs: int,
         chunked: bool,
         prefix_caching: bool = True,
+        name: str = "sim",
     ) -> None:
+        """`name`: the worker id in the tickets its hand-off owner issues."""
         config = SchedulerConfig(
             block_size=block_size,
             max_num_batched_tokens=chunk_tokens,
@@ -206,60 +204,68 @@ class SimEngine:
         # pay for themselves, `step` takes the step-by-step path for `_pause` steps
         self._clock_len = float(MIN_RUN)
         self._pause = 0
-        # Prefill requests whose KV goes to a decode worker: they open a send in the step that
-        # samples their first token, as `PrefillRole.before_forward` does.
-        self._senders: set[str] = set()
+        # Prefill requests whose KV goes to a decode worker, and the tickets they send to: they
+        # open a send in the step that samples their first token, as `PrefillRole` does.
+        self._senders: dict[str, worker_pb2.TransferTicket] = {}
+        self.transport = SimTransport(name, sim_layout(block_size))
+        self.handoff = KVHandoff(self, self.transport, epoch=0)
 
     # ---- requests in ---------------------------------------------------------------------
 
     def add(
-        self, request_id: str, prompt: list[int], max_tokens: int, hold: bool, seed: int = 0
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        ticket: worker_pb2.TransferTicket | None = None,
+        seed: int = 0,
     ) -> None:
-        """Queue a request (`Engine.add_request`); `hold`: a prefill worker's request, which
-        opens a send (`_send_id`) in the step that samples its first token and so keeps its
-        blocks until `release_held`; `seed` > 0: its prompt is private
-        (`prompt_tokens(seed, n)`). ValueError when it can never run (the scheduler's `add`)."""
+        """Queue a request (`Engine.add_request`); `ticket`: a prefill worker's request, whose
+        KV goes to the decode worker that issued the ticket — it opens its send in the step
+        that samples its first token and so keeps its blocks until the transfer lands;
+        `seed` > 0: its prompt is private (`prompt_tokens(seed, n)`). ValueError when it can
+        never run (the scheduler's `add`)."""
         self.scheduler.add(_request(request_id, prompt, max_tokens, seed))
-        if hold:
-            self._senders.add(request_id)
+        if ticket is not None:
+            self._senders[request_id] = ticket
 
-    def reserve_remote(self, transfer_id: str, num_blocks: int) -> bool:
-        """Decode side of a hand-off: reserve blocks for incoming KV (False: too few free)."""
-        return self.scheduler.reserve_remote(transfer_id, num_blocks) is not None
+    def reserve(
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int
+    ) -> worker_pb2.TransferTicket | None:
+        """Decode side of a hand-off: blocks for the request's whole KV and the ticket the
+        prefill worker sends to (`KVHandoff.reserve`); None when too few blocks are free.
+        ValueError when it could never fit."""
+        return self.handoff.reserve(request_id, num_prompt_tokens, max_tokens, 3600.0)
 
-    def admit_received(
-        self, transfer_id: str, request_id: str, prompt: list[int], max_tokens: int, seed: int = 0
-    ) -> bool:
-        """The transfer landed: the reservation becomes RECEIVED and a prefilled request with
-        first token `TOKEN` takes its blocks over (`Engine.admit_received`). True when that
-        first token already ended the request."""
-        received = self.scheduler.remote_result(transfer_id, ok=True)
-        assert received, transfer_id
+    def land(self, transfer_id: str) -> list[HandoffOutcome]:
+        """The simulated transfer `transfer_id` is done: this side's hand-off owner applies
+        its result (a send's blocks freed, a reservation RECEIVED) and returns the outcome."""
+        self.transport.land(transfer_id)
+        outcomes, _ = self.handoff.poll()
+        return outcomes
+
+    def admit(self, request_id: str, prompt: list[int], max_tokens: int, seed: int = 0) -> bool:
+        """A prefilled request with first token `TOKEN` takes over its RECEIVED reservation
+        (`KVHandoff.admit`). True when that first token already ended the request."""
         request = _request(request_id, prompt, max_tokens, seed)
         request.status = RequestStatus.RUNNING
-        return self.scheduler.admit_remote(transfer_id, request, TOKEN) is not None
+        return self.handoff.admit(request, TOKEN) is not None
 
-    def release_held(self, request_id: str) -> None:
-        """The prefill worker's transfer is done: free the finished request's blocks (the
-        send's result)."""
-        self.scheduler.send_result(_send_id(request_id))
+    def abort_request(self, request_id: str) -> None:
+        """Abort an unfinished request (the decode clock forgets it first); for the hand-off
+        owner (`HandoffEngine`)."""
+        if self._clock is not None:
+            self._clock.forget(request_id)
+        self.scheduler.abort(request_id)
 
-    def drop(self, request_id: str, transfer_id: str = "") -> None:
-        """Give up whatever this worker holds for a request (an aborted drain): abort it if
-        unfinished, free its held blocks, abandon and fail its reservation."""
-        s = self.scheduler
-        self._senders.discard(request_id)
-        if request_id in s.requests:
-            if self._clock is not None:
-                self._clock.forget(request_id)
-            s.abort(request_id)  # an open send keeps the blocks, ABANDONED
-        send = _send_id(request_id)
-        if s.send_state(send) is not None:
-            s.send_result(send)  # the simulated transport stops at once
-        if transfer_id and s.remote_state(transfer_id) is not None:
-            s.abandon_remote(transfer_id)
-            if s.remote_state(transfer_id) is not None:
-                s.remote_result(transfer_id, ok=False)
+    def drop(self, request_id: str) -> None:
+        """Give up whatever this worker holds for a request (an aborted drain):
+        `KVHandoff.abandon` — an unfinished request is aborted, a send or a reservation given
+        up — and the simulated transfer stops at once, so its blocks are freed now."""
+        self._senders.pop(request_id, None)
+        self.handoff.abandon(request_id)
+        outcomes, _ = self.handoff.poll()
+        assert not outcomes, outcomes  # only abandoned transfers had news
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -296,8 +302,8 @@ class SimEngine:
         for item in out.items:
             request = self.scheduler.requests[item.request_id]
             if item.samples and item.request_id in self._senders:
-                self._senders.discard(item.request_id)
-                self.scheduler.open_send(item.request_id, _send_id(item.request_id))
+                ticket = self._senders.pop(item.request_id)
+                self.handoff.open_send(item.request_id, ticket, item.block_table)
             n = len(item.token_ids)
             if n == 1 and item.start_pos >= request.num_prompt_tokens and item.samples:
                 decode += 1
@@ -339,7 +345,7 @@ class SimEngine:
     def busy(self) -> bool:
         """Holds anything: requests, held blocks, reservations."""
         s = self.scheduler
-        return bool(s.requests or s.sending or s.remote)
+        return bool(s.requests or s.holds_kv())
 
     def has_work(self) -> bool:
         """Has requests a step could run (held blocks and reservations wait on transfers)."""
@@ -357,13 +363,13 @@ class SimEngine:
     def num_waiting(self) -> int:
         """Waiting to be admitted, prefilled and waiting for a slot, and reservations."""
         s = self.scheduler
-        return len(s.waiting) + len(s.ready) + len(s.remote)
+        return len(s.waiting) + len(s.ready) + self.handoff.num_reserved()
 
     @property
     def num_receiving(self) -> int:
         """Of `num_waiting`: reservations whose KV is still to arrive (the worker's
         `num_receiving`)."""
-        return sum(kv.state is Receive.RECEIVING for kv in self.scheduler.remote.values())
+        return self.handoff.num_receiving()
 
     def queued_tokens(self) -> int:
         """Prompt tokens still to prefill (waiting requests and unfinished prefills): the

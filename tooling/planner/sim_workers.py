@@ -70,7 +70,8 @@ class Worker(Entity):
 class Job:
     """One request inside the simulator. `decode`: the worker that decodes it (its colocated
     worker, or its decode worker); `prefill`: its prefill worker (REMOTE only). `rid`: its
-    engine request id (on every worker); `tid`: its KV transfer's id (REMOTE)."""
+    engine request id (on every worker); `transfer_id`: its KV transfer's (REMOTE: the
+    decode worker's ticket's)."""
 
     idx: int
     req: SimRequest
@@ -79,15 +80,12 @@ class Job:
     prefill: Worker | None = None
     first_s: float | None = None  # when the client got the first token
     transfer_s: float = 0.0  # KV hand-off delay after the prefill (pair-dependent)
+    transfer_id: str = ""
     ended: bool = False
 
     @property
     def rid(self) -> str:
         return f"r{self.idx}"
-
-    @property
-    def tid(self) -> str:
-        return f"t{self.idx}"
 
     @property
     def seed(self) -> int:
