@@ -1,7 +1,8 @@
 """`pdserve soak`: a seeded chaos soak of a whole local cluster. CLI process (the soak runs here).
 
     pdserve soak --model DIR [--topology 2p2d] [--requests N] [--rate R] [--seed S]
-                 [--faults LIST] [--num-faults N] [--launcher ray|processes] --out DIR
+                 [--faults LIST] [--num-faults N] [--launcher ray|processes]
+                 [--long-stop-s S] [--stall-timeout-s S] [--stall-slack-s S] --out DIR
 
 Prints the report's path and the summary line; exits 0 when every check passed, 1 when one
 failed (a wrong token, a hung request, a leaked block, ...: see `tooling.soak.check`) or the
@@ -53,6 +54,14 @@ def add_soak_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     a("--launcher", choices=["processes", "ray"], default="processes",
       help="who starts and restarts the workers")  # fmt: skip
     a("--stop-max-s", type=float, default=10.0, help="longest SIGSTOP of a worker, seconds")
+    a("--long-stop-s", type=float, help="how long a long-stop fault stops its worker, seconds "
+      "(default: the deadline + 10 s, longer than any request's deadline)")  # fmt: skip
+    a("--default-timeout-s", type=float, default=30.0,
+      help="the router's deadline of requests that set none, seconds")  # fmt: skip
+    a("--stall-timeout-s", type=float, default=3.0, help="the router's stall timeout: a "
+      "silent worker that does not answer a status call is frozen and left, seconds")  # fmt: skip
+    a("--stall-slack-s", type=float, default=3.0, help="a request waiting on the cluster "
+      "longer than the stall timeout + this, beyond its own work, fails the soak")  # fmt: skip
     p.set_defaults(func=soak_main)
 
 
@@ -70,6 +79,8 @@ def soak_main(args: argparse.Namespace) -> int:
             storms=args.storms, oversized=args.oversized, oversized_mb=args.oversized_mb,
             disconnects=args.disconnects,
             stop_max_s=args.stop_max_s, stop_min_s=min(1.0, args.stop_max_s),
+            long_stop_s=args.long_stop_s, default_timeout_s=args.default_timeout_s,
+            stall_timeout_s=args.stall_timeout_s, stall_slack_s=args.stall_slack_s,
         )  # fmt: skip
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         print(f"pdserve soak: {exc}", file=sys.stderr)
@@ -88,6 +99,7 @@ def soak_main(args: argparse.Namespace) -> int:
         f"{'PASSED' if result.passed else 'FAILED'}: {s['requests']} requests, "
         f"{len(s['faults'])} faults: {s['completed_exact']} exact, {s['near_tie']} near-tie, "
         f"statuses {s['ended_with_status']}, wrong {s['wrong']}, hung {s['hung']}, "
+        f"stalled {s['stalled']}, "
         f"unclear {s['unclear']}, leaked blocks {s['leaked_blocks']}"
     )
     for line in s["failures"]:

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from deploy.tool_launchers import launch_workers
+from proto.pdserve.v1 import inference_pb2
 from tooling.redis_server import SKIP_REASON, redis_server_path
 from tooling.soak.check import judge
-from tooling.soak.client import Outcome
+from tooling.soak.client import Outcome, longest_wait
 from tooling.soak.cluster import SoakCluster, process_start_time
 from tooling.soak.config import SoakConfig
 from tooling.soak.reference import Reference
@@ -64,6 +65,44 @@ def test_judge(ref: Reference, r: PlannedRequest) -> None:
     assert verdict(code="INTERNAL", tokens=[]) == "unclear"
     assert verdict(code="HUNG", hung=True) == "hung"
     assert verdict(ended_at=33.5) == "hung"  # OK, but 3.5 s after a 30 s deadline
+
+
+@pytest.mark.parametrize("r", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_request_that_waited_past_the_stall_budget_is_stalled(
+    ref: Reference, r: PlannedRequest
+) -> None:
+    """Right tokens are not enough: a request that sat on a frozen worker (waited on the
+    cluster longer than the stall budget beyond its own work) fails the soak, whether it then
+    completed or ended with a status; one the client cancelled, or with its own deadline, is
+    not held to it."""
+    want = list(ref.expected(r).tokens)
+
+    def verdict(req: PlannedRequest = r, **kw: object) -> str:
+        return judge(req, outcome(req, ref, **kw), ref.expected(req), ref, 2.0, 6.0).category
+
+    assert verdict(waited_s=5.9) == "exact"
+    assert verdict(waited_s=6.5) == "stalled"
+    assert verdict(code="DEADLINE_EXCEEDED", tokens=[], waited_s=30.0) == "stalled"
+    assert verdict(code="UNAVAILABLE", tokens=want[:3], waited_s=9.0) == "stalled"
+    assert verdict(code="UNAVAILABLE", tokens=want[:3], waited_s=1.0) == "status"
+    cancelled = {"code": "CANCELLED", "client_cancelled": True, "tokens": want[:3]}
+    assert verdict(waited_s=9.0, **cancelled) == "status"
+    assert verdict(replace(r, timeout_s=1.5), waited_s=9.0) == "exact"
+    assert verdict(tokens=want[:5] + [3] + want[6:], waited_s=9.0) == "wrong"  # wrong first
+
+
+def test_longest_wait_subtracts_the_work_the_router_measured() -> None:
+    """Silences between sending, each token and the end; the first less the router's queue,
+    the prefill and the KV transfer, the second less the decode admission and first step."""
+    timings = inference_pb2.Timings(
+        router_queue_ms=500, prefill_queue_ms=250, prefill_compute_ms=200, kv_transfer_ms=50,
+        decode_admission_ms=300, first_decode_step_ms=100,
+    )  # fmt: skip
+    assert longest_wait(0.0, [2.0, 2.5, 2.6], 2.7) == pytest.approx(2.0)
+    assert longest_wait(0.0, [2.0, 2.5, 2.6], 2.7, timings) == pytest.approx(1.0)
+    assert longest_wait(0.0, [1.0, 2.3, 2.4], 2.5, timings) == pytest.approx(0.9)
+    assert longest_wait(0.0, [0.5, 9.5], 9.6, timings) == pytest.approx(8.6)  # a stuck stream
+    assert longest_wait(0.0, [], 30.0) == pytest.approx(30.0)  # nothing came: all of it
 
 
 def test_stop_strings_cut_expected_tokens_like_the_router(ref: Reference) -> None:

@@ -69,6 +69,8 @@ def test_plan_is_seeded_and_complete() -> None:
             assert probe.timeout_s == PROBE_TIMEOUT_S
         if f.kind == "stop":
             assert c.stop_min_s <= f.duration_s <= c.stop_max_s
+        if f.kind == "long-stop":  # outlasts every request's deadline
+            assert f.duration_s == c.default_timeout_s + 10 > c.default_timeout_s
     for r in reqs:
         if r.token_ids is not None:
             assert all(4 <= t < VOCAB for t in r.token_ids)

@@ -35,7 +35,7 @@ DETECT_GRACE_S = 1.0
 """After a fault ends, how long requests may still fail of it: the router's status poll
 (0.25 s) and one failed call to notice a worker is back or gone."""
 
-_WORKER_FAULTS = ("kill-prefill", "kill-decode", "stop", "kv-stall")
+_WORKER_FAULTS = ("kill-prefill", "kill-decode", "stop", "long-stop", "kv-stall")
 
 
 @dataclass(frozen=True)

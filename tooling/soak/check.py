@@ -11,6 +11,11 @@ Per request (`judge`), one category:
   reference, or an OK stream lost tokens;
 - `hung`: still open `hang_grace_s` after its deadline (the client gave up on it), or ended
   later than that;
+- `stalled`: its right tokens (all, or a prefix and a clear status) came, but it waited on the
+  cluster longer than the stall budget (`SoakConfig.stall_budget_s`: the router's stall timeout
+  plus a slack) beyond its own work (`client.longest_wait`): a frozen worker held it instead of
+  the router moving it. Not judged for a request the client cancelled or gave its own deadline
+  (it ends by that), which no budget could hold;
 - `unclear`: any other status (INTERNAL, UNKNOWN, a CANCELLED the client did not ask for, ...);
 - `refused`: an `oversized` request answered 400 naming ``messages[0].content`` within
   `OVERSIZED_MAX_S` (what it must get; anything else is `wrong`).
@@ -64,9 +69,14 @@ def judge_oversized(r: PlannedRequest, out: Outcome) -> Verdict:
 
 
 def judge(
-    r: PlannedRequest, out: Outcome, want: Expected, ref: Reference, hang_grace_s: float
+    r: PlannedRequest,
+    out: Outcome,
+    want: Expected,
+    ref: Reference,
+    hang_grace_s: float,
+    stall_budget_s: float | None = None,
 ) -> Verdict:
-    """The category of one request (module docstring)."""
+    """The category of one request (module docstring); `stall_budget_s` None: no `stalled`."""
     if out.hung or out.latency_s > out.deadline_s + hang_grace_s:
         return Verdict(r.index, "hung", f"open {out.latency_s:.2f} s, deadline {out.deadline_s}")
     got, exp = list(out.tokens), list(want.tokens)
@@ -79,6 +89,14 @@ def judge(
         )
     if len(got) > len(exp):
         return Verdict(r.index, "wrong", f"{out.code}: {len(got)} tokens, want {len(exp)}")
+    own_end = out.client_cancelled or r.timeout_s is not None
+    if stall_budget_s is not None and not own_end and out.waited_s > stall_budget_s:
+        return Verdict(
+            r.index,
+            "stalled",
+            f"{out.code} after waiting {out.waited_s:.1f} s beyond its work "
+            f"(budget {stall_budget_s:.1f} s)",
+        )
     if out.code == "OK":
         if len(got) < len(exp):
             return Verdict(r.index, "wrong", f"OK with {len(got)} of {len(exp)} tokens")

@@ -3,6 +3,9 @@ ended; `run_load` sends a whole plan open-loop. Runs in the soak process, on its
 
 Every request is watched by its own clock: a request still open `hang_grace_s` after its
 deadline (its client deadline, else the router's default) is cancelled and recorded as `hung`.
+Its longest wait is recorded too (`Outcome.waited_s`, `longest_wait`): the longest time the
+client heard nothing, less the work the router's final timings account for, so a request that
+sat on a frozen worker shows it even when it then completed.
 A client cancel (after k tokens, or after a delay) is the client's own doing: it is recorded as
 `CANCELLED` with `client_cancelled` set. Nothing here judges the tokens (see `check`).
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import socket
 import struct
@@ -56,10 +60,34 @@ class Outcome:
     client_cancelled: bool = False
     hung: bool = False
     workers: list[str] = field(default_factory=list)  # worker ids it was placed on (router)
+    waited_s: float = 0.0  # the longest silence beyond its own work (`longest_wait`)
 
     @property
     def latency_s(self) -> float:
         return self.ended_at - self.sent_at
+
+
+def longest_wait(
+    sent_at: float,
+    arrivals: Sequence[float],
+    ended_at: float,
+    timings: inference_pb2.Timings | None = None,
+) -> float:
+    """The longest time a request's client heard nothing — between sending, each message with
+    tokens and the end — less the request's own work where the router's `timings` measured it:
+    before the first token, its queueing in the router and on the prefill worker, the prefill
+    and the KV transfer; before the second message, the decode worker's admission and first
+    step. What is left is time spent waiting on the cluster (a frozen worker, a retry)."""
+    marks = [sent_at, *arrivals, ended_at]
+    gaps = [b - a for a, b in itertools.pairwise(marks)]
+    if timings is not None and arrivals:
+        t = timings
+        gaps[0] -= (
+            t.router_queue_ms + t.prefill_queue_ms + t.prefill_compute_ms + t.kv_transfer_ms
+        ) / 1e3
+        if len(gaps) > 1:
+            gaps[1] -= (t.decode_admission_ms + t.first_decode_step_ms) / 1e3
+    return max(0.0, *gaps)
 
 
 def build_request(r: PlannedRequest) -> inference_pb2.GenerateRequest:
@@ -165,18 +193,23 @@ async def send_one(
         else None
     )
     started = False
+    arrivals: list[float] = []
+    timings: inference_pb2.Timings | None = None
     try:
         async with asyncio.timeout(deadline + hang_grace_s):
             async for resp in call:
                 if gate is not None and not started:
                     started = True
                     gate.started(r.index, cancel)
+                if resp.token_ids:
+                    arrivals.append(time.monotonic() - t0)
                 out.tokens += resp.token_ids
                 out.text += resp.text
                 if resp.HasField("final"):
                     f = resp.final
                     out.finish_reason = f.finish_reason
                     out.prefill_worker, out.decode_worker = f.prefill_worker, f.decode_worker
+                    timings = f.timings
                 n = r.cancel_after_tokens
                 if n is not None and len(out.tokens) >= n and not out.finish_reason:
                     cancel()
@@ -197,6 +230,7 @@ async def send_one(
         if timer is not None:
             timer.cancel()
         out.ended_at = time.monotonic() - t0
+        out.waited_s = longest_wait(out.sent_at, arrivals, out.ended_at, timings)
         if gate is not None:
             gate.ended(r.index, out.code)
     return out

@@ -57,6 +57,7 @@ def cluster_settings(config: SoakConfig, redis_url: str) -> dict[str, Any]:
         "router.max_inflight": config.max_inflight,
         "router.max_queued": config.max_queued,
         "router.default_timeout_s": config.default_timeout_s,
+        "router.stall_timeout_s": config.stall_timeout_s,
         "router.status_poll_interval_s": 0.25,
         "router.prefix_index": {
             "kind": "redis",

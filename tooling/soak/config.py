@@ -11,11 +11,14 @@ Fault kinds (what `tooling.soak.faults` does to the running cluster):
 | `kill-prefill` | SIGKILL a prefill worker; its launcher restarts it |
 | `kill-decode` | SIGKILL a decode worker; its launcher restarts it |
 | `stop` | SIGSTOP a worker for `stop_min_s`..`stop_max_s`, then SIGCONT |
+| `long-stop` | SIGSTOP a worker for `long_stop_s` (default: the deadline + 10 s), then SIGCONT |
 | `redis` | SIGKILL the prefix index's redis-server, start an empty one on the same port |
 | `kv-stall` | SIGSTOP the decode worker that reserved KV for a short-deadline probe |
 
 A `kv-stall` keeps that decode worker stopped until after the probe's deadline, so the probe's
-KV transfer stalls past its deadline.
+KV transfer stalls past its deadline. A `long-stop` outlasts every request's deadline: a request
+placed on the stopped worker, at whatever phase, must be moved within the router's
+`stall_timeout_s`, which the checks hold it to (`stall_slack_s`, `check.judge`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-FaultKind = Literal["kill-prefill", "kill-decode", "stop", "redis", "kv-stall"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("kill-prefill", "kill-decode", "stop", "redis", "kv-stall")
+FaultKind = Literal["kill-prefill", "kill-decode", "stop", "long-stop", "redis", "kv-stall"]
+FAULT_KINDS: tuple[FaultKind, ...] = (
+    "kill-prefill",
+    "kill-decode",
+    "stop",
+    "long-stop",
+    "redis",
+    "kv-stall",
+)
+STOP_KINDS = frozenset({"stop", "long-stop"})  # SIGSTOP a worker for the fault's duration
 DEFAULT_FAULTS = ",".join(FAULT_KINDS)
 _TOPOLOGY = re.compile(r"^(\d+)p(\d+)d$")
 
@@ -102,6 +113,25 @@ class SoakConfig(BaseModel):
     )
     stop_min_s: float = Field(default=1.0, gt=0, description="Shortest SIGSTOP of a worker.")
     stop_max_s: float = Field(default=10.0, gt=0, description="Longest SIGSTOP of a worker.")
+    long_stop_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="How long a `long-stop` fault keeps its worker stopped; None = "
+        "default_timeout_s + 10 (longer than any request's deadline).",
+    )
+    stall_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="Router: a worker silent this long that does not answer a status call is "
+        "frozen, and the request moves (`router.stall_timeout_s`).",
+    )
+    stall_slack_s: float = Field(
+        default=3.0,
+        ge=0,
+        description="A request may wait on the cluster (no message, beyond the work the "
+        "router's timings account for) at most stall_timeout_s + this; longer is a failure "
+        "(`stalled`).",
+    )
     index_ttl_s: float = Field(
         default=3.0, gt=0, description="Prefix-index TTL of a worker's entries (Redis)."
     )
@@ -133,6 +163,16 @@ class SoakConfig(BaseModel):
                 f"stop_min_s ({self.stop_min_s}) must not exceed stop_max_s ({self.stop_max_s})"
             )
         return self
+
+    @property
+    def long_stop_duration_s(self) -> float:
+        """How long a `long-stop` fault lasts."""
+        return self.long_stop_s if self.long_stop_s is not None else self.default_timeout_s + 10
+
+    @property
+    def stall_budget_s(self) -> float:
+        """The longest a request may wait without a message beyond its own work."""
+        return self.stall_timeout_s + self.stall_slack_s
 
     @property
     def counts(self) -> tuple[int, int]:

@@ -4,8 +4,8 @@ records what it did. Runs in the soak process, on its event loop, beside the loa
 - `kill-prefill` / `kill-decode`: SIGKILL the target's process (its pid from the launcher's
   handle); a watcher then waits for the worker to serve again with a new epoch (the launcher's
   restart) and records when (`rejoined_s`);
-- `stop`: SIGSTOP, sleep, SIGCONT (only if the pid still is that worker's: no signal to a reused
-  pid);
+- `stop`, `long-stop`: SIGSTOP, sleep the fault's duration, SIGCONT (only if the pid still is
+  that worker's: no signal to a reused pid);
 - `redis`: SIGKILL redis-server, leave it down 0.5..3 s, start an empty one on the same port;
 - `kv-stall`: waits for its probe request (a long prompt with a short deadline) to be sent,
   polls every decode worker's free blocks, and SIGSTOPs the one whose free blocks dropped by the
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tooling.soak.cluster import SoakCluster
+from tooling.soak.config import STOP_KINDS
 from tooling.soak.workload import PROBE_PROMPT, PROBE_TIMEOUT_S, PlannedFault, PlannedRequest
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Injector:
         try:
             if f.kind in ("kill-prefill", "kill-decode"):
                 await self._kill(f)
-            elif f.kind == "stop":
+            elif f.kind in STOP_KINDS:
                 await self._stop(f)
             elif f.kind == "redis":
                 await self._redis(f)

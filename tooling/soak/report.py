@@ -2,7 +2,8 @@
 `report.md` and `timeline.png` (faults against outcomes over time). Runs in the soak process.
 
 `soak.json` keys: `seed`, `requests`, `completed_exact`, `near_tie`, `ended_with_status`
-(status name -> count; CANCELLED counts only client cancels), `wrong`, `hung`, `unclear`,
+(status name -> count; CANCELLED counts only client cancels), `wrong`, `hung`, `stalled`
+(waited on the cluster longer than the stall budget: `check.judge`), `unclear`,
 `unexplained` (a failure nothing explains: `blast`), `refused_oversized`, `explained_by`
 (cause -> count, e.g. ``own deadline``, ``fault 3``, ``shed in burst 0``),
 `leaked_blocks` (sum over live workers), `leaks_by_worker`, `router_in_flight`,
@@ -25,7 +26,7 @@ from tooling.soak.client import Outcome
 from tooling.soak.faults import FaultRecord
 from tooling.soak.workload import PlannedRequest
 
-FAILING = ("wrong", "hung", "unclear", "unexplained")
+FAILING = ("wrong", "hung", "stalled", "unclear", "unexplained")
 COLORS = {
     "exact": "tab:green",
     "near_tie": "tab:olive",
@@ -35,12 +36,14 @@ COLORS = {
     "unexplained": "tab:pink",
     "wrong": "tab:red",
     "hung": "black",
+    "stalled": "tab:brown",
     "unclear": "tab:purple",
 }
 FAULT_COLORS = {
     "kill-prefill": "red",
     "kill-decode": "darkred",
     "stop": "orange",
+    "long-stop": "darkorange",
     "redis": "purple",
     "kv-stall": "brown",
 }
@@ -95,6 +98,7 @@ def summarize(
         "ended_with_status": dict(sorted(statuses.items())),
         "wrong": cats["wrong"],
         "hung": cats["hung"],
+        "stalled": cats["stalled"],
         "unclear": cats["unclear"],
         "unexplained": cats["unexplained"],
         "refused_oversized": cats["refused"],

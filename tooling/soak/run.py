@@ -120,7 +120,7 @@ async def run_soak_async(config: SoakConfig, launch: LaunchWorkers) -> SoakResul
         verdicts = [
             judge_oversized(r, o)
             if r.kind == "oversized"
-            else judge(r, o, ref.expected(r), ref, config.hang_grace_s)
+            else judge(r, o, ref.expected(r), ref, config.hang_grace_s, config.stall_budget_s)
             for r, o in zip(requests, outcomes, strict=True)
         ]
         extra = await _serve_checks(
@@ -193,6 +193,8 @@ async def _serve_checks(
         for r, o in zip(batch, got, strict=True):
             requests.append(r)
             outcomes.append(o)
-            verdicts.append(judge(r, o, ref.expected(r), ref, config.hang_grace_s))
+            verdicts.append(
+                judge(r, o, ref.expected(r), ref, config.hang_grace_s, config.stall_budget_s)
+            )
         sent += len(batch)
     return sent

@@ -258,7 +258,7 @@ def burst_times(faults: list[PlannedFault], num_bursts: int, duration: float) ->
     busy = [
         (f.at_s, f.at_s + f.duration_s + _RECOVERY_ALLOWANCE_S)
         for f in faults
-        if f.kind in ("kill-prefill", "kill-decode", "stop")
+        if f.kind in ("kill-prefill", "kill-decode", "stop", "long-stop")
     ]
     candidates = [duration * (0.15 + 0.7 * i / 200) for i in range(201)]
     out: list[float] = []
@@ -291,11 +291,15 @@ def _fault_schedule(rng: random.Random, config: SoakConfig, duration: float) -> 
             target = rng.randrange(n_prefill)
         elif kind == "kill-decode":
             target = rng.randrange(n_decode)
-        elif kind == "stop":
+        elif kind in ("stop", "long-stop"):
             target = rng.randrange(n_prefill + n_decode)
         else:
             target = 0
-        dur = rng.uniform(config.stop_min_s, config.stop_max_s) if kind == "stop" else 0.0
+        dur = 0.0
+        if kind == "stop":
+            dur = rng.uniform(config.stop_min_s, config.stop_max_s)
+        elif kind == "long-stop":
+            dur = config.long_stop_duration_s
         out.append(PlannedFault(i, at, kind, target, dur))
     return out
 
