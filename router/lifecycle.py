@@ -61,6 +61,7 @@ from router.pool import WorkerPool
 from router.prefix_index.guard import GuardedPrefixIndex
 from router.request_trace import NEW_TRACE, RequestTrace, TraceStart
 from router.validation import (
+    MAX_REQUEST_ID_CHARS,
     DecodedRequest,
     ModelLimits,
     RequestValidationError,
@@ -126,6 +127,16 @@ def request_outcome(run: RequestRun, e2e_s: float) -> tuple[float | None, float 
     if run.completion_tokens < 2:
         return ttft, None
     return ttft, max(0.0, e2e_s - ttft) / (run.completion_tokens - 1)
+
+
+def _claimed_id(request: DecodedRequest | inference_pb2.GenerateRequest) -> str:
+    """The id a request refused before validation is known by: its own when it carries a
+    plausible one (printable, not too long: it is echoed), else a fresh one."""
+    msg = request.message if isinstance(request, DecodedRequest) else request
+    rid = msg.request_id if msg is not None else ""
+    if rid and len(rid) <= MAX_REQUEST_ID_CHARS and rid.isprintable():
+        return rid
+    return uuid.uuid4().hex
 
 
 class RequestLifecycle:
@@ -203,7 +214,11 @@ class RequestLifecycle:
                 place = self.admission.enter()  # first, and O(1): a burst is shed at once
             except Overloaded as exc:
                 self._observe(None, None, False, time.perf_counter() - t_arrival)
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+                rid = rec.request_id = _claimed_id(request)
+                log.debug("request %s refused: %s", rid, exc)
+                raise RouterError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), f"{exc} (request {rid})"
+                ) from None
             try:
                 try:
                     with tr.phase("pdserve.tokenize"):

@@ -10,7 +10,9 @@ in a thread).
 
 `check` compares a presented token against every token in constant time per token (SHA-256
 digests compared with `hmac.compare_digest`, no early exit), so timing does not tell which
-prefix matched. Tokens are never logged; only their count is.
+prefix matched. Any presented text is digested, bytes that are not UTF-8 included (an HTTP
+header decoded with surrogate escapes: it never matches, it never raises). Tokens are never
+logged; only their count is.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def bearer_token(value: str | bytes | None) -> str | None:
 
 
 def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+    """SHA-256 of the token's bytes; a str holding surrogate escapes (a header's bytes that
+    are not UTF-8) gives back those bytes instead of raising."""
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
 
 class TokenFile:

@@ -16,7 +16,11 @@ one ``data: {"error": {...}}`` event, then ``[DONE]``.
 Client disconnect: the server runs with aiohttp's handler cancellation, so a client that goes
 away cancels the handler task, and the lifecycle aborts the request on every worker holding
 it, exactly as a gRPC cancel does. A write that finds the connection already closed does the
-same (it raises `asyncio.CancelledError`).
+same (it raises `asyncio.CancelledError`), the first one included (the 200's headers): a client
+gone by then is a cancel, never a router error.
+
+Each HTTP request's id (`REQUEST_ID`, set by `server.openai_errors`) is the id of its
+`GenerateRequest` too, so an error a client quotes is the id in the router's log.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -74,12 +77,24 @@ class FrontState:
 
 
 STATE = web.AppKey("pdserve_front", FrontState)
+REQUEST_ID = web.RequestKey("pdserve_request_id", str)
+"""The request's id, given by the outermost middleware (`server.openai_errors`)."""
 
 
 async def parse(request: web.Request, model: type[M], limits: ModelLimits, chat: bool) -> M:
     """The request body as `model`; a 400 naming the first field at fault otherwise. A body
     beyond `limits.max_json_body_bytes` is refused before it is parsed (`oversized_body`):
-    parsing holds the GIL, i.e. this event loop, for tens of milliseconds per 10 MB."""
+    parsing holds the GIL, i.e. this event loop, for tens of milliseconds per 10 MB. A body
+    sent compressed (any `Content-Encoding` but identity) is refused 415 unread: the front
+    never decompresses (`server`), so a gzip bomb or a mislabelled body costs nothing."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise OpenAIError(
+            415,
+            "Content-Encoding: request bodies must be sent uncompressed (identity)",
+            None,
+            "unsupported_media_type",
+        )
     try:
         async with asyncio.timeout(request.app[STATE].body_timeout_s):
             raw = await request.read()
@@ -101,16 +116,21 @@ class SSEWriter:
         self.response: web.StreamResponse | None = None
 
     async def send(self, data: str) -> None:
-        if self.response is None:
-            self.response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream; charset=utf-8",
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                }
-            )
-            await self.response.prepare(self._request)
+        """Write one event (the first also writes the 200 and its headers). A client gone by
+        then, at the first write or any later one, raises `asyncio.CancelledError`: the same
+        path as a cancel (the request is aborted, counted CANCELLED, nothing logged as an
+        error)."""
         try:
+            if self.response is None:
+                response = web.StreamResponse(
+                    headers={
+                        "Content-Type": "text/event-stream; charset=utf-8",
+                        "Cache-Control": "no-cache",
+                        "X-Accel-Buffering": "no",
+                    }
+                )
+                self.response = response
+                await response.prepare(self._request)
             await self.response.write(f"data: {data}\n\n".encode())
         except ConnectionResetError as exc:  # the client is gone: same path as a cancel
             raise asyncio.CancelledError("client disconnected") from exc
@@ -168,7 +188,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await parse(request, CompletionRequest, state.lifecycle.limits, chat=False)
     state.check_model(body.model)
-    rid = uuid.uuid4().hex
+    rid = request[REQUEST_ID]
     t = completion_request(body, rid)
     fmt = CompletionFormatter(
         f"cmpl-{rid}", int(time.time()), state.model_name, state.lifecycle.tokenizer, t.logprobs
@@ -182,7 +202,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     lc = state.lifecycle
     body = await parse(request, ChatCompletionRequest, lc.limits, chat=True)
     state.check_model(body.model)
-    rid = uuid.uuid4().hex
+    rid = request[REQUEST_ID]
     arrived_ns = time.time_ns()
     render = functools.partial(
         chat_request,

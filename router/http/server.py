@@ -4,9 +4,11 @@ router's own event loop (next to the grpc.aio server; no extra process or hop).
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (`handlers`).
 
-Middlewares, outermost first: `openai_errors` (every failure becomes an OpenAI error object
-with its status: a handler's `OpenAIError`, aiohttp's own 404/405/413, and a bug as a 500 with
-its traceback in the log), then the `middlewares` the caller passes to `build_app` /
+Middlewares, outermost first: `openai_errors` (gives every request its id, `request_id`, and
+turns every failure into an OpenAI error object with its status: a handler's `OpenAIError`,
+aiohttp's own 404/405/413, and a bug as a 500 whose message is generic plus the request id —
+no exception text ever reaches a client — with the traceback in the log at that id), then the
+`middlewares` the caller passes to `build_app` /
 `start_http_front` — authentication (`router.auth.PublicAuth.http_middleware`) raises
 `OpenAIError(401, ...)` and is answered with an OpenAI error object like every other refusal.
 With an `ssl_context` the front serves HTTPS (the public API's certificate, and mutual TLS
@@ -20,7 +22,11 @@ peer and the exception's class, no text and no traceback: unauthenticated client
 tokens or ERROR tracebacks into the log. A connection must deliver a complete request head
 within `header_timeout_s` of connecting or of its previous response (aiohttp's keep-alive
 timer, which closes a connection still waiting for a request), so slow-header sockets are
-closed; a body must arrive within `FrontState.body_timeout_s` (408 otherwise).
+closed; a body must arrive within `FrontState.body_timeout_s` (408 otherwise). Request bodies
+are never decompressed (`auto_decompress` off): a body with a `Content-Encoding` other than
+identity is refused 415 by the handlers (`handlers.parse`), so a compressed or falsely labelled
+body neither reaches a decoder nor raises inside aiohttp. An ``Expect`` other than
+``100-continue`` gets an OpenAI error object (417), as every other refusal (`expect_continue`).
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from __future__ import annotations
 import logging
 import ssl
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, InvalidHeader, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestHandler
@@ -40,7 +47,7 @@ from aiohttp.web_request import BaseRequest
 from router.http import handlers
 from router.http.chat_template import ChatTemplate
 from router.http.errors import OpenAIError
-from router.http.handlers import STATE, FrontState
+from router.http.handlers import REQUEST_ID, STATE, FrontState
 from router.lifecycle import RequestLifecycle
 
 log = logging.getLogger(__name__)
@@ -51,7 +58,10 @@ MAX_BODY_BYTES = 32 * 2**20
 
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn every failure into an OpenAI error object (module docstring)."""
+    """Give the request its id and turn every failure into an OpenAI error object (module
+    docstring): a bug is a 500 saying only "internal router error (request <id>)"; its
+    exception and traceback go to the log, on a line with the same id."""
+    rid = request[REQUEST_ID] = uuid.uuid4().hex
     try:
         return await handler(request)
     except OpenAIError as err:
@@ -61,9 +71,29 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             raise
         code = exc.reason.lower().replace(" ", "_")  # "Request Entity Too Large" -> ...
         return _error_response(OpenAIError(exc.status, exc.reason, None, code))
-    except Exception as exc:
-        log.exception("HTTP %s %s failed", request.method, request.path)
-        return _error_response(OpenAIError(500, f"router error: {exc!r}", None, "internal"))
+    except Exception:
+        log.exception("HTTP %s %s failed (request %s)", request.method, request.path, rid)
+        return _error_response(internal_error(rid))
+
+
+def internal_error(request_id: str) -> OpenAIError:
+    """The 500 a client gets for a failure that is not its doing: no detail, the id to quote."""
+    return OpenAIError(500, f"internal router error (request {request_id})", None, "internal")
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' ``Expect`` handler: ``100-continue`` (HTTP/1.1) is answered as aiohttp
+    does; any other expectation gets a 417 OpenAI error object (aiohttp's own is plain text).
+    Runs before the middlewares."""
+    expect = request.headers.get("Expect", "")
+    if request.version != HttpVersion11:
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started
+        return None
+    err = OpenAIError(417, "Expect: only 100-continue is supported", None, "expectation_failed")
+    return _error_response(err)
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -92,8 +122,14 @@ class OpenAIRequestHandler(RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         if status >= 500:  # not the client's doing: a bug, logged with its traceback
-            log.error("HTTP front: unhandled error from %s", request.remote, exc_info=exc)
-            err = OpenAIError(status, "internal server error", None, "internal")
+            rid = uuid.uuid4().hex
+            log.error(
+                "HTTP front: unhandled error from %s (request %s)",
+                request.remote,
+                rid,
+                exc_info=exc,
+            )
+            err = internal_error(rid)
         else:
             problem = next(
                 (text for kind, text in _PARSER_PROBLEMS if isinstance(exc, kind)),
@@ -135,11 +171,12 @@ def build_app(state: FrontState, middlewares: Sequence[Middleware] = ()) -> web.
     """The aiohttp application over `state` (routes and middlewares: module docstring)."""
     app = web.Application(middlewares=[openai_errors, *middlewares], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/metrics", handlers.metrics)
+    expect = expect_continue
+    app.router.add_post("/v1/completions", handlers.completions, expect_handler=expect)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=expect)
+    app.router.add_get("/v1/models", handlers.models, expect_handler=expect)
+    app.router.add_get("/health", handlers.health, expect_handler=expect)
+    app.router.add_get("/metrics", handlers.metrics, expect_handler=expect)
     return app
 
 
@@ -188,6 +225,7 @@ async def start_http_front(
         access_log=None,
         shutdown_timeout=shutdown_timeout_s,
         keepalive_timeout=header_timeout_s,  # no complete request head in time: closed
+        auto_decompress=False,  # a Content-Encoding body is refused, never decoded (415)
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)

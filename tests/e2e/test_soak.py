@@ -1,9 +1,12 @@
 """The short soak CI runs: `run_soak` (what `pdserve soak` runs) on a 2P+2D tiny-model cluster
-with its own redis-server, about 300 requests and 7 overlapping faults (a prefill and a decode
-worker SIGKILLed and restarted by the launcher, two SIGSTOPs, a Redis restart, two KV stalls).
+with its own redis-server, about 300 requests and 8 overlapping faults (a prefill and a decode
+worker SIGKILLed and restarted by the launcher, two SIGSTOPs, one SIGSTOP longer than every
+request's deadline, a Redis restart, two KV stalls).
 Every request must end exact, or with a clear status in time that the soak explains (a fault
 on a worker it used, a role outage, its own deadline or cancel, a shed burst; the mix has
-deadline storms, oversized HTTP bodies and HTTP disconnects), and the cluster must end clean (no
+deadline storms, oversized HTTP bodies and HTTP disconnects) and never wait on the cluster longer
+than the stall timeout plus a slack beyond its own work (`stalled`: a frozen worker held it), and
+the cluster must end clean (no
 leaked block, nothing in flight in the router, no stale Redis entry, restarted workers serving).
 
 Runs in the pytest process; the soak starts and stops every process itself, by PID.
@@ -25,7 +28,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(redis_server_path() is None, reason=SKIP_REASON),
 ]
-CI_FAULTS = "kill-prefill:1,kill-decode:1,stop:2,redis:1,kv-stall:2"
+CI_FAULTS = "kill-prefill:1,kill-decode:1,stop:2,long-stop:1,redis:1,kv-stall:2"
 
 
 def test_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -37,16 +40,24 @@ def test_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
         seed=20,
         faults=CI_FAULTS,
         stop_max_s=4.0,
+        default_timeout_s=15.0,
+        long_stop_s=20.0,  # longer than any request's deadline
     )
     result = run_soak(config, launch_workers)
     s = result.summary
     detail = json.dumps({k: s[k] for k in ("failures", "examples", "faults")}, indent=1)
     assert s["passed"], detail
-    assert (s["wrong"], s["hung"], s["unclear"], s["leaked_blocks"]) == (0, 0, 0, 0), detail
-    assert s["requests"] >= 300 and len(s["faults"]) >= 7
+    assert (s["wrong"], s["hung"], s["stalled"], s["unclear"], s["leaked_blocks"]) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    ), detail
+    assert s["requests"] >= 300 and len(s["faults"]) >= 8
     assert s["completed_exact"] + s["near_tie"] >= 150, s["ended_with_status"]
     assert s["ended_with_status"].get("RESOURCE_EXHAUSTED", 0) > 0, "the burst was not shed"
-    kinds = {"kill-prefill", "kill-decode", "stop", "redis", "kv-stall"}
+    kinds = {"kill-prefill", "kill-decode", "stop", "long-stop", "redis", "kv-stall"}
     assert {f["kind"] for f in s["faults"]} == kinds
     for name in ("soak.json", "requests.jsonl", "report.md", "timeline.png"):
         assert (config.out / name).is_file(), name

@@ -270,3 +270,189 @@ def test_body_too_large_is_an_openai_invalid_request(model_dir: Path) -> None:
     err = json.loads(body)["error"]
     assert err["type"] == "invalid_request_error", err
     assert err["code"] == "request_entity_too_large", err
+
+
+# -- issue 39: hostile headers and bodies never reach a 500 or an ERROR traceback --------------
+
+
+def _tokens_file(tmp_path: Path) -> Path:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    tokens.chmod(0o600)
+    return tokens
+
+
+def _no_error_logged(caplog: pytest.LogCaptureFixture) -> None:
+    formatter = logging.Formatter()
+    for rec in caplog.records:
+        text = formatter.format(rec)
+        assert rec.levelno < logging.ERROR and rec.exc_info is None, text
+        assert TOKEN not in text, text
+
+
+def _completion_body(model: str = "tiny") -> bytes:
+    return json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+
+
+def _exchange_with_front(
+    model_dir: Path, tmp_path: Path, data: bytes, **router_kw: object
+) -> tuple[int, dict[str, str], bytes]:
+    """`data` sent raw to a token-protected HTTP front over fake workers; the answer."""
+    from security.config import SecurityConfig
+
+    security = SecurityConfig(auth_token_file=_tokens_file(tmp_path))
+
+    async def scenario() -> tuple[int, dict[str, str], bytes]:
+        async with fake_cluster(model_dir, http_port=0, security=security, **router_kw) as c:
+            return await asyncio.to_thread(raw_exchange, http_port(c), data)
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"GET /metrics", b"GET /v1/models", b"POST /v1/completions"],
+    ids=["metrics", "models", "completions"],
+)
+def test_a_non_utf8_authorization_header_is_a_clean_401(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, head: bytes
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    body = _completion_body()
+    data = (
+        head + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe" + TOKEN.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n" % len(body) + body
+    )  # fmt: skip
+    status, headers, raw = _exchange_with_front(model_dir, tmp_path, data)
+    assert status == 401, raw
+    assert headers["content-type"].startswith("application/json")
+    err = json.loads(raw)["error"]
+    assert err["code"] == "invalid_api_key", err
+    assert b"\\udc" not in raw and TOKEN.encode() not in raw
+    _no_error_logged(caplog)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+@pytest.mark.parametrize("with_token", [False, True], ids=["no-token", "token"])
+def test_a_content_encoding_is_refused_cleanly(
+    model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    encoding: str,
+    with_token: bool,
+) -> None:
+    """A body labelled compressed (here: plain JSON under the label, which would not
+    decompress) is never decoded: 415 with a token, 401 without; no traceback either way."""
+    caplog.set_level(logging.DEBUG)
+    body = _completion_body()
+    auth = f"Authorization: Bearer {TOKEN}\r\n" if with_token else ""
+    data = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Encoding: {encoding}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
+        "\r\n\r\n"
+    ).encode() + body
+    status, headers, raw = _exchange_with_front(model_dir, tmp_path, data)
+    assert status == (415 if with_token else 401), raw
+    assert headers["content-type"].startswith("application/json")
+    err = json.loads(raw)["error"]
+    if with_token:
+        assert err["type"] == "invalid_request_error", err
+        assert err["code"] == "unsupported_media_type", err
+    _no_error_logged(caplog)
+
+
+def test_an_expectation_other_than_100_continue_is_an_openai_error(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    body = _completion_body()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
+        "\r\n"
+    ).encode()
+    status, headers, raw = _exchange_with_front(
+        model_dir, tmp_path, head + b"Expect: 999-x\r\n\r\n" + body
+    )
+    assert status == 417, raw
+    assert headers["content-type"].startswith("application/json")
+    err = json.loads(raw)["error"]
+    assert err["code"] == "expectation_failed" and err["type"] == "invalid_request_error", err
+
+    def continued(port: int) -> tuple[bytes, tuple[int, dict[str, str], bytes]]:
+        """100-continue still works: the interim answer, then the body, then the answer."""
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(head + b"Expect: 100-continue\r\n\r\n")
+            interim = b""
+            while not interim.endswith(b"\r\n\r\n"):
+                interim += sock.recv(1)
+            sock.sendall(body)
+            return interim, read_response(sock)
+
+    from security.config import SecurityConfig
+
+    security = SecurityConfig(auth_token_file=_tokens_file(tmp_path))
+
+    async def scenario() -> tuple[bytes, tuple[int, dict[str, str], bytes]]:
+        async with fake_cluster(model_dir, http_port=0, security=security) as c:
+            return await asyncio.to_thread(continued, http_port(c))
+
+    interim, (status, _, raw) = asyncio.run(scenario())
+    assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+    assert status == 200, raw
+
+
+def test_a_bug_is_a_500_that_says_nothing_but_the_request_id(
+    model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No exception text ever reaches a client: the 500 names the request id, and the log
+    line with the traceback carries the same id."""
+    from router.http import handlers
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("secret-internal-detail")
+
+    monkeypatch.setattr(handlers, "completion_request", broken)
+    caplog.set_level(logging.DEBUG)
+    body = _completion_body()
+    data = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
+        "\r\n\r\n"
+    ).encode() + body
+    status, _, raw = _exchange_with_front(model_dir, tmp_path, data)
+    assert status == 500, raw
+    err = json.loads(raw)["error"]
+    assert b"secret-internal-detail" not in raw and b"RuntimeError" not in raw, raw
+    message = err["message"]
+    assert message.startswith("internal router error (request ") and message.endswith(")"), err
+    rid = message.removeprefix("internal router error (request ").removesuffix(")")
+    logged = [r for r in caplog.records if rid in r.getMessage()]
+    assert logged and logged[0].levelno == logging.ERROR and logged[0].exc_info is not None
+    assert "secret-internal-detail" in logging.Formatter().format(logged[0])
+
+
+def test_a_full_queue_refusal_over_http_names_the_request(model_dir: Path) -> None:
+    async def scenario() -> None:
+        async with (
+            fake_cluster(model_dir, http_port=0, max_inflight=1, max_queued=0) as c,
+            aiohttp.ClientSession() as s,
+        ):
+            c.prefill[0].hold_prefills()  # the one running request holds its slot
+            url = f"http://127.0.0.1:{http_port(c)}/v1/completions"
+            model = c.router.config.served_model_name
+            held = asyncio.create_task(s.post(url, data=_completion_body(model)))
+            while c.router.service.admission.running < 1:
+                await asyncio.sleep(0.01)
+            async with s.post(url, data=_completion_body(model)) as resp:
+                assert resp.status == 429
+                err = (await resp.json())["error"]
+            assert "queue full" in err["message"] and "(request " in err["message"], err
+            c.prefill[0].release_prefills()
+            (await held).close()
+            await c.assert_no_leaks()
+
+    asyncio.run(scenario())

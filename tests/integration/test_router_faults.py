@@ -48,6 +48,7 @@ def test_overload_is_refused_quickly(tiny_model_dir: Path) -> None:
             err = await expect_status(c.generate(req("c")), grpc.StatusCode.RESOURCE_EXHAUSTED)
             assert time.perf_counter() - t0 < 1.0
             assert "queue full" in (err.details() or "")
+            assert err.details().endswith("(request c)"), err.details()  # its own id (issue 39)
             running.cancel()
             first_of_b = await queued.read()  # b got the slot
             assert list(first_of_b.token_ids) == [8]
