@@ -47,13 +47,8 @@ def test_short_soak_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     s = result.summary
     detail = json.dumps({k: s[k] for k in ("failures", "examples", "faults")}, indent=1)
     assert s["passed"], detail
-    assert (s["wrong"], s["hung"], s["stalled"], s["unclear"], s["leaked_blocks"]) == (
-        0,
-        0,
-        0,
-        0,
-        0,
-    ), detail
+    bad = {k: s[k] for k in ("wrong", "hung", "stalled", "unclear", "leaked_blocks") if s[k]}
+    assert not bad, detail
     assert s["requests"] >= 300 and len(s["faults"]) >= 8
     assert s["completed_exact"] + s["near_tie"] >= 150, s["ended_with_status"]
     assert s["ended_with_status"].get("RESOURCE_EXHAUSTED", 0) > 0, "the burst was not shed"
