@@ -311,7 +311,7 @@ def main() -> None:
     ap.add_argument(
         "--model-dir", type=Path, default=default_out("smollm2-135m-instruct", "float32")
     )
-    ap.add_argument("--out", type=Path, default=Path("runs/grammar-engines"))
+    ap.add_argument("--out", type=Path, default="runs/grammar-engines")
     ap.add_argument("--engines", default="llguidance,xgrammar,outlines-core")
     args = ap.parse_args()
     config = json.loads((args.model_dir / "config.json").read_text())

@@ -36,6 +36,7 @@ ROUTER_SETTINGS: dict[str, Any] = {
     "port": 4321,
     "http_port": 8123,
     "http_header_timeout_s": 16.0,
+    "http_default_max_tokens": 321,
     "http_body_timeout_s": 61.0,
     "max_inflight": 5,
     "max_queued": 6,
