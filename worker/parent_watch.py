@@ -9,7 +9,13 @@ without it, is not watched. Two ways, either one enough:
 - Linux: ``prctl(PR_SET_PDEATHSIG)`` (through ctypes) makes the kernel send `SIGNAL` the moment
   the parent goes. The kernel counts the parent *thread* that forked the worker (a launcher's
   supervisor thread restarts workers), so the signal only wakes the watch, which then checks
-  that the parent *process* is really gone. The handler only writes a byte to a pipe the watch
+  that the parent *process* is really gone — which is also why the signal is not SIGKILL: a
+  launcher thread that ends would kill a worker whose launcher lives on. `SIGNAL` is SIGCONT:
+  a *stopped* worker (SIGSTOP: it runs no handler and no thread) is continued by it, whatever
+  handler it has, so the watch runs and the worker stops as any orphan does — within
+  seconds of its launcher's death instead of never. (The cost: a worker stopped on purpose is
+  continued when the launcher thread that started it ends, and goes on running.) The handler
+  only writes a byte to a pipe the watch
   thread waits on: a Python handler runs on the main thread between any two bytecodes, nested
   when a second signal comes, so one that took a lock (``Event.set``) could wait on itself
   forever, and the watch thread with it (the worker then outlived its launcher). Signals do
@@ -35,7 +41,7 @@ from collections.abc import Callable
 log = logging.getLogger("pdserve.worker")
 
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
-SIGNAL = signal.SIGUSR2  # otherwise unused by workers
+SIGNAL = signal.SIGCONT  # continues a stopped worker, so its watch can run (module docstring)
 POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
 

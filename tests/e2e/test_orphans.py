@@ -58,9 +58,18 @@ def _open_stream(address: str) -> threading.Thread:
     return t
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
 def test_workers_exit_when_pdserve_up_no_ray_is_killed(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, stopped: bool
 ) -> None:
+    """`stopped`: both workers are SIGSTOPped (state T: no handler, no thread runs) when the
+    launcher is SIGKILLed; the parent-death signal continues them and they leave as well
+    (issue 39: they stayed in state T, holding their ports and memory)."""
     argv = [sys.executable, "-m", "deploy.cli", "up", "--no-ray", "--model", str(tiny_model_dir)]
     argv += ["--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", "0"]
     log_dir = tmp_path / "workers"
@@ -72,6 +81,10 @@ def test_workers_exit_when_pdserve_up_no_ray_is_killed(
         workers = [int(pid) for _, pid in STARTED.findall(up.log_text())]
         assert len(workers) == 2 and all(pid_alive(p) for p in workers), up.tail()
         _open_stream(m.group(1))
+        if stopped:
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            wait_until(lambda: all(_state(p) == "T" for p in workers), 30.0, "the workers to stop")
         up.popen.send_signal(signal.SIGKILL)
         up.popen.wait(timeout=10)
         wait_until(

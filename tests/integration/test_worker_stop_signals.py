@@ -19,6 +19,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.helpers import pid_alive, wait_until
 from worker.parent_watch import SIGNAL
 from worker.process import WorkerProcess
@@ -68,6 +70,39 @@ def test_the_watch_survives_a_signal_storm_and_sees_its_parent_die() -> None:
         if child and pid_alive(child):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_a_stopped_child_sees_its_parent_die() -> None:
+    """The child is stopped (SIGSTOP: no handler, no thread runs) when its parent is SIGKILLed:
+    the parent-death signal continues it (SIGCONT), its watch runs and reports the parent gone
+    (issue 39: a stopped worker outlived its launcher's SIGKILL in state T indefinitely)."""
+    middle = subprocess.Popen(
+        [sys.executable, "-c", MIDDLE], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    assert middle.stdout is not None
+    child = 0
+    try:
+        words = middle.stdout.readline().split()
+        assert words[0] == "watching", words
+        child = int(words[1])
+        if words[2] != "True":
+            pytest.skip("no kernel parent-death signal here (not Linux): the poll needs to run")
+        os.kill(child, signal.SIGSTOP)
+        wait_until(lambda: _state(child) == "T", 30, "the child to stop")
+        middle.kill()
+        middle.wait(10)
+        wait_until(lambda: not pid_alive(child), 30, "the stopped child to see its parent die")
+        assert middle.stdout.read().split() == ["gone"]
+    finally:
+        middle.kill()
+        if child and pid_alive(child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_worker_stops_cleanly_under_a_storm_of_sigterm(tiny_model_dir: Path) -> None:
