@@ -147,3 +147,43 @@ def test_int8_blocks_move_whole_with_their_scales() -> None:
         assert torch.equal(scales_s[1][s].view(torch.int16), scales_d[1][d].view(torch.int16))
     src.copy_blocks([0, 2], [5, 3])
     assert torch.equal(src.kv[:, 5], src.kv[:, 0]) and torch.equal(src.kv[:, 3], src.kv[:, 2])
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "want"),
+    [
+        ("tiny", {"hidden_size": 128, "num_hidden_layers": 4, "head_dim": 32}, 1.8),
+        (
+            "smollm2-135m",
+            {
+                "hidden_size": 576,
+                "num_hidden_layers": 30,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "head_dim": 64,
+            },
+            1.9,
+        ),
+    ],
+)
+def test_a_memory_budget_holds_about_twice_the_int8_blocks(
+    name: str, overrides: dict[str, int], want: float
+) -> None:
+    """The engine derives `num_kv_blocks` from `kv_cache_memory_mb` with the cache dtype's
+    block bytes: at the same memory an int8 cache holds >= 1.8x a bfloat16 cache's blocks
+    (head_dim 32: 64 / 34 bytes per token and head; 64: 128 / 66), so the decode pool admits
+    that many more requests."""
+    from model_runtime.engine import num_kv_blocks_for
+    from model_runtime.engine_config import EngineConfig
+
+    cfg = tiny_model_config(**overrides)
+    blocks = {
+        kv: num_kv_blocks_for(
+            EngineConfig(kv_cache_memory_mb=64, dtype="bfloat16", kv_cache_dtype=kv), cfg
+        )
+        for kv in ("auto", "int8")
+    }
+    ratio = blocks["int8"] / blocks["auto"]
+    assert ratio >= want, f"{name}: {blocks} ({ratio:.3f}x)"
+    per_block = KVCache.bytes_per_block(cfg, 16, torch.bfloat16, "int8")
+    assert blocks["int8"] == 64 * 2**20 // per_block
