@@ -232,7 +232,7 @@ def add_up_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted config keys set by `pdserve up` flags (None = keep the file's value)."""
-    from deploy.config import UNSET
+    from cliflags.model_flags import UNSET
 
     out: dict[str, Any] = {
         "model": args.model,

@@ -7,20 +7,20 @@ sub-model per TOML table; every field is described and defaulted where a default
     mode = "disagg"               # or "colocated"
     launcher = "ray"              # or "process" (plain subprocesses, `--no-ray`)
     torch_threads = 1             # torch intra-op threads per worker process
-    worker_nice = 0               # workers' niceness (0-19): router/Redis first on shared CPUs
-    worker_sched_idle = false     # workers run only when router/Redis leave CPU (SCHED_IDLE)
 
     [workers]                     # counts; unset ones default from `mode`
     prefill = 1
     decode = 1
 
+    [worker]   nice = 0  sched_idle = false  stop_grace_s = 30  kv_shared_memory = true ...
+               (a `worker.config` WorkerSettings: what every worker shares, under its own names)
     [ray]      address = ""  num_cpus = 4  cpus_per_worker = 1  gpus_per_worker = 0
     [router]   host = "127.0.0.1"  port = 50051  http_port = 8000  policy = "prefix_aware" ...
     [router.prefix_index]  kind = "redis"  url = "redis://127.0.0.1:6380/0"   (default: memory)
     [router.hybrid]  local_prefill_max_tokens = 256  prefill_queue_max_tokens = 0 ...
                (a `router.hybrid` HybridConfig: decode workers prefill short prompts; default off)
     [engine]   block_size = 16  num_kv_blocks = 1024 ...        (a `model_runtime` EngineConfig)
-    [transfer] timeout_s = 30  kv_host = "auto"
+    [transfer] kv_host = "auto"
     [ratio]    mode = "adaptive"  slo_ttft_ms = 2000  slo_tpot_ms = 100  max_prefill = 2 ...
                (a `router.ratio` RatioConfig; default mode "fixed": the ratio never changes)
     [supervision]  max_restarts = 5  backoff_s = 0.5 ...   (process launcher's restarts)
@@ -33,7 +33,16 @@ sub-model per TOML table; every field is described and defaulted where a default
 
 `load_cluster_config(path, overrides)` reads the file, applies dotted-key overrides (CLI flags,
 e.g. ``{"workers.prefill": 2, "ray.address": "auto"}``) and validates the result; every error
-names the offending field by its dotted TOML path. Nothing discovered at start-up (ports, worker
+names the offending field by its dotted TOML path.
+
+Keys keep their names on the way to a process: ``[router]`` is the router's `RouterSettings`,
+``[worker]`` the workers' `WorkerSettings`, ``[engine]`` / ``[tracing]`` their `engine` /
+`tracing`; what `worker_config` derives per worker (its id, role, host, node, model folder,
+security) is decided here, not renamed. Keys that were renamed keep their old names as
+deprecated aliases, each warned about once per process (`DEPRECATED_KEYS`): `worker_nice`,
+`worker_sched_idle`, `drain_timeout_s`, `transfer.shared_memory`; `transfer.timeout_s` is
+ignored with a warning (a routed request's Reserve always carries the router's remaining
+deadline, so it never applied to one). Nothing discovered at start-up (ports, worker
 addresses, KV block counts) is written back into a config: the launchers return it separately.
 
 Importing this module imports torch (through `EngineConfig`); the CLI imports it only inside
@@ -42,6 +51,7 @@ the subcommands that need it.
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +59,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cliflags.model_flags import set_dotted
 from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
 from proto.pdserve.v1.roles import ROLE_NAMES, Role
@@ -56,9 +67,72 @@ from router.config import RouterConfig, RouterSettings
 from router.ratio.config import RatioConfig
 from security.config import SecurityConfig
 from tracing.config import TracingConfig
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, WorkerSettings
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["disagg", "colocated"]
+
+DEPRECATED_KEYS = {
+    "worker_nice": "worker.nice",
+    "worker_sched_idle": "worker.sched_idle",
+    "drain_timeout_s": "worker.stop_grace_s",
+    "transfer.shared_memory": "worker.kv_shared_memory",
+}
+"""Old cluster keys (dotted) -> the keys they were renamed to; still accepted, with a warning."""
+
+IGNORED_KEYS = {
+    "transfer.timeout_s": "it never applied to a routed request, whose Reserve always carries "
+    "the router's remaining deadline (a worker run by hand takes --transfer-timeout-s)",
+}
+"""Old cluster keys that no longer do anything: accepted and dropped, with a warning."""
+_warned: set[str] = set()
+
+
+def _get_dotted(data: Mapping[str, Any], key: str) -> tuple[bool, Any]:
+    node: Any = data
+    for name in key.split("."):
+        if not isinstance(node, Mapping) or name not in node:
+            return False, None
+        node = node[name]
+    return True, node
+
+
+def _drop_dotted(data: dict[str, Any], key: str) -> None:
+    *tables, last = key.split(".")
+    node = data
+    for name in tables:
+        child = dict(node[name])  # a copy: the caller's tables stay as they were
+        node[name] = child
+        node = child
+    del node[last]
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
+
+
+def upgrade_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` (a cluster config's raw values) with every deprecated key moved to its new name
+    and every ignored one dropped, each warned about once per process; ValueError naming both
+    when a key is given under its old and its new name."""
+    out = dict(data)
+    for old, new in DEPRECATED_KEYS.items():
+        found, value = _get_dotted(out, old)
+        if not found:
+            continue
+        if _get_dotted(out, new)[0]:
+            raise ValueError(f"{old} is the old name of {new}; give only {new}")
+        _drop_dotted(out, old)
+        set_dotted(out, new, value)
+        _warn_once(old, f"cluster key {old} is deprecated: it is {new} now")
+    for old, why in IGNORED_KEYS.items():
+        if _get_dotted(out, old)[0]:
+            _drop_dotted(out, old)
+            _warn_once(old, f"cluster key {old} is deprecated and ignored: {why}")
+    return out
 
 
 class _Frozen(BaseModel):
@@ -122,21 +196,13 @@ class RouterSection(RouterSettings):
 
 
 class TransferSection(_Frozen):
-    """KV hand-off between prefill and decode workers."""
+    """KV hand-off between prefill and decode workers (what the cluster decides per worker;
+    the workers' own transfer settings are ``[worker]``'s, e.g. `kv_shared_memory`)."""
 
-    timeout_s: float = Field(
-        default=30.0, gt=0, description="Longest wait for one request's KV transfer."
-    )
     kv_host: str = Field(
         default="auto",
         description="Address decode workers advertise for KV rendezvous; 'auto' = the worker "
         "host (127.0.0.1 locally, the node IP on an external Ray cluster).",
-    )
-    shared_memory: bool = Field(
-        default=True,
-        description="Same-host data plane: a decode worker copies the KV blocks straight out "
-        "of the prefill worker's cache (CPU: shared memory; CUDA: CUDA IPC on the same GPU) "
-        "instead of receiving them over gloo / NCCL; other pairs fall back by themselves.",
     )
 
 
@@ -152,25 +218,17 @@ class ClusterConfig(_Frozen):
     workers: WorkerCounts = Field(
         default_factory=WorkerCounts, description="Worker processes per role."
     )
-    torch_threads: int = Field(default=1, ge=1, description="torch threads per worker process.")
-    drain_timeout_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="On SIGTERM a worker says NOT_SERVING and lets its requests run this long "
-        "(the rest are moved to another worker), then exits.",
+    torch_threads: int = Field(
+        default=1,
+        ge=1,
+        description="torch threads per worker process (its `torch_threads`; the launchers size "
+        "its OpenMP and MKL pools to match, `worker.config.thread_env`).",
     )
-    worker_nice: int = Field(
-        default=0,
-        ge=0,
-        le=19,
-        description="Niceness of every worker process: above 0, the router and Redis sharing "
-        "their CPUs get them first (worker compute yields on wake-ups).",
-    )
-    worker_sched_idle: bool = Field(
-        default=False,
-        description="Run every worker under SCHED_IDLE: it gets a CPU only when no "
-        "normal-priority task wants one, so the router and Redis never wait for model compute. "
-        "Only for hosts that serve nothing else (a busy normal task starves the workers).",
+    worker: WorkerSettings = Field(
+        default_factory=WorkerSettings,
+        description="What every worker shares (`worker.config.WorkerSettings`, under its own "
+        "names): niceness, SCHED_IDLE, its stop grace (a SIGTERM drain: NOT_SERVING, its "
+        "requests run this long, the rest are moved), the same-host KV plane, ...",
     )
     worker_host: str = Field(
         default="auto",
@@ -209,9 +267,11 @@ class ClusterConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _default_counts(cls, data: Any) -> Any:
-        """Fill the worker counts the file left out from `mode` (see `WorkerCounts`)."""
+        """Move deprecated keys to their names (`upgrade_keys`); fill the worker counts the
+        file left out from `mode` (see `WorkerCounts`)."""
         if not isinstance(data, Mapping):
             return data
+        data = upgrade_keys(data)
         mode = data.get("mode", "disagg")
         counts = data.get("workers", {})
         if not isinstance(counts, Mapping):
@@ -347,7 +407,9 @@ class ClusterConfig(_Frozen):
         the actor); `port` 0 picks one (a restart passes the old one); `node`: its node label
         ("auto" = Ray's node id)."""
         kv_host = host if self.transfer.kv_host == "auto" else self.transfer.kv_host
+        shared = {name: getattr(self.worker, name) for name in WorkerSettings.model_fields}
         return WorkerConfig(
+            **shared,
             worker_id=worker_id,
             model_dir=self.model.resolve(),
             role=role,
@@ -355,15 +417,10 @@ class ClusterConfig(_Frozen):
             host=host,
             port=port,
             torch_threads=self.torch_threads,
-            nice=self.worker_nice,
-            sched_idle=self.worker_sched_idle,
-            transfer_timeout_s=self.transfer.timeout_s,
             kv_host=kv_host,
-            kv_shared_memory=self.transfer.shared_memory,
             node=node,
             internal_tls=self.security.internal,
             insecure=self.security.insecure,
-            stop_grace_s=self.drain_timeout_s,
             tracing=self.tracing,
         )
 
@@ -373,26 +430,6 @@ def check_model_dir(config: ClusterConfig) -> None:
     launch, not at load, so example configs validate without their model present)."""
     if not (config.model / "config.json").is_file():
         raise ValueError(f"model: {str(config.model)!r} is not a model folder (no config.json)")
-
-
-UNSET: Any = object()
-"""Override value that removes a key from the file's values (so its default applies)."""
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """`data["a"]["b"] = value` for `key` "a.b", creating tables on the way; `UNSET` removes
-    the key instead."""
-    *tables, last = key.split(".")
-    node = data
-    for name in tables:
-        child = node.setdefault(name, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"{key}: {name!r} is not a table")
-        node = child
-    if value is UNSET:
-        node.pop(last, None)
-    else:
-        node[last] = value
 
 
 def load_cluster_config(

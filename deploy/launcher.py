@@ -61,6 +61,7 @@ from router.ratio.config import RatioConfig
 from security.channels import ClientSecurity, InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
 from tooling.launch import WorkerRef
+from worker.config import thread_env
 from worker.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ def spawn_worker(
     valid)."""
     wc = config.worker_config(worker_id, role, worker_host(config), port)
     doc = write_document(logs, name, wc.model_dump_json())
-    return spawn(name, [sys.executable, "-m", "worker_main", "--config", str(doc)], logs, env)
+    argv = [sys.executable, "-m", "worker_main", "--config", str(doc)]
+    return spawn(name, argv, logs, {**env, **thread_env(wc)})
 
 
 @dataclass
@@ -125,8 +127,8 @@ class ProcessWorkers:
 
     @property
     def drain_timeout_s(self) -> float:
-        """How long each worker drains on SIGTERM (`drain_timeout_s`)."""
-        return self.config.drain_timeout_s
+        """How long each worker drains on SIGTERM (`worker.stop_grace_s`)."""
+        return self.config.worker.stop_grace_s
 
     @property
     def router_config(self) -> RouterConfig:
@@ -160,7 +162,7 @@ class ProcessWorkers:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop supervising, SIGTERM every worker (each drains for up to its own
-        --stop-grace-s, `drain_timeout_s`), SIGKILL those still running after `grace_s`
+        --stop-grace-s, `worker.stop_grace_s`), SIGKILL those still running after `grace_s`
         (default: the drain timeout + 10 s)."""
         starting = self.supervisor.stop() if self.supervisor is not None else []
         wait = self.drain_timeout_s + 10.0 if grace_s is None else grace_s
@@ -196,7 +198,7 @@ def launch_workers(
     internal = InternalAuth(secret, config.security.internal)
     logs = _log_dir(log_dir)
     # Workers stop when this process dies, even by SIGKILL (`worker.parent_watch`).
-    env = {**child_env(config.torch_threads), **secret.env(), PARENT_PID_ENV: str(os.getpid())}
+    env = {**child_env(1), **secret.env(), PARENT_PID_ENV: str(os.getpid())}
     started: list[tuple[str, Role, ManagedProcess]] = []
     try:
         for worker_id, role in config.worker_roles():

@@ -23,6 +23,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from worker.config import THREAD_ENV_VARS
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,15 +58,17 @@ class ManagedProcess:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
 
-def child_env(torch_threads: int) -> dict[str, str]:
-    """The environment of a child: unbuffered output, the repo importable, thread caps."""
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of a child: unbuffered output, the repo importable, its OpenMP and
+    MKL pools capped at `threads` (a worker's own are its `torch_threads`: the launchers lay
+    `worker.config.thread_env` over this)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
     )
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(torch_threads)
+    for var in THREAD_ENV_VARS:
+        env[var] = str(threads)
     return env
 
 

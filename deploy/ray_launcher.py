@@ -62,6 +62,7 @@ from router.config import RouterConfig
 from security.channels import InternalAuth
 from security.secret import ClusterSecret, resolve_cluster_secret
 from tooling.launch import WorkerRef
+from worker.config import thread_env
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class RayWorkers:
         self.placement_group = pg
         self.owns_ray = owns_ray
         self.max_restarts = config.ray.max_restarts
-        self.drain_timeout_s = config.drain_timeout_s
+        self.drain_timeout_s = config.worker.stop_grace_s
         self._log = EventLog((w.role for w in workers), on_event)
         self._stopped = threading.Event()
         self._thread = threading.Thread(
@@ -256,7 +257,7 @@ class RayWorkers:
             w.pid = pid
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Stop every worker (graceful: each drains for `grace_s`, default `drain_timeout_s`;
+        """Stop every worker (graceful: each drains for `grace_s`, default `worker.stop_grace_s`;
         then `ray.kill`), remove the placement group, and shut Ray down if
         `launch_ray_workers` started or joined it (an external cluster lives on)."""
         if grace_s is None:
@@ -422,7 +423,8 @@ def launch_ray_workers(
         cluster_id = uuid.uuid4().hex[:8]
         port_dir = Path(tempfile.gettempdir()) / "pdserve-ports" / cluster_id
         for i, (worker_id, role) in enumerate(roles):
-            env = {"OMP_NUM_THREADS": str(config.torch_threads)}
+            wc = config.worker_config(worker_id, role, host, node="auto")
+            env = thread_env(wc)  # OpenMP and MKL pools, as the process launcher sizes them
             actor = WorkerActor.options(  # type: ignore[attr-defined]
                 name=f"{cluster_id}-{worker_id}",
                 namespace=NAMESPACE,
@@ -434,7 +436,7 @@ def launch_ray_workers(
                 ),
                 runtime_env={"env_vars": env},
             ).remote(
-                config.worker_config(worker_id, role, host, node="auto").model_dump_json(),
+                wc.model_dump_json(),
                 str(port_dir / worker_id),
                 secret.to_text(),
             )

@@ -6,8 +6,14 @@ HTTP front runs (``--http-port``). Exit status 2 on a bad argument or config.
 
 ``--config FILE`` is how the launchers start a router: FILE is its whole `RouterConfig` as JSON
 (built once from the cluster config, `deploy.config.ClusterConfig.router_config`, written by
-`deploy.launcher`), and no other flag but `--log-level` may come with it. The other flags are
-for people running a router by hand.
+`deploy.launcher`), and no other flag but `--log-level` and ``--set`` may come with it. The
+other flags are for people running a router by hand: one per `RouterConfig` field, derived
+from the model (`cliflags.model_flags`: ``--policy``, ``--max-inflight``, ``--http-port``,
+``--ratio-json JSON``, ``--hybrid-json JSON``, ...; ``--model`` sets ``model_dir``, the
+repeatable ``--prefill-addr`` / ``--decode-addr`` / ``--colocated-addr`` the address lists,
+``--redis-url`` a Redis prefix index), each with the model's default and description, the
+public API's security flags (`security.cli`) on top of ``--security-json``, and
+``--set hybrid.local_prefill_max_tokens=256`` for any key, nested ones included.
 
 Secrets never come on the command line: the cluster secret comes from
 ``PDSERVE_CLUSTER_SECRET`` or `--cluster-secret-file`, a Redis password from
@@ -18,51 +24,51 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from pydantic import SecretStr, TypeAdapter, ValidationError
+from pydantic import SecretStr
 
+from cliflags.model_flags import add_model_flags, add_set_flag, apply_sets, model_values
 from router.app import start_router
 from router.config import RouterConfig
-from router.hybrid import HybridConfig
-from router.policies import POLICIES
-from router.prefix_index.config import (
-    REDIS_PASSWORD_ENV,
-    PrefixIndexConfig,
-    RedisIndexConfig,
-)
-from router.ratio.config import RatioConfig
+from router.prefix_index.config import REDIS_PASSWORD_ENV, PrefixIndexConfig, RedisIndexConfig
 from security.cli import add_server_security_args, server_security_overrides
-from security.config import SecurityConfig
+
+NOT_CONFIG_FLAGS = ("--config", "--log-level", "--set")
+"""The flags that may come with ``--config`` (only ``--set`` changes what it holds)."""
+
+FLAG_NAMES = {"model_dir": "--model"}
+"""`RouterConfig` fields whose flag keeps the command line's established name."""
+
+ADDRESS_FLAGS = {
+    "prefill_addrs": "--prefill-addr",
+    "decode_addrs": "--decode-addr",
+    "colocated_addrs": "--colocated-addr",
+}
+"""The address-list fields, each set by a repeatable flag that also takes comma lists."""
 
 
-def _security(args: argparse.Namespace) -> SecurityConfig:
-    """`--security-json`, with the security flags on top."""
-    data: dict[str, Any] = SecurityConfig.model_validate_json(
-        args.security_json or "{}"
-    ).model_dump(exclude_unset=True)
-    for key, value in server_security_overrides(args, "").items():
-        if value is not None:
-            data[key.lstrip(".")] = value
-    return SecurityConfig.model_validate(data)
-
-
-NOT_CONFIG_FLAGS = ("--config", "--log-level")
-"""The flags that may come with ``--config`` (none of them sets a `RouterConfig` field)."""
-
-
-def load_config(path: str | Path) -> RouterConfig:
+def load_config(path: str | Path, sets: Sequence[str] = ()) -> RouterConfig:
     """The router's whole config from its document: a `RouterConfig` as JSON, what the
-    launchers write, with the Redis password (never in the document) from
-    ``PDSERVE_REDIS_PASSWORD``. Raises OSError for an unreadable file,
-    pydantic.ValidationError (a ValueError) for a bad document."""
-    config = RouterConfig.model_validate_json(Path(path).read_bytes())
+    launchers write, with ``--set`` pairs laid over it and the Redis password (never in the
+    document) from ``PDSERVE_REDIS_PASSWORD``. Raises OSError for an unreadable file,
+    ValueError (pydantic.ValidationError included) for a bad document or pair."""
+    if sets:
+        data = json.loads(Path(path).read_bytes())
+        config = RouterConfig.model_validate(apply_sets(data, sets))
+    else:
+        config = RouterConfig.model_validate_json(Path(path).read_bytes())
+    return _with_env_password(config)
+
+
+def _with_env_password(config: RouterConfig) -> RouterConfig:
+    """`config` with its Redis index's password from the environment, if any."""
     index = _with_password(config.prefix_index)
     return (
         config
@@ -81,15 +87,6 @@ def _with_password(index: PrefixIndexConfig) -> PrefixIndexConfig:
     return index
 
 
-def _prefix_index(args: argparse.Namespace) -> PrefixIndexConfig:
-    """`--prefix-index-json`, else `--redis-url`; a Redis password from the environment."""
-    if args.prefix_index_json:
-        index = TypeAdapter(PrefixIndexConfig).validate_json(args.prefix_index_json)
-    else:
-        index = RouterConfig.prefix_index_from_url(args.redis_url)
-    return _with_password(index)
-
-
 def _addrs(values: list[str] | None) -> tuple[str, ...]:
     """Repeated flags and comma-separated lists both work: `-a h:1 -a h:2` == `-a h:1,h:2`."""
     return tuple(a.strip() for v in values or [] for a in v.split(",") if a.strip())
@@ -101,76 +98,20 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument(
         "--config",
         help="the whole RouterConfig as a JSON file (what the launchers pass); excludes every "
-        "other config flag",
+        "other config flag but --set",
     )
-    p.add_argument("--model", help="HF model folder (required without --config)")
-    p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
-    p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
+    flags = add_model_flags(p, RouterConfig, names=FLAG_NAMES, skip=ADDRESS_FLAGS)
+    for field, flag in ADDRESS_FLAGS.items():
+        info = RouterConfig.model_fields[field]
+        p.add_argument(flag, action="append", dest=field, help=f"{info.description} (repeatable)")
     p.add_argument(
         "--redis-url",
         default=None,
-        help="shared prefix index in Redis (redis://host:port/db); default: in-memory",
-    )
-    p.add_argument("--prefill-addr", action="append", help="prefill worker host:port")
-    p.add_argument("--decode-addr", action="append", help="decode worker host:port")
-    p.add_argument("--colocated-addr", action="append", help="colocated worker host:port")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="OpenAI-compatible HTTP API (and /metrics) on this port; 0 picks a free one",
-    )
-    p.add_argument("--max-inflight", type=int, default=64)
-    p.add_argument("--max-queued", type=int, default=256)
-    p.add_argument("--default-timeout-s", type=float, default=120.0)
-    p.add_argument("--status-poll-interval-s", type=float, default=0.5)
-    p.add_argument("--status-poll-timeout-s", type=float, default=0.5)
-    p.add_argument("--status-poll-misses", type=int, default=3)
-    p.add_argument(
-        "--stall-timeout-s",
-        type=float,
-        default=RouterConfig.model_fields["stall_timeout_s"].default,
-        help="a worker stream silent this long is checked; a frozen worker's request moves",
-    )
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=RouterConfig.model_fields["shutdown_grace_s"].default,
-        help="on SIGTERM, how long running streams may finish",
-    )
-    p.add_argument(
-        "--max-migrations",
-        type=int,
-        default=RouterConfig.model_fields["max_migrations"].default,
-        help="times a request moves off a decode worker that failed mid-stream",
-    )
-    p.add_argument(
-        "--ratio-json",
-        default=None,
-        help="ratio controller settings as JSON (a RatioConfig, e.g. "
-        '\'{"mode": "advisory", "slo_ttft_ms": 500, "slo_tpot_ms": 50}\'); default: off',
-    )
-    p.add_argument(
-        "--hybrid-json",
-        default=None,
-        help="conditional disaggregation as JSON (a router.hybrid HybridConfig, e.g. "
-        "'{\"local_prefill_max_tokens\": 256}'); default: off",
-    )
-    p.add_argument(
-        "--prefix-index-json",
-        default=None,
-        help="prefix index settings as JSON (a MemoryIndexConfig / RedisIndexConfig without "
-        "a password; overrides --redis-url)",
-    )
-    p.add_argument(
-        "--security-json",
-        default=None,
-        help="security settings as JSON (a SecurityConfig: file paths only); flags override",
+        help="shared prefix index in Redis (redis://host:port/db), unless --prefix-index-json "
+        "(default: in-memory)",
     )
     add_server_security_args(p)
+    add_set_flag(p)
     p.add_argument("--log-level", default="INFO")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
@@ -180,40 +121,27 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     if args.config:
         extra = [a for a in argv if a.startswith("--") and a.split("=")[0] not in NOT_CONFIG_FLAGS]
         if extra:
-            p.error(f"--config takes no other config flag, got {extra}")
+            p.error(f"--config takes no other config flag but --set, got {extra}")
         try:
-            return load_config(args.config)
-        except (OSError, ValidationError) as exc:
+            return load_config(args.config, args.model_sets)
+        except (OSError, ValueError) as exc:
             p.error(f"--config {args.config}: {exc}")
-    if not args.model:
-        p.error("--model is required without --config")
     try:
-        return RouterConfig(
-            model_dir=args.model,
-            model_name=args.model_name,
-            mode=args.mode,
-            policy=args.policy,
-            prefill_addrs=_addrs(args.prefill_addr),
-            decode_addrs=_addrs(args.decode_addr),
-            colocated_addrs=_addrs(args.colocated_addr),
-            host=args.host,
-            port=args.port,
-            http_port=args.http_port,
-            max_inflight=args.max_inflight,
-            max_queued=args.max_queued,
-            default_timeout_s=args.default_timeout_s,
-            status_poll_interval_s=args.status_poll_interval_s,
-            status_poll_timeout_s=args.status_poll_timeout_s,
-            status_poll_misses=args.status_poll_misses,
-            max_migrations=args.max_migrations,
-            stall_timeout_s=args.stall_timeout_s,
-            shutdown_grace_s=args.shutdown_grace_s,
-            prefix_index=_prefix_index(args),
-            ratio=RatioConfig.model_validate_json(args.ratio_json or "{}"),
-            hybrid=HybridConfig.model_validate_json(args.hybrid_json or "{}"),
-            security=_security(args),
-        )
-    except ValidationError as exc:
+        fields = model_values(args, flags)
+        for field in ADDRESS_FLAGS:
+            if getattr(args, field):
+                fields[field] = _addrs(getattr(args, field))
+        if args.redis_url and "prefix_index" not in fields:
+            fields["prefix_index"] = RouterConfig.prefix_index_from_url(args.redis_url).model_dump()
+        security = fields.setdefault("security", {})
+        for key, value in server_security_overrides(args, "").items():
+            if value is not None:
+                security[key.lstrip(".")] = value
+        apply_sets(fields, args.model_sets)
+        if "model_dir" not in fields:
+            p.error("--model is required without --config")
+        return _with_env_password(RouterConfig.model_validate(fields))
+    except ValueError as exc:  # pydantic.ValidationError included
         p.error(str(exc))
 
 

@@ -1,14 +1,18 @@
 """The worker process's command line: ``python -m worker_main`` (`worker_main/__main__.py`).
 
-    python -m worker_main --config FILE [--log-level LEVEL] [--cluster-secret-file FILE]
-    python -m worker_main --model DIR --role prefill|decode|colocated [--port 0] [--metrics-port 0]
-        [--worker-id ID] [--engine-json JSON] [--torch-threads N] [--host H] [--kv-host H]
-        [--kv-port P] [--transfer-timeout-s S] [--stop-grace-s S] [--log-level LEVEL]
-        [--cluster-secret-file FILE] [--internal-tls-json JSON] [--insecure]
+    python -m worker_main --config FILE [--set KEY=VALUE ...] [--log-level LEVEL]
+        [--cluster-secret-file FILE]
+    python -m worker_main --model DIR --role prefill|decode|colocated [--FIELD VALUE ...]
+        [--set KEY=VALUE ...] [--log-level LEVEL] [--cluster-secret-file FILE]
 
 ``--config FILE`` is how the launchers start a worker: FILE is the worker's whole `WorkerConfig`
 as JSON (built once from the cluster config, `deploy.config.ClusterConfig.worker_config`), and
-no other config flag may come with it. The other flags are for people running a worker by hand.
+no other config flag may come with it but ``--set``. The other flags are for people running a
+worker by hand: one per `WorkerConfig` field, derived from the model (`cliflags.model_flags`:
+``--worker-id``, ``--port``, ``--torch-threads``, ``--nice``, ``--kv-shared-memory`` /
+``--no-kv-shared-memory``, ``--engine-json JSON``, ...; ``--model`` sets ``model_dir``, and
+``--metrics-port -1`` or ``none`` serves no metrics), each with the model's default and
+description, and ``--set engine.block_size=8`` for any key, nested ones included.
 
 It prints exactly one line ``PDSERVE_WORKER_READY host:port`` on stdout once its gRPC server
 answers health checks with SERVING (logs go to stderr), and stops cleanly on SIGTERM / SIGINT:
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import logging
 import os
 import signal
@@ -35,8 +40,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from model_runtime.engine_config import EngineConfig
-from security.config import InternalTLS
+from cliflags.model_flags import add_model_flags, add_set_flag, apply_sets, model_values
 from security.secret import ClusterSecret
 from worker.config import READY_PREFIX, WorkerConfig
 from worker.parent_watch import ParentWatch, parent_pid_from_env
@@ -57,15 +61,22 @@ class StopReason(enum.Enum):
     LAUNCHER_GONE = "launcher gone"  # `ParentWatch` saw the launcher die
 
 
-NOT_CONFIG_FLAGS = ("--config", "--log-level", "--cluster-secret-file")
-"""The flags that may come with ``--config`` (none of them sets a `WorkerConfig` field)."""
+NOT_CONFIG_FLAGS = ("--config", "--log-level", "--cluster-secret-file", "--set")
+"""The flags that may come with ``--config`` (only ``--set`` changes what it holds)."""
+
+FLAG_NAMES = {"model_dir": "--model"}
+"""`WorkerConfig` fields whose flag keeps the command line's established name."""
 
 
-def load_config(path: str | Path) -> WorkerConfig:
+def load_config(path: str | Path, sets: Sequence[str] = ()) -> WorkerConfig:
     """The worker's whole config from its document: a `WorkerConfig` as JSON, what the
-    launchers write (`deploy.config.ClusterConfig.worker_config`). Raises OSError for an
-    unreadable file, pydantic.ValidationError (a ValueError) for a bad document."""
-    return WorkerConfig.model_validate_json(Path(path).read_bytes())
+    launchers write (`deploy.config.ClusterConfig.worker_config`), with ``--set`` pairs laid
+    over it. Raises OSError for an unreadable file, ValueError (pydantic.ValidationError
+    included) for a bad document or pair."""
+    if not sets:
+        return WorkerConfig.model_validate_json(Path(path).read_bytes())
+    data = json.loads(Path(path).read_bytes())
+    return WorkerConfig.model_validate(apply_sets(data, sets))
 
 
 def parse_args(
@@ -80,44 +91,12 @@ def parse_args(
     p.add_argument(
         "--config",
         help="the whole WorkerConfig as a JSON file (what the launchers pass); excludes "
-        "every other config flag",
+        "every other config flag but --set",
     )
-    p.add_argument("--model", help="HF model folder (required without --config)")
-    p.add_argument("--role", choices=["prefill", "decode", "colocated"])
-    p.add_argument("--worker-id", help="unique worker id (default: worker-<random>)")
-    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick)")
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus port (0 = pick, -1 = none)"
-    )
-    p.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
-    p.add_argument("--torch-threads", type=int, help="torch.set_num_threads")
-    p.add_argument("--nice", type=int, default=0, help="niceness to run at (0-19)")
-    p.add_argument(
-        "--sched-idle", action="store_true", help="run under SCHED_IDLE (see WorkerConfig)"
-    )
-    p.add_argument("--kv-host", default="127.0.0.1", help="KV transport address")
-    p.add_argument("--kv-port", type=int, default=0, help="KV store port (0 = pick)")
-    p.add_argument(
-        "--kv-shared-memory",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="same-host shared-memory KV data plane (CPU)",
-    )
-    p.add_argument("--node", default="", help="node label (see WorkerConfig.node)")
-    p.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    p.add_argument(
-        "--stop-grace-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM: NOT_SERVING at once, no new work, in-flight requests get this long",
-    )
+    flags = add_model_flags(p, WorkerConfig, names=FLAG_NAMES)
+    add_set_flag(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--cluster-secret-file", help="cluster secret (hex, mode 0600)")
-    p.add_argument("--internal-tls-json", help="mutual TLS of the worker API (InternalTLS)")
-    p.add_argument(
-        "--insecure", action="store_true", help="allow a non-loopback host without a secret"
-    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     logging.getLogger().setLevel(args.log_level)
@@ -127,33 +106,15 @@ def parse_args(
     if args.config:
         extra = [a for a in argv if a.startswith("--") and a.split("=")[0] not in NOT_CONFIG_FLAGS]
         if extra:
-            p.error(f"--config takes no other config flag, got {extra}")
-        return load_config(args.config), secret
-    if not args.model or not args.role:
+            p.error(f"--config takes no other config flag but --set, got {extra}")
+        return load_config(args.config, args.model_sets), secret
+    fields = model_values(args, flags)
+    if fields.get("metrics_port") == "-1":  # the established spelling of "no exporter"
+        fields["metrics_port"] = None
+    apply_sets(fields, args.model_sets)
+    if "model_dir" not in fields or "role" not in fields:
         p.error("--model and --role are required without --config")
-    fields = {
-        "model_dir": args.model,
-        "role": args.role,
-        "host": args.host,
-        "port": args.port,
-        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
-        "engine": EngineConfig.model_validate_json(args.engine_json),
-        "torch_threads": args.torch_threads,
-        "nice": args.nice,
-        "sched_idle": args.sched_idle,
-        "kv_host": args.kv_host,
-        "kv_port": args.kv_port,
-        "kv_shared_memory": args.kv_shared_memory,
-        "node": args.node,
-        "transfer_timeout_s": args.transfer_timeout_s,
-        "stop_grace_s": args.stop_grace_s,
-        "insecure": args.insecure,
-    }
-    if args.internal_tls_json:
-        fields["internal_tls"] = InternalTLS.model_validate_json(args.internal_tls_json)
-    if args.worker_id:
-        fields["worker_id"] = args.worker_id
-    return WorkerConfig(**fields), secret
+    return WorkerConfig.model_validate(fields), secret
 
 
 def main(roles: Mapping[str, type[RoleHandler]], argv: Sequence[str] | None = None) -> int:

@@ -43,7 +43,7 @@ def _config(model_dir: Path, launcher: str) -> ClusterConfig:
             "ray.num_cpus": 2,
             "router.port": 0,
             "router.status_poll_interval_s": 0.2,
-            "drain_timeout_s": 2.0,
+            "worker.stop_grace_s": 2.0,
         },
     )
 

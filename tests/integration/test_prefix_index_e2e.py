@@ -59,7 +59,6 @@ def workers(
             "engine": ENGINE,
             "workers.prefill": 2,
             "workers.decode": 1,
-            "transfer.timeout_s": 10.0,
         },
     )
     procs = launch_workers(config, tmp_path_factory.mktemp("prefix-e2e-logs"))

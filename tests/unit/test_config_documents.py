@@ -5,8 +5,10 @@ what the cluster config says.
 
 The tests iterate the models' fields, so a field added to `RouterConfig` or `WorkerConfig`
 fails here until it is placed: a router setting goes into `RouterSettings` (then it is a
-``[router]`` key and flows through with no other code), a worker setting gets its line in
-`ClusterConfig.worker_config` and in `WORKER_FROM_CLUSTER` below.
+``[router]`` key and flows through with no other code), a setting every worker shares into
+`WorkerSettings` (a ``[worker]`` key, the same), anything else gets its line in
+`ClusterConfig.worker_config` and in `WORKER_FROM_CLUSTER` below. The hand-run command lines
+take one flag per field of the same models (`cliflags.model_flags`), checked here too.
 
 Pure and fast: no processes, no network.
 """
@@ -23,7 +25,7 @@ from deploy.launcher import router_document, write_document
 from router.__main__ import parse_args as router_args
 from router.config import RouterConfig, RouterSettings
 from worker.cli import parse_args as worker_args
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, WorkerSettings
 
 # A value unlike the default for every [router] setting (the router's own fields).
 ROUTER_SETTINGS: dict[str, Any] = {
@@ -38,6 +40,7 @@ ROUTER_SETTINGS: dict[str, Any] = {
     "http_header_timeout_s": 16.0,
     "http_default_max_tokens": 321,
     "http_body_timeout_s": 61.0,
+    "http_default_max_tokens": 512,
     "max_inflight": 5,
     "max_queued": 6,
     "default_timeout_s": 121.0,
@@ -52,25 +55,33 @@ ROUTER_SETTINGS: dict[str, Any] = {
     "hybrid": {"local_prefill_max_tokens": 96, "prefill_queue_max_tokens": 500},
 }
 
-# What a worker's config takes from the cluster config: field -> (cluster config -> value).
+# A value unlike the default for every [worker] setting (what every worker shares).
+WORKER_SETTINGS: dict[str, Any] = {
+    "nice": 5,
+    "sched_idle": True,
+    "kv_shared_memory": False,
+    "kv_connect_timeout_s": 11.0,
+    "default_timeout_s": 301.0,
+    "stop_grace_s": 7.0,
+}
+
+# What a worker's config takes from the rest of the cluster config: field -> (cluster config
+# -> value); each a decision of the cluster's (a path resolved, an address, the security
+# settings router and workers share) or a table of the same name.
 WORKER_FROM_CLUSTER: dict[str, Any] = {
     "model_dir": lambda c: c.model.resolve(),
     "engine": lambda c: c.engine,
     "torch_threads": lambda c: c.torch_threads,
-    "nice": lambda c: c.worker_nice,
-    "sched_idle": lambda c: c.worker_sched_idle,
-    "transfer_timeout_s": lambda c: c.transfer.timeout_s,
     "kv_host": lambda c: c.transfer.kv_host,
-    "kv_shared_memory": lambda c: c.transfer.shared_memory,
     "internal_tls": lambda c: c.security.internal,
     "insecure": lambda c: c.security.insecure,
-    "stop_grace_s": lambda c: c.drain_timeout_s,
     "tracing": lambda c: c.tracing,
 }
 # Given by the launcher per worker (arguments of `worker_config`).
 WORKER_FROM_LAUNCHER = {"worker_id", "role", "host", "port", "node"}
-# Not cluster keys: every launched worker keeps the WorkerConfig default.
-WORKER_DEFAULTS = {"metrics_port", "kv_port", "kv_connect_timeout_s", "default_timeout_s"}
+# Not cluster keys: every launched worker keeps the WorkerConfig default (a routed Reserve
+# always carries its own timeout, so `transfer_timeout_s` serves hand-run workers only).
+WORKER_DEFAULTS = {"metrics_port", "kv_port", "transfer_timeout_s"}
 
 
 def _cluster(tmp_path: Path) -> ClusterConfig:
@@ -80,13 +91,11 @@ def _cluster(tmp_path: Path) -> ClusterConfig:
             "model": str(tmp_path / "model"),
             "launcher": "process",
             "torch_threads": 3,
-            "drain_timeout_s": 7.0,
-            "worker_nice": 5,
-            "worker_sched_idle": True,
+            "worker": WORKER_SETTINGS,
             "workers": {"prefill": 2, "decode": 1},
             "router": ROUTER_SETTINGS,
             "engine": {"block_size": 32, "num_kv_blocks": 99},
-            "transfer": {"timeout_s": 9.0, "kv_host": "127.0.0.3", "shared_memory": False},
+            "transfer": {"kv_host": "127.0.0.3"},
             "ratio": {"mode": "advisory", "slo_ttft_ms": 500, "slo_tpot_ms": 50},
             "tracing": {
                 "enabled": True,
@@ -144,7 +153,13 @@ def test_a_worker_process_gets_every_field_the_cluster_config_says(
     tmp_path: Path, role: str
 ) -> None:
     cluster = _cluster(tmp_path)
-    placed = WORKER_FROM_LAUNCHER | WORKER_DEFAULTS | set(WORKER_FROM_CLUSTER)
+    assert set(WORKER_SETTINGS) == set(WorkerSettings.model_fields)
+    placed = (
+        WORKER_FROM_LAUNCHER
+        | WORKER_DEFAULTS
+        | set(WORKER_FROM_CLUSTER)
+        | set(WorkerSettings.model_fields)
+    )
     assert placed == set(WorkerConfig.model_fields), (
         f"WorkerConfig fields not placed: {set(WorkerConfig.model_fields) - placed}"
     )
@@ -152,6 +167,8 @@ def test_a_worker_process_gets_every_field_the_cluster_config_says(
     doc = write_document(tmp_path, f"worker-{role}-1", wc.model_dump_json())
     got, _ = worker_args(["--config", str(doc)])
     default = WorkerConfig(model_dir=Path("m"), role="prefill")
+    for name, value in WORKER_SETTINGS.items():  # every [worker] key, under its own name
+        assert getattr(got, name) == value != getattr(default, name), name
     for name, value_of in WORKER_FROM_CLUSTER.items():
         want = value_of(cluster)
         assert getattr(got, name) == want, name
@@ -174,3 +191,71 @@ def test_the_entry_points_take_the_document_alone(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         router_args(["--config", str(rdoc), "--max-queued", "1"])
     assert router_args(["--config", str(rdoc), "--log-level", "WARNING"]).max_queued == 6
+
+
+def _flag_value(value: Any) -> str:
+    """A field's value as its flag takes it: JSON for a nested model, else its text."""
+    if hasattr(value, "model_dump_json"):
+        return str(value.model_dump_json())
+    return str(value)
+
+
+def test_every_worker_field_is_a_flag_of_the_hand_run_worker(tmp_path: Path) -> None:
+    """`python -m worker_main` takes one flag per `WorkerConfig` field (derived from the model,
+    no second default): the flags of a launched worker's config give that config back."""
+    cluster = _cluster(tmp_path)
+    want = cluster.worker_config("w-1", "decode", "127.0.0.1", port=4711, node="n")
+    argv: list[str] = []
+    for name in WorkerConfig.model_fields:
+        value = getattr(want, name)
+        flag = "--model" if name == "model_dir" else "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            argv += [flag, "none"]
+        else:
+            argv += [
+                flag + ("-json" if hasattr(value, "model_dump_json") else ""),
+                _flag_value(value),
+            ]
+    got, _ = worker_args(argv)
+    assert got == want
+
+
+def test_a_worker_flag_left_out_keeps_the_model_default(tmp_path: Path) -> None:
+    got, _ = worker_args(["--model", str(tmp_path), "--role", "prefill", "--worker-id", "w"])
+    assert got == WorkerConfig(model_dir=tmp_path, role="prefill", worker_id="w")
+
+
+def test_set_reaches_nested_keys_with_or_without_a_document(tmp_path: Path) -> None:
+    sets = ["--set", "engine.block_size=8", "--set", "worker_id=w2", "--set", "node=n1"]
+    got, _ = worker_args(["--model", str(tmp_path), "--role", "decode", *sets])
+    assert (got.engine.block_size, got.worker_id, got.node) == (8, "w2", "n1")
+    cluster = _cluster(tmp_path)
+    doc = write_document(
+        tmp_path, "w", cluster.worker_config("p", "prefill", "127.0.0.1").model_dump_json()
+    )
+    got, _ = worker_args(["--config", str(doc), "--set", "engine.num_kv_blocks=7"])
+    assert got.engine.num_kv_blocks == 7 and got.engine.block_size == cluster.engine.block_size
+    rc = cluster.router_config({"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
+    rdoc = write_document(tmp_path, "r", router_document(rc))
+    routed = router_args(["--config", str(rdoc), "--set", "hybrid.local_prefill_max_tokens=9"])
+    assert routed.hybrid.local_prefill_max_tokens == 9 and routed.max_queued == 6
+
+
+def test_every_router_setting_is_a_flag_of_the_hand_run_router(tmp_path: Path) -> None:
+    """`python -m router` takes one flag per `RouterSettings` field (derived from the model):
+    the flags of a cluster's router settings give those settings back."""
+    section = RouterSettings.model_validate(ROUTER_SETTINGS)
+    argv = ["--model", str(tmp_path), "--prefill-addr", "127.0.0.1:1,127.0.0.1:2"]
+    argv += ["--decode-addr", "127.0.0.1:3"]
+    for name in RouterSettings.model_fields:
+        value = getattr(section, name)
+        nested = hasattr(value, "model_dump_json")
+        flag = "--" + name.replace("_", "-") + ("-json" if nested else "")
+        argv += [flag, _flag_value(value)]
+    got = router_args(argv)
+    for name in RouterSettings.model_fields:
+        assert getattr(got, name) == getattr(section, name), name
+    assert got.prefill_addrs == ("127.0.0.1:1", "127.0.0.1:2")
+    assert got.decode_addrs == ("127.0.0.1:3",)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import multiprocessing
 import os
 import tomllib
@@ -17,12 +18,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from deploy import config as deploy_config
 from deploy.cli import build_parser, up_overrides
 from deploy.client import build_request
 from deploy.config import ClusterConfig, check_model_dir, load_cluster_config
 from deploy.launcher import router_document, router_env, write_document
 from router.config import RouterConfig
 from worker.cli import parse_args as parse_worker_args
+from worker.config import WorkerConfig, thread_env
 from worker.server import lower_priority
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -49,15 +52,15 @@ def test_toml_load_and_defaults(tmp_path: Path) -> None:
         [engine]
         block_size = 32
         num_kv_blocks = 100
-        [transfer]
-        timeout_s = 5
+        [worker]
+        stop_grace_s = 5
         """,
     )
     c = load_cluster_config(path)
     assert (c.mode, c.launcher, c.torch_threads) == ("disagg", "ray", 2)
     assert (c.workers.prefill, c.workers.decode, c.workers.colocated) == (2, 1, 0)
     assert (c.router.port, c.router.max_queued, c.router.max_inflight) == (0, 4, 64)
-    assert (c.engine.block_size, c.engine.num_kv_blocks, c.transfer.timeout_s) == (32, 100, 5)
+    assert (c.engine.block_size, c.engine.num_kv_blocks, c.worker.stop_grace_s) == (32, 100, 5)
     assert c.worker_roles() == [
         ("prefill-0", "prefill"),
         ("prefill-1", "prefill"),
@@ -126,14 +129,16 @@ def test_cli_flags_override_the_file(tmp_path: Path) -> None:
         ({"model": "m", "mode": "colocated", "workers": {"colocated": 0}}, ["workers.colocated"]),
         ({"model": "m", "mode": "colocated", "workers": {"prefill": 1}}, ["workers.prefill"]),
         ({"model": "m", "torch_threads": 0}, ["torch_threads"]),
-        ({"model": "m", "worker_nice": 20}, ["worker_nice"]),
+        ({"model": "m", "worker": {"nice": 20}}, ["worker.nice"]),
+        ({"model": "m", "worker_nice": 20}, ["worker.nice"]),  # a deprecated alias
         ({"model": "m", "router": {"port": 70000}}, ["router.port"]),
         ({"model": "m", "router": {"policy": "random"}}, ["router.policy"]),
         ({"model": "m", "router": {"max_inflight": 0}}, ["router.max_inflight"]),
         ({"model": "m", "router": {"prot": 1}}, ["router.prot"]),
         ({"model": "m", "engine": {"block_size": 0}}, ["engine.block_size"]),
         ({"model": "m", "engine": {"max_num_seqs": 999}}, ["max_num_seqs"]),
-        ({"model": "m", "transfer": {"timeout_s": 0}}, ["transfer.timeout_s"]),
+        ({"model": "m", "worker": {"stop_grace_s": -1}}, ["worker.stop_grace_s"]),
+        ({"model": "m", "worker_nice": 1, "worker": {"nice": 2}}, ["worker_nice", "worker.nice"]),
         ({"model": "m", "ray": {"address": "a", "num_cpus": 2}}, ["ray.num_cpus", "ray.address"]),
         ({"model": "m", "ray": {"num_cpus": 1}}, ["ray.num_cpus", "ray.cpus_per_worker"]),
         ({"model": "m", "ray": {"gpus_per_worker": 1}}, ["ray.gpus_per_worker", "engine.device"]),
@@ -191,7 +196,7 @@ def test_router_config_and_documents(tmp_path: Path) -> None:
     assert "hunter2" not in doc  # the password goes through the environment
     assert router_env(rc2, None) == {"PDSERVE_REDIS_PASSWORD": "hunter2"}
     assert "hunter2" not in c2.model_dump_json()  # nor into the effective-config dump
-    niced = load_cluster_config(None, {"model": "m", "worker_nice": 7})
+    niced = load_cluster_config(None, {"model": "m", "worker.nice": 7})
     path = write_document(
         tmp_path, "w", niced.worker_config("decode-0", "decode", "h").model_dump_json()
     )
@@ -289,7 +294,7 @@ def test_lower_priority_sched_idle_moves_the_process_to_sched_idle() -> None:
 def test_worker_sched_idle_reaches_the_worker(tmp_path: Path) -> None:
     """Both launchers hand a worker `ClusterConfig.worker_config` whole (the process launcher
     as its --config file, the Ray launcher as its actor's argument)."""
-    on = load_cluster_config(None, {"model": "m", "worker_sched_idle": True})
+    on = load_cluster_config(None, {"model": "m", "worker.sched_idle": True})
     off = load_cluster_config(None, {"model": "m"})
     for config, want in ((on, True), (off, False)):
         doc = config.worker_config("w0", "prefill", "127.0.0.1").model_dump_json()
@@ -357,3 +362,45 @@ def test_router_hybrid_threshold_bounds_reach_the_router_and_need_a_controller()
     c = load_cluster_config(None, {**keys, **ratio})
     rc = c.router_config({"prefill": ["h:1"], "decode": ["h:2"]})
     assert rc.hybrid.adaptive and rc.hybrid.max_local_prefill_max_tokens == 256
+
+
+def test_renamed_keys_keep_their_old_names_with_a_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Old cluster keys still load, moved to the keys they were renamed to (the workers'
+    settings under their own names, `[worker]`), each warned about once per process;
+    `transfer.timeout_s`, which never applied to a routed request, is dropped with a warning."""
+    monkeypatch.setattr(deploy_config, "_warned", set())
+    old = {
+        "model": "m",
+        "worker_nice": 4,
+        "worker_sched_idle": True,
+        "drain_timeout_s": 9.0,
+        "transfer": {"shared_memory": False, "timeout_s": 12.0, "kv_host": "10.0.0.1"},
+    }
+    with caplog.at_level(logging.WARNING, logger="deploy.config"):
+        c = load_cluster_config(None, old)
+        load_cluster_config(None, old)  # once per process
+    w = c.worker
+    assert (w.nice, w.sched_idle, w.stop_grace_s, w.kv_shared_memory) == (4, True, 9.0, False)
+    assert c.transfer.kv_host == "10.0.0.1"
+    new = {
+        "model": "m",
+        "worker": {"nice": 4, "sched_idle": True, "stop_grace_s": 9.0, "kv_shared_memory": False},
+        "transfer": {"kv_host": "10.0.0.1"},
+    }
+    assert load_cluster_config(None, new) == c
+    warned = [r.getMessage() for r in caplog.records]
+    for key in ("worker_nice", "worker_sched_idle", "drain_timeout_s", "transfer.shared_memory"):
+        assert sum(key in m and "deprecated" in m for m in warned) == 1, (key, warned)
+    assert sum("transfer.timeout_s" in m and "ignored" in m for m in warned) == 1, warned
+
+
+def test_threads_reach_a_worker_one_way(tmp_path: Path) -> None:
+    """A worker's `torch_threads` is where its threads come from: the worker applies it and
+    both launchers derive its OpenMP and MKL pools from it (`thread_env`)."""
+    c = load_cluster_config(None, {"model": "m", "torch_threads": 3})
+    wc = c.worker_config("w0", "decode", "127.0.0.1")
+    assert wc.torch_threads == 3
+    assert thread_env(wc) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
+    assert thread_env(WorkerConfig(model_dir=tmp_path, role="decode")) == {}

@@ -65,7 +65,6 @@ def cluster_settings(config: SoakConfig, redis_url: str) -> dict[str, Any]:
             "ttl_s": config.index_ttl_s,
             "heartbeat_s": min(1.0, config.index_ttl_s / 3),
         },
-        "transfer.timeout_s": 10.0,
     }
     if config.launcher == "ray":
         total = n_prefill + n_decode
