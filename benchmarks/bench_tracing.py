@@ -7,6 +7,14 @@ answers). Standalone.
 
 One run:
 
+0. the CPU cost of tracing itself, measured in this process without a cluster (`span_cpu`):
+   the router's spans of one request and the workers' spans of its Reserve, Prefill and
+   Decode (`--micro-tokens` chunks) through the real code (`router.request_trace`,
+   `router.leg`'s client spans, `worker.tracing`) and the real SDK, each batch encoded to
+   OTLP protobuf as the exporters do (only the socket write left out), as process CPU time
+   (all threads: the export thread too) per request, on in the router or in the workers
+   minus off everywhere. This number
+   does not depend on what else runs on the machine, which the latencies below do;
 1. an OTLP receiver in this process (`tracing.receiver`; one that answers, one held) and a
    closed port for the collector that is down;
 2. four 1P1D clusters of the same model and sizing (router + prefill + decode worker, local
@@ -39,22 +47,32 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from benchmarks.bench_decode_step import ensure_model
 from deploy.tool_launchers import launch_cluster
-from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
+from model_runtime.sampling_params import SamplingParams
+from model_runtime.tokenizer import Tokenizer
+from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
+from router.request_trace import NEW_TRACE, RequestTrace, worker_call
+from router.validation import ValidatedRequest
 from tooling.cpu import pid_cpu_s
 from tooling.goodput.analysis import SLO, slo_goodput_rps
 from tooling.goodput.arrivals import arrival_times
 from tooling.goodput.clusters import EngineSizing, cluster_settings
 from tooling.goodput.loadgen import LoadJob, run_load_process
 from tooling.goodput.records import RequestSpec, RunResult
+from tracing import NO_TRACER, Tracer, TracingConfig
 from tracing.receiver import OtlpReceiver
+from worker.tracing import RpcSpans
 
 CONDITIONS = ("off", "on", "down", "hang")
 
@@ -102,6 +120,79 @@ def span_counters(metrics_url: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name.removeprefix("pdserve:tracing_spans_")] = float(value)
     return out
+
+
+class EncodingExporter(SpanExporter):
+    """Encodes each batch to OTLP protobuf bytes, as the OTLP exporters do, and drops them: the
+    CPU of an export less the socket write."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        encode_spans(spans).SerializeToString()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _one_request(router: Tracer, worker: Tracer, tokenizer: Tokenizer, chunks: int) -> None:
+    """The spans of one 1P1D request, router and both workers, through the product's code."""
+    req = ValidatedRequest("r", tuple(range(128)), SamplingParams(max_tokens=chunks + 1), ())
+    tr = RequestTrace(router, "small", NEW_TRACE)
+    with tr.phase("pdserve.tokenize"):
+        pass
+    tr.validated(req, "r", tokenizer)
+    with tr.phase("pdserve.admission_queue"):
+        pass
+    answers: list[tuple[str, Any]] = [
+        ("Reserve", worker_pb2.ReserveResponse()),
+        ("Prefill", worker_pb2.PrefillResponse(queue_ms=1, compute_ms=5, kv_total_ms=5)),
+        ("Decode", None),
+    ]
+    for method, answer in answers:
+        call = worker_call(tr.root, method, "127.0.0.1:1", "w")
+        request = worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=req.prompt_token_ids)
+        rpc = RpcSpans(worker, method, request, call.headers(), time.monotonic(), "w")
+        if answer is not None:
+            rpc.answered(answer)
+        else:
+            for _ in range(chunks):
+                rpc.chunk(worker_pb2.TokenChunk(token_ids=[1], admission_ms=1, first_step_ms=2))
+        rpc.end()
+        call.end()
+    tr.finish("OK", "", 0.03, "length", False, tokenizer)
+
+
+def span_cpu(model: str, n: int, chunks: int) -> dict[str, float]:
+    """CPU microseconds per request that tracing costs (step 0 of the module docstring): one
+    request's spans with tracing off everywhere, on in the router only, on in the workers only;
+    `router_us` / `workers_us` are the differences to off."""
+    from tracing.config import ExportSettings
+    from tracing.sdk import OtelTracer
+
+    settings = ExportSettings.resolve(TracingConfig(enabled=True, schedule_delay_ms=50), {})
+    assert settings is not None
+    tokenizer = Tokenizer.from_model_dir(model)
+    cpu: dict[str, float] = {}
+    spans = 0
+    for label in ("off", "router", "workers"):
+        on = OtelTracer(settings, label, label, EncodingExporter())
+        router: Tracer = on if label == "router" else NO_TRACER
+        worker: Tracer = on if label == "workers" else NO_TRACER
+        for _ in range(50):  # warm-up
+            _one_request(router, worker, tokenizer, chunks)
+        t0 = time.process_time()
+        for _ in range(n):
+            _one_request(router, worker, tokenizer, chunks)
+        on.force_flush()  # the export thread's encoding counts too
+        cpu[label] = (time.process_time() - t0) / n * 1e6
+        spans += on.counts()["exported"]
+        on.shutdown()
+    return {
+        "spans_per_request": spans / (n + 50),
+        "off_us": cpu["off"],
+        "router_us": cpu["router"] - cpu["off"],
+        "workers_us": cpu["workers"] - cpu["off"],
+    }
 
 
 def calibrate(address: str, prompt_len: int, output_len: int, n: int) -> tuple[float, float]:
@@ -163,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=0.0)
     p.add_argument("--slo-tpot-ms", type=float, default=0.0)
     p.add_argument("--conditions", default=",".join(CONDITIONS))
+    p.add_argument("--micro-requests", type=int, default=2000, help="step 0's requests")
+    p.add_argument("--micro-tokens", type=int, default=64, help="step 0's decode chunks")
+    p.add_argument("--micro-only", action="store_true", help="step 0 only (no cluster)")
     args = p.parse_args(argv)
     conditions = [c for c in args.conditions.split(",") if c]
     if "off" not in conditions or not set(conditions) <= set(CONDITIONS):
@@ -170,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     ensure_model(args.model, "bfloat16")
+    micro = span_cpu(args.model, args.micro_requests, args.micro_tokens)
+    say(f"tracing's own CPU per request (step 0): {micro}")
+    if args.micro_only:
+        (out / "micro.json").write_text(json.dumps(micro))
+        return 0
     context = args.prompt_len + args.output_len
     sizing = EngineSizing(context=context)
     up, held = OtlpReceiver().start(), OtlpReceiver().start()
@@ -260,9 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         "unloaded": {"ttft_ms": ttft0, "tpot_ms": tpot0},
         "spans_received": spans,
         "router_span_counters": counters,
+        "span_cpu": micro,
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "table": table, "runs": records}))
     lines = [
+        f"Tracing's own CPU per request (router + workers, {args.micro_tokens} decode chunks, "
+        f"{micro['spans_per_request']:.0f} spans, OTLP-encoded): router "
+        f"{micro['router_us']:.0f} us, prefill + decode worker {micro['workers_us']:.0f} us",
+        "",
         f"# Tracing overhead ({args.repeats} rounds x {args.duration:g} s at {args.rate:g} req/s, "
         f"{args.prompt_len} in / {args.output_len} out; {slo.text()})",
         "",
