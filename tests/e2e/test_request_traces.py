@@ -20,12 +20,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from deploy.client import build_request
-from proto.pdserve.v1 import inference_pb2
+from deploy.client import CHANNEL_OPTIONS, build_request
+from proto.pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from router.request_trace import ROOT
 from tests.e2e.helpers import E2ECluster, wait_until
 from tracing.receiver import OtlpReceiver, ReceivedSpan
@@ -163,20 +163,28 @@ def test_a_client_traceparent_is_continued(cluster: E2ECluster, receiver: OtlpRe
     assert root.trace_id == CLIENT_TRACE and root.parent_id == CLIENT_SPAN
 
 
-def _kill_the_decoder_that_runs_it(cluster: E2ECluster, stream: object) -> str:
-    """SIGKILL the decode worker seen (by its own status) running the request, after a few of
-    its steps; its id."""
+def _kill_the_decoder_that_runs_it(cluster: E2ECluster, stream: Future[object]) -> str:
+    """SIGKILL the decode worker seen (by its own status, one open channel per worker) running
+    the request; its id. Its first token came from the prefill worker and reached the client,
+    so the router moves it whatever the decode worker had done."""
+    internal = cluster.local.workers.internal
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
-    steps = {w.address: cluster.status(w.address).engine_steps for w in decoders}
-    deadline = time.monotonic() + 60.0
-    while True:
-        assert time.monotonic() < deadline, "no decode worker ran the request"
-        assert not stream.done(), "the request ended before a decode worker ran it"  # type: ignore[attr-defined]
-        for w in decoders:
-            status = cluster.status(w.address)
-            if status.num_running > 0 and status.engine_steps - steps[w.address] >= 2:
-                os.kill(w.process.pid, signal.SIGKILL)
-                return status.worker_id
+    channels = [internal.channel(w.address, CHANNEL_OPTIONS) for w in decoders]
+    try:
+        stubs = [internal.stub(worker_pb2_grpc.WorkerStub(ch)) for ch in channels]
+        get = worker_pb2.GetStatusRequest()
+        deadline = time.monotonic() + 60.0
+        while True:
+            assert time.monotonic() < deadline, "no decode worker ran the request"
+            assert not stream.done(), "the request ended before a decode worker ran it"
+            for w, stub in zip(decoders, stubs, strict=True):
+                status = stub.GetStatus(get, timeout=5.0)
+                if status.num_running > 0:
+                    os.kill(w.process.pid, signal.SIGKILL)
+                    return status.worker_id
+    finally:
+        for ch in channels:
+            ch.close()
 
 
 def test_a_migration_shows_as_a_span(cluster: E2ECluster, receiver: OtlpReceiver) -> None:
@@ -189,13 +197,14 @@ def test_a_migration_shows_as_a_span(cluster: E2ECluster, receiver: OtlpReceiver
     restarts = sum(e.kind == "restarted" for e in cluster.local.workers.events)
     req = build_request(token_ids=PROMPT, max_tokens=500, temperature=0.0, request_id="trace-3")
 
-    def stream() -> inference_pb2.FinalInfo:
+    def stream() -> object:
         return cluster.generate(req, timeout=120.0)[1]
 
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(stream)
         victim = _kill_the_decoder_that_runs_it(cluster, call)
         final = call.result()
+    assert isinstance(final, inference_pb2.FinalInfo)
     assert final.migrations == 1 and final.decode_worker != victim
     spans = _trace_of(receiver, "trace-3", {"pdserve.migration", "pdserve.worker.decode"})
     root = _one(spans, ROOT)
