@@ -74,6 +74,10 @@ from tracing.spans import NO_SPAN, NO_TRACER, Span, Tracer
 
 log = logging.getLogger(__name__)
 
+INLINE_PROMPT_IDS = 4096
+"""A token-id prompt longer than this is checked on the tokenizer threads, not on the event
+loop (one Python step per id: milliseconds per ten thousand)."""
+
 T = TypeVar("T")
 
 
@@ -250,11 +254,14 @@ class RequestLifecycle:
     async def _validate(
         self, request: DecodedRequest | inference_pb2.GenerateRequest
     ) -> ValidatedRequest:
-        """`validate_request`; a text prompt (tokenized) or a structured-output constraint (its
-        grammar checked) is validated on the tokenizer threads."""
+        """`validate_request`; a text prompt (tokenized), a structured-output constraint (its
+        grammar checked) or a long token-id prompt (`INLINE_PROMPT_IDS`) is validated on the
+        tokenizer threads."""
         msg = request.message if isinstance(request, DecodedRequest) else request
         off_loop = msg is not None and (
-            msg.WhichOneof("prompt") == "text" or has_structured_output(msg)
+            msg.WhichOneof("prompt") == "text"
+            or has_structured_output(msg)
+            or len(msg.token_ids.ids) > INLINE_PROMPT_IDS
         )
         if not off_loop:
             return validate_request(

@@ -280,8 +280,15 @@ def _prompt_ids(
         field = "text"
     else:
         _check_unknown_fields(req.token_ids, "token_ids")
-        ids = list(req.token_ids.ids)
         field = "token_ids"
+        n = len(req.token_ids.ids)
+        if n >= limits.context_length:  # before touching each id: the count alone refuses it
+            raise RequestValidationError(
+                field,
+                f"prompt is {n} tokens; the context length {limits.context_length} allows at "
+                f"most {limits.context_length - 1} (one generated token must fit)",
+            )
+        ids = list(req.token_ids.ids)
         if not ids:
             raise RequestValidationError("token_ids.ids", "prompt token ids must not be empty")
         for i, tok in enumerate(ids):

@@ -52,6 +52,10 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
 
+    def __reduce__(self) -> tuple[type[OpenAIError], tuple[int, str, str | None, str | None]]:
+        """Pickled whole (a body helper process raises it: `router.http.body_pool`)."""
+        return (OpenAIError, (self.status, self.message, self.param, self.code))
+
     @classmethod
     def invalid(cls, param: str, problem: str) -> OpenAIError:
         """A 400 naming `param`: message ``"<param>: <problem>"``."""
@@ -64,6 +68,12 @@ class OpenAIError(Exception):
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         )
+
+
+def internal_error(request_id: str) -> OpenAIError:
+    """The 500 a client gets for a failure that is not its doing: no detail, only the id to
+    quote (the log line with the exception carries the same id)."""
+    return OpenAIError(500, f"internal router error (request {request_id})", None, "internal")
 
 
 def from_router_error(err: RouterError, rename: FieldRename | None = None) -> OpenAIError:

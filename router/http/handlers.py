@@ -1,9 +1,11 @@
 """The HTTP front's request handlers (aiohttp). Runs in the router process, on its event loop.
 
-`/v1/completions` and `/v1/chat/completions`: parse the body (pydantic; a 400 names the
-field; a body too large for any request the model can serve is refused unparsed), check the
-model name (404), translate to a `GenerateRequest` (`translate`; a chat request's render and
-tokenization on the lifecycle's tokenizer threads, off the event loop) and run it
+`/v1/completions` and `/v1/chat/completions`: read the body (`read_body`: a body too large for
+any request the model can serve is refused unparsed), parse it (pydantic; a 400 names the
+field), check the model name (404), translate to a `GenerateRequest` (`translate`) — a body
+over `body_pool.INLINE_BODY_BYTES` all of that in a helper process (`body_pool.BodyPool`: a
+large JSON body holds the GIL in proportion to its structure), a small one here with a chat
+request's render and tokenization on the lifecycle's tokenizer threads — and run it
 through the router's `RequestLifecycle` — the same path, admission, deadline
 (`default_timeout_s`), aborts and metrics as a gRPC `Generate`.
 
@@ -30,23 +32,27 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from proto.pdserve.v1 import inference_pb2
 from router.errors import RouterError
+from router.http.body_pool import (
+    INLINE_BODY_BYTES,
+    BodyPool,
+    check_model,
+    parse_chat,
+    parse_completion,
+)
 from router.http.chat_template import ChatTemplate
-from router.http.errors import OpenAIError, from_router_error, from_validation_error
-from router.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.http.errors import OpenAIError, from_router_error
+from router.http.protocol import ModelCard, ModelList
 from router.http.responses import ChatFormatter, CompletionFormatter, dump
 from router.http.translate import Translated, chat_request, completion_request, oversized_body
 from router.lifecycle import RequestLifecycle
 from router.request_trace import TraceStart
 from router.validation import ModelLimits
 
-M = TypeVar("M", bound=BaseModel)
 Formatter = CompletionFormatter | ChatFormatter
 
 
@@ -60,6 +66,7 @@ class FrontState:
     # (body, content type) of /metrics for a scrape's Accept header (OpenMetrics when asked)
     metrics: Callable[[str], tuple[bytes, str]] | None
     created: int  # when the front started (the model card's `created`)
+    bodies: BodyPool  # large bodies are translated in its helper processes
     body_timeout_s: float = 60.0  # a request body must arrive within this (408 otherwise)
 
     @property
@@ -67,13 +74,8 @@ class FrontState:
         return self.lifecycle.config.served_model_name
 
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise OpenAIError(
-                404,
-                f"model: the model {name!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+        """A 404 naming `model` unless `name` is the served model's."""
+        check_model(name, self.model_name)
 
 
 STATE = web.AppKey("pdserve_front", FrontState)
@@ -81,10 +83,9 @@ REQUEST_ID = web.RequestKey("pdserve_request_id", str)
 """The request's id, given by the outermost middleware (`server.openai_errors`)."""
 
 
-async def parse(request: web.Request, model: type[M], limits: ModelLimits, chat: bool) -> M:
-    """The request body as `model`; a 400 naming the first field at fault otherwise. A body
-    beyond `limits.max_json_body_bytes` is refused before it is parsed (`oversized_body`):
-    parsing holds the GIL, i.e. this event loop, for tens of milliseconds per 10 MB. A body
+async def read_body(request: web.Request, limits: ModelLimits, chat: bool) -> bytes:
+    """The request body's bytes. A body beyond `limits.max_json_body_bytes` is refused before
+    it is parsed (`oversized_body`): no request the model can serve is that large. A body
     sent compressed (any `Content-Encoding` but identity) is refused 415 unread: the front
     never decompresses (`server`), so a gzip bomb or a mislabelled body costs nothing."""
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
@@ -102,10 +103,7 @@ async def parse(request: web.Request, model: type[M], limits: ModelLimits, chat:
         raise OpenAIError(408, "request body not received in time", None, "timeout") from None
     if limits.max_json_body_bytes and len(raw) > limits.max_json_body_bytes:
         raise oversized_body(raw, limits, chat)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return raw
 
 
 class SSEWriter:
@@ -186,10 +184,12 @@ async def _serve(
 async def completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/completions`."""
     state = request.app[STATE]
-    body = await parse(request, CompletionRequest, state.lifecycle.limits, chat=False)
-    state.check_model(body.model)
+    raw = await read_body(request, state.lifecycle.limits, chat=False)
     rid = request[REQUEST_ID]
-    t = completion_request(body, rid)
+    if len(raw) > INLINE_BODY_BYTES:
+        t = await state.bodies.translate("completion", raw, rid)
+    else:
+        t = completion_request(parse_completion(raw, state.model_name), rid)
     fmt = CompletionFormatter(
         f"cmpl-{rid}", int(time.time()), state.model_name, state.lifecycle.tokenizer, t.logprobs
     )
@@ -200,21 +200,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/chat/completions`."""
     state = request.app[STATE]
     lc = state.lifecycle
-    body = await parse(request, ChatCompletionRequest, lc.limits, chat=True)
-    state.check_model(body.model)
-    rid = request[REQUEST_ID]
     arrived_ns = time.time_ns()
-    render = functools.partial(
-        chat_request,
-        body,
-        rid,
-        state.template,
-        lc.tokenizer,
-        lc.limits,
-        str(lc.config.model_dir),
-        lc.config.http_default_max_tokens,
-    )
-    t = await lc.run_blocking(render)  # render + tokenize: never on the event loop
+    raw = await read_body(request, lc.limits, chat=True)
+    rid = request[REQUEST_ID]
+    if len(raw) > INLINE_BODY_BYTES:
+        t = await state.bodies.translate("chat", raw, rid)
+    else:
+        render = functools.partial(
+            chat_request,
+            parse_chat(raw, state.model_name),
+            rid,
+            state.template,
+            lc.tokenizer,
+            lc.limits,
+            str(lc.config.model_dir),
+            lc.config.http_default_max_tokens,
+        )
+        t = await lc.run_blocking(render)  # render + tokenize: never on the event loop
     created = int(time.time())
     fmt = ChatFormatter(
         f"chatcmpl-{rid}",

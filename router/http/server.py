@@ -45,8 +45,9 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from router.http import handlers
+from router.http.body_pool import BodyPool, BodySettings
 from router.http.chat_template import ChatTemplate
-from router.http.errors import OpenAIError
+from router.http.errors import OpenAIError, internal_error
 from router.http.handlers import REQUEST_ID, STATE, FrontState
 from router.lifecycle import RequestLifecycle
 
@@ -74,11 +75,6 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except Exception:
         log.exception("HTTP %s %s failed (request %s)", request.method, request.path, rid)
         return _error_response(internal_error(rid))
-
-
-def internal_error(request_id: str) -> OpenAIError:
-    """The 500 a client gets for a failure that is not its doing: no detail, the id to quote."""
-    return OpenAIError(500, f"internal router error (request {request_id})", None, "internal")
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -195,8 +191,10 @@ class HttpFront:
 
     async def stop(self) -> None:
         """Stop listening; requests still running get the runner's shutdown timeout, then
-        their handlers are cancelled (which aborts them on the workers)."""
+        their handlers are cancelled (which aborts them on the workers); the body helpers
+        stop."""
         await self.runner.cleanup()
+        self.runner.app[STATE].bodies.close()
 
 
 async def start_http_front(
@@ -217,8 +215,19 @@ async def start_http_front(
     Raises ValueError for a model folder whose chat template is unusable and RuntimeError
     when the port cannot be bound.
     """
-    template = ChatTemplate.load(lifecycle.config.model_dir)
-    state = FrontState(lifecycle, template, is_serving, metrics, int(time.time()), body_timeout_s)
+    config = lifecycle.config
+    template = ChatTemplate.load(config.model_dir)
+    bodies = BodyPool(
+        BodySettings(
+            str(config.model_dir),
+            config.served_model_name,
+            lifecycle.limits,
+            config.http_default_max_tokens,
+        )
+    )
+    state = FrontState(
+        lifecycle, template, is_serving, metrics, int(time.time()), bodies, body_timeout_s
+    )
     runner = _OpenAIAppRunner(
         build_app(state, middlewares),
         handler_cancellation=True,  # a client that goes away cancels its handler (= abort)
