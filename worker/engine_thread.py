@@ -277,13 +277,13 @@ class EngineThread:
                 raise WorkerError(
                     grpc.StatusCode.UNAVAILABLE, f"worker {self.ctx.worker_id} is {doing}"
                 )
-            if method not in self.role.methods:
+            if method not in self.role.methods and method in self._served_by:
                 raise WorkerError(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{method} needs a worker in role '{self._served_by.get(method, '?')}'; worker "
+                    f"{method} needs a worker in role '{self._served_by[method]}'; worker "
                     f"{self.ctx.worker_id} is in role '{self.role.name}'",
                 )
-            self.role.rpc_table[method].call(self.role, request, sink, timeout_s)
+            self.role.dispatch(method, request, sink, timeout_s)  # UNIMPLEMENTED if unknown
         except WorkerError as err:
             sink.fail(err)
 

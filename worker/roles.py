@@ -9,7 +9,8 @@ needs to answer its RPCs (their sinks, timings, deadlines). The engine thread
 (`worker.engine_thread`) owns one `RoleHandler` at a time and calls:
 
 - for each accepted RPC (it has already checked the role and the draining state), the typed
-  entry point its `Rpc` names in the role's `rpcs` table, e.g.
+  entry point its `Rpc` names in the role's `rpcs` table (`dispatch`: a method the role does
+  not serve is refused with `WorkerError` UNIMPLEMENTED, never an assert), e.g.
   ``RemoteDecodeRole.reserve(request, sink, timeout_s)`` for `Reserve`. Rejections raise
   `WorkerError`; the engine thread fails the sink with it. An entry point that raises must
   have undone whatever it started.
@@ -93,17 +94,27 @@ class Rpc(Generic[H, Req, S]):
 
     def request_id(self, request: object) -> str:
         """The request id `request` (of `request_type`) names."""
-        assert isinstance(request, self.request_type), (self.method, type(request))
-        return request.request_id
+        return self._checked(request).request_id
+
+    def _checked(self, request: object) -> Req:
+        if not isinstance(request, self.request_type):
+            raise WorkerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.method} takes a {self.request_type.__name__}, got {type(request).__name__}",
+            )
+        return request
 
     def call(self, role: H, request: object, sink: Sink, timeout_s: float | None) -> None:
-        """Run the entry point; the request and sink types are the gRPC service's contract."""
-        assert isinstance(request, self.request_type) and isinstance(sink, self.sink_type), (
-            self.method,
-            type(request),
-            type(sink),
-        )
-        self.entry(role, request, sink, timeout_s)
+        """Run the entry point. `WorkerError` (INVALID_ARGUMENT) for a request or sink of
+        another type than the method's (the gRPC service's contract)."""
+        checked = self._checked(request)
+        if not isinstance(sink, self.sink_type):
+            raise WorkerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.method} answers through a {self.sink_type.__name__}, got "
+                f"{type(sink).__name__}",
+            )
+        self.entry(role, checked, sink, timeout_s)
 
 
 class RoleHandler(ABC):
@@ -126,6 +137,22 @@ class RoleHandler(ABC):
         cls.methods = frozenset(cls.rpc_table)
         cls.new_work = frozenset(r.method for r in cls.rpcs if r.new_work)
         cls.between_layers = frozenset(r.method for r in cls.rpcs if r.between_layers)
+
+    @classmethod
+    def rpc(cls, method: str) -> Rpc[Any, Any, Any]:
+        """The entry of RPC `method`; `WorkerError` (UNIMPLEMENTED) when this role serves no
+        such RPC."""
+        entry = cls.rpc_table.get(method)
+        if entry is None:
+            raise WorkerError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"role '{cls.name}' serves no RPC {method!r} (it serves {sorted(cls.methods)})",
+            )
+        return entry
+
+    def dispatch(self, method: str, request: object, sink: Sink, timeout_s: float | None) -> None:
+        """Run RPC `method`'s entry point (`rpc`); what it raises is the RPC's answer."""
+        self.rpc(method).call(self, request, sink, timeout_s)
 
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx = ctx

@@ -42,7 +42,7 @@ CFG = EngineConfig(block_size=4, num_kv_blocks=48, max_num_batched_tokens=8, max
 
 def rpc(role: RoleHandler, method: str, request: object, sink: Sink, timeout_s: float) -> None:
     """RPC `method` as the engine thread enters it: through the role's `Rpc` table."""
-    role.rpc_table[method].call(role, request, sink, timeout_s)
+    role.dispatch(method, request, sink, timeout_s)
 
 
 class Cluster:
