@@ -35,6 +35,7 @@ from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
+from tests.fakes import sink_reader
 from worker import engine_thread
 from worker.engine_thread import EngineThread
 from worker.kv_handoff import KVHandoff
@@ -118,25 +119,10 @@ class Cluster:
         raise AssertionError([n.thread.role.request_ids() for n in self.nodes])
 
     def answer(self, sink: UnarySink) -> Any:
-        async def get() -> Any:
-            try:
-                return await sink.wait()
-            except WorkerError as exc:
-                return exc
-
-        return self.loop.run_until_complete(get())
+        return sink_reader.answer(self.loop, sink)
 
     def stream(self, sink: StreamSink) -> tuple[list[int], WorkerError | None]:
-        async def read() -> tuple[list[int], WorkerError | None]:
-            tokens: list[int] = []
-            try:
-                async for chunk in sink:
-                    tokens += chunk.token_ids
-            except WorkerError as exc:
-                return tokens, exc
-            return tokens, None
-
-        return self.loop.run_until_complete(read())
+        return sink_reader.tokens(self.loop, sink)
 
     def error(self, sink: Sink) -> WorkerError:
         """The error an RPC was refused with (it must have been)."""

@@ -40,7 +40,6 @@ ROUTER_SETTINGS: dict[str, Any] = {
     "http_header_timeout_s": 16.0,
     "http_default_max_tokens": 321,
     "http_body_timeout_s": 61.0,
-    "http_default_max_tokens": 512,
     "max_inflight": 5,
     "max_queued": 6,
     "default_timeout_s": 121.0,

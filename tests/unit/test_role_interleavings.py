@@ -33,6 +33,7 @@ from model_runtime.engine_config import EngineConfig
 from model_runtime.scheduler import Receive
 from prefill_worker.prefill import PrefillRole
 from proto.pdserve.v1 import worker_pb2 as pb
+from tests.fakes import sink_reader
 from worker.kv_handoff import KVHandoff
 from worker.roles import RoleContext
 from worker.sinks import StreamSink, UnarySink, WorkerError
@@ -138,13 +139,7 @@ class Pair:
     # -- answers --------------------------------------------------------------------------
 
     def answer(self, sink: UnarySink) -> object:
-        async def get() -> object:
-            try:
-                return await sink.wait()
-            except WorkerError as exc:
-                return exc
-
-        return self.loop.run_until_complete(get())
+        return sink_reader.answer(self.loop, sink)
 
     def failed(self, sink: UnarySink) -> grpc.StatusCode:
         answer = self.answer(sink)
@@ -152,16 +147,7 @@ class Pair:
         return answer.code
 
     def chunks(self, sink: StreamSink) -> tuple[list[int], WorkerError | None]:
-        async def read() -> tuple[list[int], WorkerError | None]:
-            tokens: list[int] = []
-            try:
-                async for chunk in sink:
-                    tokens += chunk.token_ids
-            except WorkerError as exc:
-                return tokens, exc
-            return tokens, None
-
-        return self.loop.run_until_complete(read())
+        return sink_reader.tokens(self.loop, sink)
 
     # -- the end of every script ------------------------------------------------------------
 
