@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,8 +50,10 @@ def token_bytes(tokenizer_json: dict[str, Any]) -> list[bytes]:
     return out
 
 
-class Engine:
-    name = ""
+class Engine(Protocol):
+    """What the comparison needs of an engine (one adapter per engine below)."""
+
+    name: str
 
     def setup(self, model_dir: Path, eos: int) -> None: ...
     def compile(self, schema: dict[str, Any]) -> Any: ...
@@ -62,7 +64,7 @@ class Engine:
     def fill_batch(self, ms: list[Any], mask: np.ndarray) -> None: ...
 
 
-class LLGuidance(Engine):
+class LLGuidance:
     name = "llguidance"
 
     def setup(self, model_dir: Path, eos: int) -> None:
@@ -101,7 +103,7 @@ class LLGuidance(Engine):
         )
 
 
-class XGrammar(Engine):
+class XGrammar:
     name = "xgrammar"
 
     def setup(self, model_dir: Path, eos: int) -> None:
@@ -137,7 +139,7 @@ class XGrammar(Engine):
         self.batch.batch_fill_next_token_bitmask(ms, self.torch.from_numpy(mask))
 
 
-class OutlinesCore(Engine):
+class OutlinesCore:
     name = "outlines-core"
 
     def setup(self, model_dir: Path, eos: int) -> None:
@@ -177,7 +179,7 @@ class OutlinesCore(Engine):
             self.fill(m, mask, i)
 
 
-ENGINES: tuple[Callable[[], Engine], ...] = (LLGuidance, XGrammar, OutlinesCore)
+ENGINES: tuple[type[Engine], ...] = (LLGuidance, XGrammar, OutlinesCore)
 
 
 def _walk(
@@ -204,6 +206,10 @@ def _walk(
         out.append(tok)
         m.consume_token(tok)
     return out
+
+
+def _accepts(engine: Engine, m: Any, tokens: list[int]) -> bool:
+    return all(engine.consume(m, t) for t in tokens) and engine.accepting(m)
 
 
 def measure(model_dir: Path, engines: list[Engine], eos: int) -> dict[str, Any]:
@@ -288,14 +294,10 @@ def measure(model_dir: Path, engines: list[Engine], eos: int) -> dict[str, Any]:
             except Exception:
                 feats[f.name] = "error"
                 continue
-            verdicts = []
-            for text in (f.valid, f.invalid):
-                m = engine.matcher(c)
-                ok = all(engine.consume(m, t) for t in encode(text)) and engine.accepting(m)
-                verdicts.append(ok)
-            feats[f.name] = {(True, False): "yes", (True, True): "ignored"}.get(
-                tuple(verdicts), "rejects valid"
+            valid, invalid = (
+                _accepts(engine, engine.matcher(c), encode(text)) for text in (f.valid, f.invalid)
             )
+            feats[f.name] = "rejects valid" if not valid else "ignored" if invalid else "yes"
         r["features"] = feats
         r["features_enforced"] = sum(v == "yes" for v in feats.values())
         results["engines"][engine.name] = r
