@@ -16,7 +16,9 @@ a JSON list of calls inside tags,
 - **Choice**: ``none`` offers no tools and parses nothing; ``auto`` (the default) offers them
   and parses the output; ``required`` and a named function also constrain decoding with
   `call_grammar`, so the output *is* a call whose arguments validate against the function's
-  `parameters` (`strict` false drops schema keywords the engine cannot enforce).
+  `parameters` (`strict` false drops schema keywords the engine cannot enforce): one call to
+  the named function, or up to `MAX_PARALLEL_CALLS` for ``required`` (one with
+  ``parallel_tool_calls: false``).
 - **Parsing** (`ToolCallParser`): text before the first ``<tool_call>`` is content; each
   complete block's calls become `tool_calls` (ids ``call_<hex>``). A block cut off by
   `max_tokens` is not a call: it stays content, and the finish reason stays ``length``.
@@ -98,7 +100,9 @@ def tool_use(req: ChatCompletionRequest) -> ToolUse:
             )
     else:
         chosen = tools
-    grammar = call_grammar(chosen, parallel=req.parallel_tool_calls is not False)
+    # a named function is one call; "required" may make several, unless told not to
+    parallel = req.parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
+    grammar = call_grammar(chosen, parallel)
     msg = inference_pb2.StructuredOutputs(grammar=grammar)
     rename = {"structured_outputs.grammar": "tools"}
     return ToolUse(tools, parse=True, forced=Structured(msg, rename))
@@ -108,11 +112,42 @@ def _choice_name(choice: object) -> str:
     return f"tool_choice {choice!r}" if isinstance(choice, str) else "a named tool_choice"
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    params = tool.function.parameters or {"type": "object", "properties": {}}
+MAX_PARALLEL_CALLS = 4
+"""Most calls one forced answer may hold with `parallel_tool_calls` (a small model asked for
+"one or more" may otherwise repeat a call until `max_tokens`)."""
+
+
+def _rewrite_refs(node: Any, prefix: str) -> Any:
+    """`node` with every local `$ref` (``#``, ``#/$defs/X``, ``#/definitions/X``) pointing
+    into the root's ``$defs`` under `prefix` (the parameters schema is embedded in a larger
+    one, whose root is not its own)."""
+    if isinstance(node, list):
+        return [_rewrite_refs(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rewrite_refs(v, prefix) for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        if ref == "#":
+            out["$ref"] = f"#/$defs/{prefix}"
+        else:
+            for head in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(head):
+                    out["$ref"] = f"#/$defs/{prefix}.{ref[len(head) :]}"
+    return out
+
+
+def _call_schema(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
+    """The schema of one call to `tool`; its parameters' definitions move into `defs`."""
+    name = tool.function.name
+    params = _rewrite_refs(tool.function.parameters or {"type": "object", "properties": {}}, name)
+    for key in ("$defs", "definitions"):
+        for sub, schema in (params.pop(key, None) or {}).items():
+            defs[f"{name}.{sub}"] = schema
+    defs[name] = params
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": params},
+        "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{name}"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -120,14 +155,20 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 def call_grammar(tools: list[Tool], parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) whose only sentences are a call block of one
-    (or, with `parallel`, one or more) calls to `tools`, arguments valid against each
-    function's `parameters`. Strict unless every tool says ``strict: false``."""
+    (or, with `parallel`, up to `MAX_PARALLEL_CALLS`) calls to `tools`, arguments valid
+    against each function's `parameters` (their `$defs` kept). Strict unless every tool says
+    ``strict: false``."""
     lenient = all(t.function.strict is False for t in tools)
-    items = {"anyOf": [_call_schema(t) for t in tools]}
-    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    schema["x-guidance"] = dict(JSON_STYLE, lenient=lenient)
+    defs: dict[str, Any] = {}
+    items = {"anyOf": [_call_schema(t, defs) for t in tools]}
+    schema: dict[str, Any] = {
+        "$defs": defs,
+        "type": "array",
+        "items": items,
+        "minItems": 1,
+        "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+        "x-guidance": dict(JSON_STYLE, lenient=lenient),
+    }
     return f"start: {json.dumps(OPEN)} calls {json.dumps(CLOSE)}\ncalls: %json {json.dumps(schema)}"
 
 
