@@ -1,6 +1,7 @@
 """`pdserve simulate`: the ratio controller against every fixed split, on a simulated cluster.
 
-Runs in the CLI process (pure simulation; no torch, no workers).
+Runs in the CLI process (pure simulation, no workers; it imports torch through the workers' KV
+hand-off owner, `worker.kv_handoff`, which the simulator drives over a simulated transport).
 
     pdserve simulate --profile deploy/profiles/h100-llama3-8b.json --workers 16
                      --workload shifting|stationary|WORKLOAD[@CTX]:RATE:SECONDS,...
