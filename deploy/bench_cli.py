@@ -259,8 +259,8 @@ def add_goodput_demo_parser(
     p.add_argument("--out", default="runs/demo", help="run folder")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
     p.add_argument("--configs", type=_names, metavar="NAME[,NAME...]",
-                   help="configurations, a comma list (default: colocated,disagg; colocated-nochunk "
-                   "and hybrid add about a third to the time each)")  # fmt: skip
+                   help="configurations, a comma list (default: colocated,disagg; "
+                   "colocated-nochunk and hybrid add about a third to the time each)")  # fmt: skip
     p.add_argument("--repeats", type=int,
                    help="trace seeds (default: 3; fewer: a rougher smoke run)")  # fmt: skip
     p.set_defaults(func=demo_main)
