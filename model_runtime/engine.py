@@ -40,7 +40,11 @@ from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampler import Sampler, skip_draws
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
-from model_runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from model_runtime.scheduler import AcceptedToken, Scheduler, SchedulerConfig, SchedulerOutput
+from model_runtime.speculative.base import Proposer
+from model_runtime.speculative.ngram import NgramProposer
+from model_runtime.speculative.speculator import Speculator
+from model_runtime.speculative.verify import Verifier, accepted_prefix, banned_ids
 
 LayerCallback = Callable[[int], None]
 BeforeForward = Callable[[SchedulerOutput], LayerCallback | None]
@@ -48,16 +52,6 @@ BeforeForward = Callable[[SchedulerOutput], LayerCallback | None]
 `on_layer_done(layer)` callback (see `ModelRunner.execute`)."""
 
 logger = logging.getLogger(__name__)
-
-
-def _banned(request: Request) -> tuple[int, ...]:
-    """Token ids `request` may not sample now: its stop ids (and EOS unless `ignore_eos`)
-    while it has fewer than `min_tokens` output tokens."""
-    p = request.params
-    if request.num_output_tokens >= p.min_tokens:
-        return ()
-    eos = () if p.ignore_eos else request.eos_token_ids
-    return (*eos, *p.stop_token_ids)
 
 
 def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -80,9 +74,12 @@ class LLMEngine:
         config: EngineConfig,
         kv_event_listener: KVCacheEventListener | None = None,
         grammars: Grammars | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """`grammars`: the model's grammar engine (`model_runtime.grammar`), shared with
-        whatever compiles ahead of the engine thread; None refuses structured requests."""
+        whatever compiles ahead of the engine thread; None refuses structured requests.
+        `proposer`: speculate with it instead of the one `config.speculative` names (which
+        must be set: it gives k); tests pass their fakes here."""
         self.config = config
         self.grammars = grammars
         self._masks = grammars.new_masks(config.max_num_seqs) if grammars is not None else None
@@ -99,10 +96,25 @@ class LLMEngine:
         )
         self.scheduler = self._new_scheduler()
         self.sampler = Sampler()
+        self.verifier = Verifier(
+            self.sampler, grammars.new_masks(1) if grammars is not None else None
+        )
+        self.speculator = self._new_speculator(proposer)
+        """Speculative decoding (`EngineConfig.speculative`); None when off."""
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.last_step_size = 0
         """Items run by the latest `step()` (0: nothing could run, e.g. blocks all held)."""
+
+    def _new_speculator(self, proposer: Proposer | None) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            if proposer is not None:
+                raise ValueError("a proposer needs engine.speculative (its k)")
+            return None
+        if proposer is None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return Speculator(proposer, spec.num_speculative_tokens)
 
     def _new_scheduler(self) -> Scheduler:
         config = self.config
@@ -300,7 +312,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput:
         """Finish an unfinished request now ('abort') and free its blocks; return its final
         output. Raise KeyError for an unknown or already finished id."""
-        return self.scheduler.abort(request_id)
+        out = self.scheduler.abort(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -315,7 +330,8 @@ class LLMEngine:
         `ModelRunner.execute` as `on_layer_done`. A step can be empty while requests wait if
         finished requests' open sends (`Scheduler.open_send`) hold the blocks they need.
         """
-        scheduled = self.scheduler.schedule()
+        spec = self.speculator
+        scheduled = self.scheduler.schedule(spec.lookahead if spec is not None else None)
         # An empty step with work left is a deadlock, unless finished requests hold blocks
         # (prefill worker: they come back when their KV transfers end).
         assert scheduled.items or not self.has_unfinished() or self.scheduler.holds_kv(), (
@@ -324,25 +340,49 @@ class LLMEngine:
         )
         self.last_step_size = len(scheduled.items)
         on_layer_done = before_forward(scheduled) if before_forward and scheduled.items else None
-        token_ids, logprobs, tops = self._run(scheduled, on_layer_done)
-        return self.scheduler.update(scheduled, token_ids, logprobs, tops)
+        run = self._run(scheduled, on_layer_done)
+        outputs = self.scheduler.update(
+            scheduled, run.tokens, run.logprobs, run.tops, run.accepted if spec else None
+        )
+        if spec is not None:
+            spec.end_step(run.verified)
+            for out in outputs:
+                if out.finished:
+                    spec.release(out.request_id)
+        return outputs
 
     def _run(
         self, scheduled: SchedulerOutput, on_layer_done: LayerCallback | None = None
-    ) -> tuple[list[int | None], list[float], list[TopLogprobs | None]]:
-        """Forward the step, then sample the rows whose chunk reaches the last known token
-        (a request below its `min_tokens` may not pick its EOS or stop ids)."""
+    ) -> _StepResult:
+        """Forward the step (with the proposals of its speculating rows), then sample the
+        rows whose chunk reaches the last known token (a request below its `min_tokens` may
+        not pick its EOS or stop ids) and verify the proposals (`speculative.verify`)."""
         items = scheduled.items
+        result = _StepResult(items)
         if not items:
-            return [], [], []
-        logits = self.runner.execute(
-            [StepInput(it.token_ids, it.start_pos, it.block_table) for it in items],
-            on_layer_done,
-        )
-        rows = [i for i, it in enumerate(items) if it.samples]
-        tokens: list[int | None] = [None] * len(items)
-        logprobs = [0.0] * len(items)
-        tops: list[TopLogprobs | None] = [None] * len(items)
+            return result
+        proposals = self._propose(scheduled)
+        inputs = []
+        for it, guess in zip(items, proposals, strict=True):
+            if guess:
+                inputs.append(
+                    StepInput(it.token_ids + guess, it.start_pos, it.block_table, 1 + len(guess))
+                )
+            else:
+                inputs.append(StepInput(it.token_ids, it.start_pos, it.block_table))
+        logits = self.runner.execute(inputs, on_layer_done)
+        first_row = list(itertools.accumulate((x.num_logits for x in inputs), initial=0))
+        tokens, logprobs, tops = result.tokens, result.logprobs, result.tops
+        for i, guess in enumerate(proposals):
+            if guess:
+                request = self.scheduler.requests[items[i].request_id]
+                emitted = self.verifier.verify(
+                    request, logits[first_row[i] : first_row[i + 1]], guess
+                )
+                tokens[i], logprobs[i], tops[i] = emitted[-1]
+                result.accepted[i] = emitted[:-1]
+                result.verified[request.request_id] = (len(guess), accepted_prefix(emitted, guess))
+        rows = [i for i, it in enumerate(items) if it.samples and not proposals[i]]
         if rows:
             requests = [self.scheduler.requests[items[i].request_id] for i in rows]
             constrained = [k for k, r in enumerate(requests) if r.matcher is not None]
@@ -352,11 +392,12 @@ class LLMEngine:
                 masks = self._masks[: len(constrained)]
                 matchers = [requests[k].matcher for k in constrained]
                 self.grammars.fill_masks(matchers, masks)  # type: ignore[arg-type]
+            picked = [first_row[i] for i in rows]
             out = self.sampler.sample(
-                logits if len(rows) == len(items) else logits[rows],
+                logits if len(picked) == logits.shape[0] else logits[picked],
                 [r.params for r in requests],
                 [r.generator for r in requests],
-                [_banned(r) for r in requests],
+                [banned_ids(r) for r in requests],
                 masks,
                 constrained,
             )
@@ -366,7 +407,19 @@ class LLMEngine:
                     out.logprobs[k],
                     out.top_logprobs[k],
                 )
-        return tokens, logprobs, tops
+        return result
+
+    def _propose(self, scheduled: SchedulerOutput) -> list[list[int]]:
+        """The proposer's guesses for each item granted lookahead ([] for the others)."""
+        items = scheduled.items
+        out: list[list[int]] = [[] for _ in items]
+        granted = [i for i, it in enumerate(items) if it.num_lookahead]
+        if granted and self.speculator is not None:
+            requests = [self.scheduler.requests[items[i].request_id] for i in granted]
+            guesses = self.speculator.propose(requests, [items[i].num_lookahead for i in granted])
+            for i, guess in zip(granted, guesses, strict=True):
+                out[i] = guess
+        return out
 
     # ------------------------------------------------------------------ offline use
 
@@ -392,7 +445,7 @@ class LLMEngine:
         except ValueError:
             for rid in ids:
                 if rid in self.scheduler.requests:
-                    self.scheduler.abort(rid)
+                    self.abort_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
@@ -402,5 +455,21 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     def check_integrity(self) -> None:
-        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`)."""
+        """Scheduler and block-pool invariants (see `Scheduler.check_integrity`), and the
+        speculator's state held for live requests only."""
         self.scheduler.check_integrity()
+        if self.speculator is not None:
+            self.speculator.check_integrity(self.scheduler.requests)
+
+
+class _StepResult:
+    """One step's sampled and verified tokens, per item (`LLMEngine._run`): what
+    `Scheduler.update` takes, and each verified request's (proposed, accepted)."""
+
+    def __init__(self, items: Sequence[object]) -> None:
+        n = len(items)
+        self.tokens: list[int | None] = [None] * n
+        self.logprobs: list[float] = [0.0] * n
+        self.tops: list[TopLogprobs | None] = [None] * n
+        self.accepted: list[Sequence[AcceptedToken]] = [()] * n
+        self.verified: dict[str, tuple[int, int]] = {}

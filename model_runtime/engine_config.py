@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from model_runtime.speculative.config import SpeculativeConfig
+
 
 class EngineConfig(BaseModel):
     """How a colocated engine is sized and batched. Frozen; discovered values (the resolved
@@ -73,6 +75,12 @@ class EngineConfig(BaseModel):
     )
     seed: int = Field(
         default=0, ge=0, description="Seeds the generators of sampled requests that carry no seed."
+    )
+    speculative: SpeculativeConfig | None = Field(
+        default=None,
+        description="Speculative decoding on this engine's decode steps (`[engine.speculative]`, "
+        "`method` 'ngram' or 'draft'); None: off. Requests opt out one by one "
+        "(`SamplingParams.speculative`). Prefill-only steps never speculate.",
     )
 
     @model_validator(mode="after")

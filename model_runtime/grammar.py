@@ -52,6 +52,13 @@ class Matcher:
         does not allow it."""
         return bool(self._m.consume_token(token))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` `consume`s (speculative decoding walks a request's
+        proposals through its matcher to mask each verification row, then rolls back: the
+        tokens it keeps are consumed again as they are appended)."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
     def allows(self, token: int) -> bool:
         """Whether `token` may come next (nothing is consumed)."""
         return bool(self._m.validate_tokens([token]) == 1)

@@ -43,12 +43,15 @@ class StepInput:
     `token_ids` are the new tokens (a whole prompt, a prefill chunk, or one decode token) at
     positions `start_pos .. start_pos + len(token_ids) - 1`; the first `start_pos` tokens are
     already in the KV cache. `block_table` lists the blocks for positions
-    `[0, start_pos + len(token_ids))` in order (it may list more).
+    `[0, start_pos + len(token_ids))` in order (it may list more). `num_logits`: how many of
+    the last new tokens get logits (1: the last one; `len(token_ids)`: every one, as a
+    speculative step's verification rows need).
     """
 
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -138,7 +141,8 @@ class ModelRunner:
     def build_metadata(
         self, items: Sequence[StepInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids, positions, metadata, index of each item's last token) for a step."""
+        """(input_ids, positions, metadata, index of each token that gets logits: each item's
+        last `num_logits`, in order) for a step."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -150,7 +154,7 @@ class ModelRunner:
         for item in items:
             n = len(item.token_ids)
             end = item.start_pos + n
-            assert n > 0, "StepInput with no tokens"
+            assert 0 < item.num_logits <= n, f"StepInput of {n} tokens, {item.num_logits} logits"
             assert end <= self.config.max_position_embeddings, (
                 f"position {end} beyond max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
@@ -182,7 +186,12 @@ class ModelRunner:
             decode_indices=[i for i, n in enumerate(query_lens) if n == 1],
             prefill_indices=[i for i, n in enumerate(query_lens) if n > 1],
         )
-        last = torch.as_tensor([q - 1 for q in query_start_loc[1:]], dtype=torch.long, device=dev)
+        wanted = [
+            i
+            for item, end in zip(items, query_start_loc[1:], strict=True)
+            for i in range(end - item.num_logits, end)
+        ]
+        last = torch.as_tensor(wanted, dtype=torch.long, device=dev)
         return (
             torch.as_tensor(input_ids, dtype=torch.long, device=dev),
             torch.as_tensor(positions, dtype=torch.long, device=dev),
@@ -196,12 +205,17 @@ class ModelRunner:
         items: Sequence[StepInput],
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run one step; float32 logits [len(items), vocab] of each item's last new token.
+        """Run one step; float32 logits [sum of num_logits, vocab]: each item's last
+        `num_logits` new tokens' (one row each, items in order).
 
         `on_layer_done(l)` is called after layer `l`'s K/V for every item is in the cache.
-        Which path runs: a step of one-token rows only -> the fused step (`decode_path`
-        'fused'; with `on_layer_done`, one C call per layer, so a decode worker's between-layers
-        RPCs do not push its steps onto the torch model); any other step -> the torch model.
+        Which path runs: a step whose every item wants logits for every new token (one-token
+        decode rows, and speculative verification rows: the pending token plus proposals)
+        -> the fused step (`decode_path` 'fused'; each new token one row of the C call, rows of
+        one item sharing its block table, so they attend causally to each other: the step
+        writes every row's K/V of a layer before any row's attention of that layer; with
+        `on_layer_done`, one C call per layer, so a decode worker's between-layers RPCs do not
+        push its steps onto the torch model); any other step -> the torch model.
         Where the panels are a copy beside oneDNN's packing, a decode row in a step that also
         holds a prefill chunk thus gets oneDNN's GEMMs, not the panels': in float32 its logits
         differ from an all-decode step's by summation order (~1e-6 relative), so a greedy token
@@ -209,7 +223,7 @@ class ModelRunner:
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
-        if self.fused is not None and all(len(item.token_ids) == 1 for item in items):
+        if self.fused is not None and all(len(it.token_ids) == it.num_logits for it in items):
             return self._execute_fused(self.fused, items, on_layer_done)
         input_ids, positions, meta, last = self.build_metadata(items)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, on_layer_done)
@@ -221,20 +235,22 @@ class ModelRunner:
         items: Sequence[StepInput],
         on_layer_done: Callable[[int], None] | None,
     ) -> torch.Tensor:
-        """`execute` for steps of one new token per item, in C (`FusedDecode.run`)."""
+        """`execute` for steps whose every new token gets logits, in C (`FusedDecode.run`):
+        one row per token, a row at position p with sequence length p + 1."""
         bs = self.block_size
-        seq_lens = [item.start_pos + 1 for item in items]
-        width = -(-max(seq_lens) // bs)
+        ends = [item.start_pos + len(item.token_ids) for item in items]
+        width = -(-max(ends) // bs)
+        tokens: list[int] = []
+        seq_lens: list[int] = []
         tables = []
-        for item, end in zip(items, seq_lens, strict=True):
+        for item, end in zip(items, ends, strict=True):
             needed = -(-end // bs)
             assert len(item.block_table) >= needed, (
                 f"block_table has {len(item.block_table)} blocks, {needed} needed for {end} tokens"
             )
-            tables.append(list(item.block_table[:needed]) + [0] * (width - needed))
-        return fused.run(
-            [item.token_ids[0] for item in items],
-            torch.tensor(tables, dtype=torch.int64),
-            seq_lens,
-            on_layer_done,
-        )
+            table = list(item.block_table[:needed]) + [0] * (width - needed)
+            for j, token in enumerate(item.token_ids):
+                tokens.append(token)
+                seq_lens.append(item.start_pos + j + 1)
+                tables.append(table)
+        return fused.run(tokens, torch.tensor(tables, dtype=torch.int64), seq_lens, on_layer_done)

@@ -34,7 +34,9 @@ class SamplingParams:
     token's and the k most likely tokens' (under the model's own distribution, before
     temperature, top-k and top-p). `structured` constrains the output (`StructuredOutput`,
     checked at the edge by its own `check`): every token is sampled under its grammar's mask,
-    and the request ends 'stop' once the grammar is complete.
+    and the request ends 'stop' once the grammar is complete. `speculative` False opts the
+    request out of its engine's speculative decoding (`EngineConfig.speculative`); its tokens
+    are the same either way, only how many arrive per step differs.
     """
 
     max_tokens: int = 16
@@ -47,6 +49,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +90,8 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
                 raise ValueError(

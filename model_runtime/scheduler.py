@@ -24,9 +24,25 @@ Runs in the engine thread of a colocated worker. Each `schedule()` builds one st
    *all* of the request's remaining known tokens at once, so a prefill never stalls for blocks.
    With chunked prefill off, a request is admitted only if its whole prefill fits the budget.
 
+**Lookahead** (speculative decoding): `schedule(lookahead)` asks, for each decoding request,
+how many proposed tokens its engine wants to verify after the pending one (`lookahead(request)`,
+the request's adaptive k). After every decoding request has its one token, each gets up to that
+many extra positions, capped by its remaining `max_tokens` (so its KV never outgrows prompt +
+max_tokens - 1, the worst case a decode worker reserves), by the step's remaining token budget,
+and by free blocks: lookahead takes blocks only when they are free and never preempts (a
+request short of blocks verifies fewer proposals). `ScheduledRequest.num_lookahead` is the
+grant; the engine fills at most that many proposals.
+
 `update()` advances each scheduled request by its tokens, registers newly computed full blocks
 with the pool's prefix cache (prompt and generated tokens alike), appends the sampled tokens,
 and frees the blocks of finished requests (tail first, so their heads stay cached longest).
+A verified step's accepted proposals (`update(..., accepted=)`) are appended before its sampled
+token and count as computed (their K/V was written by the step); the K/V the step wrote for
+rejected proposals lies beyond `num_computed_tokens`, where the next step overwrites it. That
+is the whole rollback: no block changes hands, the blocks granted for the lookahead stay the
+request's (within its worst case) and `check_integrity` counts them as before. Prefix caching
+never sees a rejected token: a block is registered only once its computed tokens fill it, and
+its hash comes from the request's tokens (accepted ones only).
 
 Two entry/exit paths serve disaggregated workers:
 
@@ -68,16 +84,24 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from model_runtime.block_pool import BlockPool
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampling_params import TopLogprobs
-from model_runtime.scheduler_types import ScheduledRequest, SchedulerConfig, SchedulerOutput
+from model_runtime.scheduler_types import (
+    AcceptedToken,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["AcceptedToken", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
+Lookahead = Callable[[Request], int]
+"""How many proposed tokens a decoding request wants verified after its pending one."""
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -375,8 +399,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
-        """Choose this step's work (see the module docstring, steps 1-3)."""
+    def schedule(self, lookahead: Lookahead | None = None) -> SchedulerOutput:
+        """Choose this step's work (see the module docstring, steps 1-3; `lookahead`:
+        speculative decoding's extra positions per decoding request, none when None)."""
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledRequest] = []
         scheduled: set[str] = set()
@@ -386,15 +411,20 @@ class Scheduler:
         #    already held); they decode in this step
         self.promote_ready()
 
-        # 1. one token for every decoding request
+        # 1. one token for every decoding request, then the lookahead each may have
+        decoding: list[Request] = []
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or not request.is_decoding:
                 continue
             if not self._ensure_blocks(request, request.num_tokens, scheduled, preempted):
                 continue
-            items.append(self._item(request, 1))
+            decoding.append(request)
             scheduled.add(request.request_id)
             budget -= 1
+        for request in decoding:
+            extra = 0 if lookahead is None else self._grant_lookahead(request, lookahead, budget)
+            items.append(self._item(request, 1, extra))
+            budget -= extra
 
         # 2. next chunk of every unfinished prefill (blocks were allocated at admission)
         for request in self.running:
@@ -461,12 +491,16 @@ class Scheduler:
         sampled_token_ids: Sequence[int | None],
         logprobs: Sequence[float] | None = None,
         top_logprobs: Sequence[TopLogprobs | None] | None = None,
+        accepted: Sequence[Sequence[AcceptedToken]] | None = None,
     ) -> list[RequestOutput]:
         """Apply a step's results; return an output for every request that got a new token.
 
         `sampled_token_ids[i]` (and `logprobs[i]`, `top_logprobs[i]`, if given) belong to
         `output.items[i]`: a token for items with `samples=True`, None for partial prefill
-        chunks.
+        chunks. `accepted[i]` (if given): the proposals item i's step verified and kept, at
+        most its `num_lookahead`, in order, each with its logprob and top alternatives; they
+        come before `sampled_token_ids[i]` and their K/V was computed by the step (module
+        docstring, lookahead). A token that ends the request drops those after it.
         """
         assert len(sampled_token_ids) == len(output.items), (
             f"{len(sampled_token_ids)} sampled tokens for {len(output.items)} items"
@@ -483,6 +517,11 @@ class Scheduler:
                 request.num_computed_tokens,
                 item.start_pos,
             )
+            kept = accepted[i] if accepted is not None else ()
+            finished = False
+            if kept:
+                assert len(kept) <= item.num_lookahead, (request.request_id, len(kept), item)
+                finished = self._append_accepted(request, kept)
             computed = request.num_computed_tokens = request.num_computed_tokens + len(
                 item.token_ids
             )
@@ -490,6 +529,10 @@ class Scheduler:
                 request.num_registered_blocks
             ):  # a block became full: register it (the check inlined: every row, every step)
                 self.register_full_blocks(request)
+            if finished:
+                self.finish_running(request)
+                results.append(request.make_output())
+                continue
             if token is None:
                 continue
             finished = request.append_token(
@@ -504,6 +547,37 @@ class Scheduler:
             results.append(request.make_output())
         return results
 
+    def _append_accepted(self, request: Request, kept: Sequence[AcceptedToken]) -> bool:
+        """Append a verified step's accepted proposals (their K/V is computed: they count as
+        computed tokens); True when one of them ends the request."""
+        for token, logprob, top in kept:
+            request.num_computed_tokens += 1
+            if request.append_token(token, logprob, top):
+                return True
+        request.update_block_hashes(self.config.block_size)
+        return False
+
+    def _grant_lookahead(self, request: Request, lookahead: Lookahead, budget: int) -> int:
+        """Extra positions for the decoding `request`'s proposals this step (module
+        docstring, lookahead): at most what it wants, its remaining tokens but one, the
+        budget left, and what its blocks plus free blocks hold (no preemption)."""
+        want = min(
+            lookahead(request),
+            request.params.max_tokens - request.num_output_tokens - 1,
+            budget,
+        )
+        if want <= 0:
+            return 0
+        bs = self.config.block_size
+        held = len(request.block_ids)
+        need = _blocks_for(request.num_tokens + want, bs) - held
+        if need > 0:
+            new = self.block_pool.allocate(need)
+            if new is None:
+                return max(0, held * bs - request.num_tokens)
+            request.block_ids.extend(new)
+        return want
+
     def finish_running(self, request: Request) -> None:
         """The running `request` sampled its last token: it leaves the batch and its blocks
         are freed, unless an open send holds them until the transport's result."""
@@ -514,7 +588,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _item(self, request: Request, n: int) -> ScheduledRequest:
+    def _item(self, request: Request, n: int, lookahead: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + n
         assert n > 0 and end <= request.num_tokens, (request.request_id, start, n)
@@ -524,6 +598,7 @@ class Scheduler:
             start_pos=start,
             block_table=list(request.block_ids),
             samples=end == request.num_tokens,
+            num_lookahead=lookahead,
         )
 
     def _ensure_blocks(

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model_runtime.sampling_params import TopLogprobs
+
+AcceptedToken = tuple[int, float, TopLogprobs | None]
+"""A verified proposal a step kept: (token id, its logprob, its top alternatives or None)."""
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -37,6 +42,8 @@ class ScheduledRequest:
     `block_table` covers at least positions `[0, start_pos + len(token_ids))`. `samples` is
     True when the chunk ends at the request's last known token, so its logits give the next
     token; partial prefill chunks have `samples=False` and their logits are ignored.
+    `num_lookahead` (decoding rows only): how many proposed tokens the step may verify after
+    `token_ids` (speculative decoding); `block_table` covers those positions too.
     """
 
     request_id: str
@@ -44,6 +51,7 @@ class ScheduledRequest:
     start_pos: int
     block_table: list[int]
     samples: bool
+    num_lookahead: int = 0
 
 
 @dataclass(frozen=True)

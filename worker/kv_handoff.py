@@ -42,8 +42,9 @@ result.
 What moves is whole blocks of the worker's KV cache, whatever they hold (full precision, or
 int8 values with their scales): the two workers' `KVLayout`s must match (`check_ticket`,
 `KVTransport.expect`), and the block count of a reservation is decided in one place
-(`blocks_for`), which a decode step that writes more positions ahead (speculative decoding)
-extends.
+(`blocks_for`). Speculative decoding needs no more: a verified step writes positions ahead of
+the request's tokens only up to its last possible KV position (the scheduler caps each
+request's lookahead by its remaining `max_tokens`), so the reservation already covers them.
 """
 
 from __future__ import annotations

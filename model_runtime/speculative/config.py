@@ -1,0 +1,62 @@
+"""`[engine.speculative]`: which proposer a worker's engine speculates with, and how far.
+Torch-free (config-only processes validate it without importing torch).
+
+One sub-model per proposer, chosen by `method` (the table's discriminator)::
+
+    [engine.speculative]
+    method = "ngram"
+    num_speculative_tokens = 4
+    prompt_lookup_min = 2
+    prompt_lookup_max = 4
+
+No table (`EngineConfig.speculative` None) is no speculation. The names follow vLLM's
+`speculative_config` where it has one (`num_speculative_tokens`, `prompt_lookup_min`,
+`prompt_lookup_max`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_SPECULATIVE_TOKENS = 16
+"""Most proposals one request may verify in one step (k); each is one more row of the step."""
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_speculative_tokens: int = Field(
+        default=4,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Most tokens proposed per request per step (k): the step verifies the "
+        "pending token plus up to k proposals in one forward. Each request's k adapts to its "
+        "recent acceptance below this (`model_runtime.speculative.adapt`).",
+    )
+
+
+class NgramConfig(_Common):
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens
+    of the prompt plus the output so far (the longest n in [min, max] that occurs)."""
+
+    method: Literal["ngram"] = "ngram"
+    prompt_lookup_min: int = Field(
+        default=2, ge=1, description="Shortest suffix (n tokens) looked up."
+    )
+    prompt_lookup_max: int = Field(
+        default=4, ge=1, description="Longest suffix (n tokens) looked up; tried first."
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> NgramConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
+SpeculativeConfig = Annotated[NgramConfig, Field(discriminator="method")]
