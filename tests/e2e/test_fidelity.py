@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1 import inference_pb2, worker_pb2
 from tests.e2e.helpers import PROMPTS, E2ECluster, Reference, wait_until
 
 pytestmark = pytest.mark.slow
@@ -77,6 +77,43 @@ def test_greedy_tokens_match_colocated_engine(cluster: E2ECluster, reference: Re
     reference.check(got)
     if cluster.name.startswith("hybrid"):  # both paths taken, the long prompts through P
         assert paths["len1"] == "local" and paths["len700"] == "remote", paths
+    cluster.wait_no_leaks()
+
+
+CONSTRAINED = {
+    "json": inference_pb2.StructuredOutputs(
+        json='{"type": "object", "properties": {"n": {"type": "integer"}, "tags": {"type": '
+        '"array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}, "required": ["n", "tags"], '
+        '"additionalProperties": false}'
+    ),
+    "regex": inference_pb2.StructuredOutputs(regex="[a-z]{3,12}( [a-z]{2,9}){2,5}"),
+    "choice": inference_pb2.StructuredOutputs(
+        choice=inference_pb2.ChoiceList(choices=["up", "down"])
+    ),
+}
+
+
+def test_constrained_tokens_match_colocated_engine(
+    cluster: E2ECluster, reference: Reference
+) -> None:
+    """A grammar-constrained request gives the same tokens on every topology as the
+    in-process engine (float32 greedy): the prefill worker samples its first token under the
+    mask, the decode worker (or the hybrid local path) rebuilds the matcher and continues."""
+    from model_runtime.sampling_params import SamplingParams
+    from worker.convert import structured_from_proto
+
+    prompt = list(reference.prompt_ids[PROMPTS[0].name])
+    for name, so in CONSTRAINED.items():
+        req = inference_pb2.GenerateRequest(
+            request_id=f"constrained-{name}",
+            token_ids=inference_pb2.TokenIds(ids=prompt),
+            sampling=inference_pb2.SamplingParams(max_tokens=48, structured_outputs=so),
+        )
+        tokens, final = cluster.generate(req)
+        params = SamplingParams(max_tokens=48, structured=structured_from_proto(so))
+        (want,) = reference.engine.generate([prompt], params)
+        assert tokens == list(want.output_token_ids), (name, final)
+        assert final.finish_reason == want.finish_reason
     cluster.wait_no_leaks()
 
 

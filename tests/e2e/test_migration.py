@@ -35,6 +35,7 @@ from deploy.launcher import LaunchedWorker
 from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
+from model_runtime.structured import StructuredOutput
 from proto.pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.helpers import ENGINE, TIE_TOL, E2ECluster, Reference, wait_until
 
@@ -275,3 +276,21 @@ def test_greedy_stream_moves_off_a_frozen_decode_worker(
         gap = reference.logit_gap(PROMPT + expected[:i], tokens[i])
         assert gap <= TIE_TOL, f"token {i}: got {tokens[i]}, want {expected[i]} (gap {gap})"
     cluster.wait_no_leaks(30.0)  # the thawed worker got the router's Abort
+
+
+def test_constrained_stream_survives_its_decode_worker(
+    cluster: E2ECluster, engine: LLMEngine
+) -> None:
+    """A grammar-constrained request moved mid-stream: the new leg's prefill worker rebuilds
+    the matcher over the tokens so far and samples under it, the decode worker rebuilds it
+    again; the stream equals an undisturbed constrained run (float32 greedy)."""
+    regex = "[a-z ]+"  # never complete, so the request runs all N tokens
+    req = build_request(token_ids=PROMPT, max_tokens=N, temperature=0.0, ignore_eos=True)
+    req.sampling.structured_outputs.regex = regex
+    tokens, final = _signal_decoder_mid_stream(cluster, req, after=8)
+    assert final.migrations == 1
+    so = StructuredOutput("regex", regex)
+    (want,) = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=N, ignore_eos=True, structured=so)
+    )
+    assert tokens == list(want.output_token_ids)
