@@ -46,7 +46,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy router kvtransfer security model_runtime worker decode_worker prefill_worker colocated_worker cliflags deploy tooling benchmarks
+	$(VENV)/bin/mypy router kvtransfer security model_runtime worker decode_worker prefill_worker colocated_worker cliflags tracing deploy tooling benchmarks
 
 proto: setup  ## regenerate the gRPC stubs from proto/pdserve/v1/*.proto
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. \
