@@ -460,9 +460,14 @@ def _failed(span: Span, exc: grpc.aio.AioRpcError) -> None:
         span.fail(exc.code().name, exc.details() or "")
 
 
-async def _spanned(chunks: Chunks, span: Span) -> Chunks:
+def _spanned(chunks: Chunks, span: Span) -> Chunks:
     """`chunks`, with `span` ended when the stream ends (its tokens counted; failed with the
-    worker's status, `WorkerFrozen` or a cancel)."""
+    worker's status, `WorkerFrozen` or a cancel); `chunks` itself when `span` records nothing
+    (tracing off, or the request not sampled: no extra layer per chunk)."""
+    return _recorded(chunks, span) if span.recording else chunks
+
+
+async def _recorded(chunks: Chunks, span: Span) -> Chunks:
     tokens = 0
     try:
         async with contextlib.aclosing(chunks):
@@ -476,8 +481,7 @@ async def _spanned(chunks: Chunks, span: Span) -> Chunks:
         span.fail(type(exc).__name__, str(exc))
         raise
     finally:
-        if span.recording:
-            span.set({"pdserve.tokens": tokens})
+        span.set({"pdserve.tokens": tokens})
         span.end()
 
 
