@@ -11,7 +11,14 @@ into answers. One request's life here::
 
 1. `Reserve` takes blocks for every KV position the request can ever write (prompt +
    max_tokens - 1) and a ticket the transport expects (`KVHandoff.reserve`).
-   RESOURCE_EXHAUSTED when the blocks are short.
+   RESOURCE_EXHAUSTED when the blocks are short — unless blocks of doomed work will come back
+   soon: those of transfers given up while in flight (freed at their result), of reservations
+   past or near their lifetime, of requests past or near their deadline. Then the Reserve
+   *waits* (`_WaitingReserve`, first come first served, retried every engine iteration after
+   the expiries) until its blocks are free, at most `RESERVE_WAIT_S` and never past its own
+   deadline, and is refused only when no doomed block is left to wait for: a normal request
+   does not fail while a deadline storm's requests still hold its blocks, and a pool full of
+   live work still refuses at once.
    *Trade-off:* booking the worst case up front means a decode worker never preempts (a
    request admitted here always runs to its end at one token per step), at the price of
    blocks that sit idle when a request stops early (EOS) — capacity is booked, not used.
@@ -37,7 +44,8 @@ TRANSFERRING and READY are its reservation's RECEIVING and RECEIVED
 (`KVHandoff.receive_state`), DECODING is the engine request. This role keeps two maps of RPC
 data, neither of them block state: request id -> `_Reservation` (the Reserve and Decode calls'
 sinks, ticket, lifetime and deadline: what answering needs, from Reserve until the request
-ends) and the tombstones (request id -> the error a late `Decode` gets).
+ends), the tombstones (request id -> the error a late `Decode` gets) and the waiting
+Reserves (their RPC data; they hold no block).
 """
 
 from __future__ import annotations
@@ -64,6 +72,19 @@ from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
 log = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_S = 60.0
+RESERVE_WAIT_S = 5.0
+"""Longest a Reserve waits for the blocks of doomed work (module docstring, step 1)."""
+
+
+@dataclass
+class _WaitingReserve:
+    """A Reserve waiting for blocks that doomed work will give back (module docstring)."""
+
+    req: worker_pb2.ReserveRequest
+    sink: UnarySink
+    since: float  # when it came
+    until: float  # refused from then on (at most `RESERVE_WAIT_S`)
+    deadline: float  # the request's own: expired from then on
 
 
 @dataclass
@@ -98,6 +119,7 @@ class RemoteDecodeRole(RoleHandler):
         super().__init__(*args, **kwargs)
         self._res: dict[str, _Reservation] = {}  # the RPCs of live requests, by request id
         self._gone: dict[str, tuple[WorkerError, float]] = {}  # tombstones: (error, until)
+        self._waiting: dict[str, _WaitingReserve] = {}  # FIFO: Reserves waiting for blocks
 
     # ---- RPCs --------------------------------------------------------------------------------
 
@@ -105,34 +127,87 @@ class RemoteDecodeRole(RoleHandler):
         self, req: worker_pb2.ReserveRequest, sink: UnarySink, timeout_s: float | None
     ) -> None:
         """`Reserve`: blocks for the request's whole KV and a ticket for them, answered at
-        once (RESOURCE_EXHAUSTED when the blocks are short)."""
+        once — or, when the blocks are short but doomed work will give enough back, once they
+        are (module docstring, step 1); RESOURCE_EXHAUSTED otherwise."""
         rid, n, m = req.request_id, req.num_prompt_tokens, req.max_tokens
         if not rid:
             raise self.invalid(ValueError("request_id is empty"))
-        if rid in self._res:
+        if rid in self._res or rid in self._waiting:
             raise self.duplicate(rid)
         life = timeout_s or self.ctx.transfer_timeout_s
+        try:
+            check_context(rid, n, m, self.engine.model_config.max_position_embeddings)
+        except ValueError as exc:
+            raise self.invalid(exc) from exc
+        now = time.monotonic()
+        if not self._waiting and self._take(req, sink, life):
+            return
+        until = min(now + life, now + RESERVE_WAIT_S)
+        need = self.handoff.blocks_for(n, m)
+        if self._coming_back(until) + self.engine.block_pool.num_free < need:
+            raise self._short(req)
+        self._waiting[rid] = _WaitingReserve(req, sink, now, until, now + life)
+
+    def _take(self, req: worker_pb2.ReserveRequest, sink: UnarySink, life: float) -> bool:
+        """Reserve now and answer `sink`; False (nothing answered) when the blocks are short."""
+        rid, n, m = req.request_id, req.num_prompt_tokens, req.max_tokens
         # Read before the transport's clock starts: the reservation expires no later than its
         # transfer's deadline, so a transfer that times out with no Decode call is always seen
         # as the reservation's expiry.
         started = time.monotonic()
         try:
-            check_context(rid, n, m, self.engine.model_config.max_position_embeddings)
             ticket = self.handoff.reserve(rid, n, m, life)
         except ValueError as exc:
             raise self.invalid(exc) from exc
         except TransferRefused as exc:
             raise WorkerError(grpc.StatusCode.INTERNAL, str(exc)) from exc
         if ticket is None:
-            raise WorkerError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker {self.ctx.worker_id}: request {rid!r} needs "
-                f"{self.handoff.blocks_for(n, m)} KV blocks (prompt {n} + max_tokens {m}), "
-                f"{self.engine.block_pool.num_free} free",
-            )
+            return False
         self._res[rid] = _Reservation(ticket, m, started + ticket.timeout_ms / 1000, sink)
         self._gone.pop(rid, None)
         sink.set(worker_pb2.ReserveResponse(ticket=ticket))
+        return True
+
+    def _short(self, req: worker_pb2.ReserveRequest, waited_s: float = 0.0) -> WorkerError:
+        """RESOURCE_EXHAUSTED for a Reserve whose blocks are short (live work holds them)."""
+        n, m = req.num_prompt_tokens, req.max_tokens
+        waited = f" after waiting {waited_s:.2f} s" if waited_s else ""
+        return WorkerError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"decode worker {self.ctx.worker_id}: request {req.request_id!r} needs "
+            f"{self.handoff.blocks_for(n, m)} KV blocks (prompt {n} + max_tokens {m}), "
+            f"{self.engine.block_pool.num_free} free{waited}",
+        )
+
+    def _coming_back(self, by: float) -> int:
+        """Blocks that doomed work gives back by `by` without anyone's help: transfers given
+        up in flight (at their result), reservations whose lifetime ends and requests whose
+        deadline passes by then (at the next expiry sweep)."""
+        blocks = sum(len(a.block_ids) for a in self.engine.scheduler.abandoned.values())
+        for res in self._res.values():
+            ends = res.expires if res.decode is None else res.decode.deadline
+            if ends <= by:
+                blocks += len(res.ticket.block_ids)
+        return blocks
+
+    def _serve_waiting(self, now: float) -> None:
+        """The waiting Reserves, first come first served: each takes its blocks, waits on, or
+        is refused (no doomed block left to wait for, or its wait is over)."""
+        for rid, w in list(self._waiting.items()):
+            try:
+                if now >= w.deadline:
+                    raise self.expired(rid, "waiting for KV blocks")
+                if self._take(w.req, w.sink, w.deadline - now):
+                    del self._waiting[rid]
+                    continue
+                need = self.handoff.blocks_for(w.req.num_prompt_tokens, w.req.max_tokens)
+                coming = self._coming_back(w.until) + self.engine.block_pool.num_free
+                if now < w.until and coming >= need:
+                    return  # first come first served: the ones behind wait too
+                raise self._short(w.req, now - w.since)
+            except WorkerError as error:  # answered here: never raised into the engine loop
+                del self._waiting[rid]
+                w.sink.fail(error)
 
     def decode(
         self, req: worker_pb2.DecodeRequest, sink: StreamSink, timeout_s: float | None
@@ -226,6 +301,11 @@ class RemoteDecodeRole(RoleHandler):
                 self._end(out.request_id, None)
 
     def on_handoff(self, outcomes: Sequence[HandoffOutcome]) -> None:
+        self._handoff_outcomes(outcomes)
+        if self._waiting:  # a result may have freed blocks (an abandoned transfer's too)
+            self._serve_waiting(time.monotonic())
+
+    def _handoff_outcomes(self, outcomes: Sequence[HandoffOutcome]) -> None:
         for o in outcomes:
             rid, r = o.request_id, o.result
             res = self._res[rid]  # a live reservation's RPCs are open until it ends
@@ -257,6 +337,8 @@ class RemoteDecodeRole(RoleHandler):
         for rid, (_, until) in list(self._gone.items()):
             if now >= until:
                 del self._gone[rid]
+        if self._waiting:  # after the sweep: the expired ones' blocks are back
+            self._serve_waiting(now)
 
     def _expiry(self, res: _Reservation) -> WorkerError:
         """What a late `Decode` of a reservation that outlived its lifetime gets."""
@@ -269,6 +351,11 @@ class RemoteDecodeRole(RoleHandler):
         )
 
     def abort(self, request_id: str, sink: Sink | None, error: WorkerError) -> bool:
+        waiting = self._waiting.get(request_id)
+        if waiting is not None and (sink is None or sink is waiting.sink):
+            del self._waiting[request_id]  # it holds no block yet
+            waiting.sink.fail(error)
+            return True
         res = self._res.get(request_id)
         if res is None:
             return False
@@ -289,10 +376,10 @@ class RemoteDecodeRole(RoleHandler):
             self._gone[request_id] = (error, time.monotonic() + TOMBSTONE_TTL_S)
 
     def request_ids(self) -> list[str]:
-        return list(self._res)
+        return [*self._res, *self._waiting]
 
     def holds(self, request_id: str) -> bool:
-        return request_id in self._res
+        return request_id in self._res or request_id in self._waiting
 
     rpcs = (
         # A reservation only takes free blocks and registers a ticket: safe in the middle of a

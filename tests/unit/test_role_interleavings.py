@@ -455,3 +455,97 @@ def test_a_first_token_that_ends_the_request_on_decode(pair: Pair) -> None:
     assert tokens == [] and error is None
     assert not pair.d.abort("a", None, CANCELLED)  # 2. nothing left to abort
     pair.all_free()
+
+
+# ---- a Reserve waits for the blocks of doomed work (issue 39) -------------------------------
+# PROMPT (10 tokens) + max_tokens 4 takes 4 blocks of 4 tokens: 8 reservations fill the pool.
+
+
+def _reserve_sink(pair: Pair, rid: str, life_s: float = 30.0) -> UnarySink:
+    """A Reserve whose answer may come later (`sink.closed` says whether it came)."""
+    sink = UnarySink(pair.loop)
+    req = pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(PROMPT), max_tokens=4)
+    pair.d.reserve(req, sink, life_s)
+    return sink
+
+
+def _release(pair: Pair, rids: list[str]) -> None:
+    """Abort `rids` on D; their cancelled transfers' results free the blocks."""
+    for rid in rids:
+        assert pair.d.abort(rid, None, CANCELLED), rid
+    pair.poll_d()
+
+
+def test_a_reserve_waits_while_expiring_reservations_hold_its_blocks(pair: Pair) -> None:
+    """A deadline storm's reservations (0.5 s lives) hold every block: a normal Reserve waits
+    instead of failing, and takes its blocks once they expire."""
+    doomed = [f"storm{i}" for i in range(8)]
+    for rid in doomed:
+        pair.reserve(rid, life_s=0.5)
+    assert pair.d_engine.block_pool.num_free == 0
+    sink = _reserve_sink(pair, "normal")  # 1. no free block: it waits, not refused
+    assert not sink.closed
+    pair.d.expire(time.monotonic() + 1.0)  # 2. the storm's reservations expire...
+    assert not sink.closed  # ...their transfers' results (cancelled) are still to come
+    pair.poll_d()  # 3. the results free their blocks: the Reserve takes them
+    answer = pair.answer(sink)
+    assert isinstance(answer, pb.ReserveResponse), answer
+    assert pair.d.holds("normal") and not any(pair.d.holds(r) for r in doomed)
+    _release(pair, ["normal"])
+    pair.all_free()
+
+
+def test_a_reserve_waits_for_blocks_an_abandoned_transfer_still_holds(pair: Pair) -> None:
+    """Aborted while its KV was in flight, a reservation's blocks are freed only at the
+    transfer's result: a Reserve waits for that result."""
+    t = pair.reserve("aborted")
+    live = [f"live{i}" for i in range(7)]
+    for rid in live:
+        pair.reserve(rid)
+    prefill = pair.prefill("aborted", t)
+    pair.step_prefill()  # the layers are on their way; the receiver has not polled
+    assert pair.d.abort("aborted", None, CANCELLED)  # its blocks: abandoned until the result
+    assert pair.d_engine.scheduler.abandoned and pair.d_engine.block_pool.num_free == 0
+    sink = _reserve_sink(pair, "normal")
+    assert not sink.closed
+    pair.poll_d()  # the transfer's result frees the abandoned blocks: the Reserve takes them
+    assert isinstance(pair.answer(sink), pb.ReserveResponse)
+    pair.poll_p()
+    assert isinstance(pair.answer(prefill), (pb.PrefillResponse, WorkerError))
+    _release(pair, [*live, "normal"])
+    pair.all_free()
+
+
+def test_a_pool_full_of_live_work_still_refuses_at_once(pair: Pair) -> None:
+    live = [f"live{i}" for i in range(8)]
+    for rid in live:
+        pair.reserve(rid)
+    assert pair.reserve_refused("more").code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # a reservation that ends after the Reserve's own deadline is not worth waiting for
+    _release(pair, live[:1])
+    pair.reserve("late", life_s=20.0)
+    with pytest.raises(WorkerError) as refused:
+        _reserve_sink(pair, "short", life_s=2.0)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _release(pair, [*live[1:], "late"])
+    pair.all_free()
+
+
+def test_a_reserve_that_can_never_fit_is_refused_and_a_cancelled_one_ends(pair: Pair) -> None:
+    """When the doomed blocks could never be enough, the Reserve is refused at once, not at its
+    deadline;
+    and a waiting Reserve the router cancels ends at once, holding nothing."""
+    live = [f"live{i}" for i in range(7)]
+    for rid in live:
+        pair.reserve(rid)
+    pair.reserve("storm", life_s=0.5)
+    # 8 blocks: the storm's 4 are not enough: refused at once
+    assert pair.reserve_refused("big", max_tokens=20).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    waiting = _reserve_sink(pair, "normal")
+    assert not waiting.closed
+    assert pair.d.abort("normal", waiting, CANCELLED)  # the router gave up on it
+    assert pair.failed(waiting) == grpc.StatusCode.CANCELLED and not pair.d.holds("normal")
+    pair.d.expire(time.monotonic() + 1.0)
+    pair.poll_d()
+    _release(pair, live)
+    pair.all_free()
