@@ -3,7 +3,8 @@
 Runs in the CLI process (`pdserve ...` or `python -m deploy.cli ...`). Subcommands import their
 heavy dependencies (torch, the engine) only when they run, so `pdserve --help` is fast.
 
-    pdserve make-model --preset tiny|small --out DIR [--seed N] [--dtype float32|bfloat16]
+    pdserve make-model --preset tiny|small|tiny-draft|small-draft --out DIR [--seed N]
+                       [--dtype float32|bfloat16]
     pdserve pull smollm2-135m-instruct [--out DIR] [--dtype bfloat16|float16|float32]
     pdserve convert --gguf FILE --out DIR [--dtype bfloat16|float16|float32]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
@@ -62,9 +63,11 @@ def add_make_model_parser(subparsers: argparse._SubParsersAction[argparse.Argume
     )
     p.add_argument(
         "--preset",
-        choices=["tiny", "small"],
+        choices=["tiny", "small", "tiny-draft", "small-draft"],
         default="tiny",
-        help="model size: tiny (~1 M parameters, tests) or small (~129 M, benchmarks)",
+        help="model size: tiny (~1 M parameters, tests) or small (~129 M, benchmarks); "
+        "tiny-draft / small-draft: smaller models with the same tokenizer (speculative "
+        "decoding drafts for tiny / small)",
     )
     p.add_argument("--out", required=True, help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed")

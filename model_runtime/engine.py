@@ -42,6 +42,8 @@ from model_runtime.sampler import Sampler, skip_draws
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
 from model_runtime.scheduler import AcceptedToken, Scheduler, SchedulerConfig, SchedulerOutput
 from model_runtime.speculative.base import Proposer
+from model_runtime.speculative.config import DraftConfig, NgramConfig
+from model_runtime.speculative.draft import DraftProposer, check_same_vocabulary
 from model_runtime.speculative.ngram import NgramProposer
 from model_runtime.speculative.speculator import Speculator
 from model_runtime.speculative.verify import Verifier, accepted_prefix, banned_ids
@@ -112,8 +114,12 @@ class LLMEngine:
             if proposer is not None:
                 raise ValueError("a proposer needs engine.speculative (its k)")
             return None
-        if proposer is None:
+        if proposer is not None:
+            pass
+        elif isinstance(spec, NgramConfig):
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            proposer = DraftProposer.load(spec, self.config, self.model_config, self.num_kv_blocks)
         return Speculator(proposer, spec.num_speculative_tokens)
 
     def _new_scheduler(self) -> Scheduler:
@@ -152,6 +158,8 @@ class LLMEngine:
         None). Logs the effective config and the resolved block count."""
         config = config or EngineConfig()
         model_config = ModelConfig.from_model_dir(model_dir)
+        if isinstance(config.speculative, DraftConfig):  # before loading anything big
+            check_same_vocabulary(config.speculative.model, Path(model_dir), model_config)
         num_blocks = num_kv_blocks_for(config, model_config)
         logger.info(
             "engine config %s; %d KV blocks of %d tokens",

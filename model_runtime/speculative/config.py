@@ -3,11 +3,11 @@ Torch-free (config-only processes validate it without importing torch).
 
 One sub-model per proposer, chosen by `method` (the table's discriminator)::
 
-    [engine.speculative]
-    method = "ngram"
-    num_speculative_tokens = 4
-    prompt_lookup_min = 2
-    prompt_lookup_max = 4
+    [engine.speculative]            [engine.speculative]
+    method = "ngram"                method = "draft"
+    num_speculative_tokens = 4      num_speculative_tokens = 4
+    prompt_lookup_min = 2           model = "models/tiny-draft"
+    prompt_lookup_max = 4           num_kv_blocks = 256
 
 No table (`EngineConfig.speculative` None) is no speculation. The names follow vLLM's
 `speculative_config` where it has one (`num_speculative_tokens`, `prompt_lookup_min`,
@@ -16,6 +16,7 @@ No table (`EngineConfig.speculative` None) is no speculation. The names follow v
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -59,4 +60,25 @@ class NgramConfig(_Common):
         return self
 
 
-SpeculativeConfig = Annotated[NgramConfig, Field(discriminator="method")]
+class DraftConfig(_Common):
+    """A smaller model with the target's tokenizer, run on the same worker with its own paged
+    KV cache and block pool (`model_runtime.speculative.draft`)."""
+
+    method: Literal["draft"] = "draft"
+    model: Path = Field(
+        description="HF folder of the draft model (config.json + safetensors); its vocabulary "
+        "must be the target's (checked at start-up)."
+    )
+    num_kv_blocks: int | None = Field(
+        default=None,
+        gt=0,
+        description="The draft's KV blocks (of the engine's block_size); None: as many as the "
+        "target cache has. A request whose draft KV does not fit is not speculated on.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="The draft's weights/KV dtype; 'auto' = the engine's dtype.",
+    )
+
+
+SpeculativeConfig = Annotated[NgramConfig | DraftConfig, Field(discriminator="method")]

@@ -60,6 +60,13 @@ def banned_ids(request: Request, ahead: int = 0) -> tuple[int, ...]:
     return (*eos, *p.stop_token_ids)
 
 
+def ends_request(request: Request, token: int, ahead: int) -> bool:
+    """Whether `token`, as output token number `num_output_tokens + ahead` (0-based), ends
+    the request by its stop rules (EOS, stop ids, max_tokens)."""
+    n = request.num_output_tokens + ahead + 1
+    return stop_reason(token, n, request.params, request.eos_token_ids) is not None
+
+
 def accepted_prefix(emitted: Sequence[AcceptedToken], proposals: Sequence[int]) -> int:
     """How many of `proposals` the emitted tokens kept (their longest agreeing prefix)."""
     n = 0
@@ -98,7 +105,7 @@ class Verifier:
             emitted: list[AcceptedToken] = []
             for j, token in enumerate(logits.max(dim=-1).indices.tolist()):
                 emitted.append((token, nan, None))
-                if j == m or token != proposals[j] or self._ends(request, token, j):
+                if j == m or token != proposals[j] or ends_request(request, token, j):
                     break
             return emitted
         return self._walk(request, logits, proposals)
@@ -129,7 +136,7 @@ class Verifier:
                 )
                 token = out.token_ids[0]
                 emitted.append((token, out.logprobs[0], out.top_logprobs[0]))
-                if j == len(proposals) or token != proposals[j] or self._ends(request, token, j):
+                if j == len(proposals) or token != proposals[j] or ends_request(request, token, j):
                     break
                 if matcher is not None:
                     if not matcher.consume(token):
@@ -142,9 +149,3 @@ class Verifier:
                 matcher.rollback(consumed)
         return emitted
 
-    @staticmethod
-    def _ends(request: Request, token: int, ahead: int) -> bool:
-        """Whether `token`, as output token number `num_output_tokens + ahead`, ends the
-        request by its stop rules (EOS, stop ids, max_tokens)."""
-        n = request.num_output_tokens + ahead + 1
-        return stop_reason(token, n, request.params, request.eos_token_ids) is not None

@@ -14,7 +14,9 @@ the reference is at a near-tie (`TIE_TOL`), and nothing after it is compared.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,10 +27,12 @@ from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.model_runner import StepInput
 from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
-from model_runtime.speculative.config import NgramConfig
+from model_runtime.speculative.config import DraftConfig, NgramConfig
+from model_runtime.speculative.draft import DraftProposer
 from model_runtime.speculative.speculator import Speculator
 from model_runtime.structured import StructuredOutput
 from tests.fakes.proposers import OracleProposer
+from tooling.models.random_model import make_random_model
 
 BLOCK = 8
 TIE_TOL = 1e-3
@@ -240,4 +244,93 @@ def test_ngram_proposer_end_to_end(tiny_model_dir: Path) -> None:
     got = engine.generate(ps, params)
     assert_same(base, got, want)
     assert isinstance(engine.speculator, Speculator)
+    idle_check(engine)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random draft (a different, smaller model with the target's tokenizer)."""
+    return make_random_model(tmp_path_factory.mktemp("draft"), "tiny-draft", seed=1)
+
+
+def draft_engine(draft: Path, target: Path, **kw: object) -> LLMEngine:
+    spec = DraftConfig(model=draft, num_speculative_tokens=K, num_kv_blocks=64)
+    return LLMEngine.from_model_dir(target, config(speculative=spec, **kw))
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_draft_model_that_agrees_is_accepted_and_tokens_are_unchanged(
+    tiny_model_dir: Path, kv: str
+) -> None:
+    """The target as its own draft: every guess is kept, greedy and seeded sampled alike
+    (the draft guesses with the races the target will draw), and the tokens are the ones
+    without speculation."""
+    base = LLMEngine.from_model_dir(tiny_model_dir, config(kv_cache_dtype=kv))
+    engine = draft_engine(tiny_model_dir, tiny_model_dir, kv_cache_dtype=kv)
+    for params in (
+        SamplingParams(max_tokens=16),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4),
+    ):
+        want = base.generate(prompts(), params)
+        got = engine.generate(prompts(), params)
+        assert_same(base, got, want)
+        idle_check(engine)
+        stats = engine.speculator.stats  # type: ignore[union-attr]
+        assert stats.num_draft_tokens > 0
+        assert stats.acceptance_rate > 0.9, stats
+    proposer = engine.speculator.proposer  # type: ignore[union-attr]
+    assert isinstance(proposer, DraftProposer)
+    assert proposer.pool.num_free == proposer.pool.num_blocks
+
+
+def test_random_draft_changes_nothing_but_speed(tiny_model_dir: Path, draft_dir: Path) -> None:
+    """An unrelated draft: almost nothing accepted, tokens unchanged, k backs off, the
+    draft's KV blocks all back."""
+    params = SamplingParams(max_tokens=24)
+    base = LLMEngine.from_model_dir(tiny_model_dir, config())
+    want = base.generate(prompts(), params)
+    engine = draft_engine(draft_dir, tiny_model_dir)
+    got = engine.generate(prompts(), params)
+    assert_same(base, got, want)
+    idle_check(engine)
+    stats = engine.speculator.stats  # type: ignore[union-attr]
+    # backed off: far fewer proposals than k per step
+    assert stats.num_draft_tokens < K * len(LENGTHS) * params.max_tokens / 3, stats
+
+
+def test_draft_must_share_the_vocabulary(
+    tiny_model_dir: Path, draft_dir: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(draft_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["vocab_size"] += 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocab_size 1025 is not the target's 1024"):
+        draft_engine(other, tiny_model_dir)
+    vocab = json.loads((other / "tokenizer.json").read_text())
+    vocab["model"]["vocab"]["zzz"] = vocab["model"]["vocab"].pop(
+        next(iter(vocab["model"]["vocab"]))
+    )
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
+    cfg["vocab_size"] -= 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="tokenizer"):
+        draft_engine(other, tiny_model_dir)
+
+
+def test_many_seeds_sample_the_same_tokens_with_a_random_draft(
+    tiny_model_dir: Path, draft_dir: Path
+) -> None:
+    """Per seed, the speculative engine's sampled tokens are the plain engine's (so their
+    frequencies over seeds are too; `tests/unit/test_spec_verify.py` checks them against the
+    exact distribution)."""
+    prompt = prompts()[3]
+    cases = [SamplingParams(max_tokens=8, temperature=1.2, seed=s) for s in range(48)]
+    base = LLMEngine.from_model_dir(tiny_model_dir, config())
+    engine = draft_engine(draft_dir, tiny_model_dir)
+    want = base.generate([prompt] * len(cases), cases)
+    got = engine.generate([prompt] * len(cases), cases)
+    assert [g.output_token_ids for g in got] == [w.output_token_ids for w in want]
+    assert len({w.output_token_ids for w in want}) > 10  # the seeds do sample differently
     idle_check(engine)

@@ -100,6 +100,19 @@ PRESETS: dict[str, RandomModelPreset] = {
         rope_theta=10000.0,
         corpus_words=20_000,
     ),
+    # A draft for "tiny" (speculative decoding tests): its tokenizer (same vocab size and
+    # corpus), a quarter of its layers' width and half its depth.
+    "tiny-draft": RandomModelPreset(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        corpus_words=20_000,
+    ),
     # Benchmarks: Llama-shaped, ~129M parameters (about 0.5 GB in float32).
     "small": RandomModelPreset(
         vocab_size=16384,
@@ -108,6 +121,18 @@ PRESETS: dict[str, RandomModelPreset] = {
         num_hidden_layers=12,
         num_attention_heads=12,
         num_key_value_heads=4,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        corpus_words=200_000,
+    ),
+    # A draft for "small" (speculative decoding benchmarks): its tokenizer, ~10M parameters.
+    "small-draft": RandomModelPreset(
+        vocab_size=16384,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=4096,
         rope_theta=500000.0,
         corpus_words=200_000,
@@ -189,7 +214,7 @@ def _write_json(path: Path, obj: object) -> None:
 
 def make_random_model(
     out_dir: str | Path,
-    preset: Literal["tiny", "small"] = "tiny",
+    preset: Literal["tiny", "tiny-draft", "small", "small-draft"] = "tiny",
     seed: int = 0,
     dtype: CheckpointDtype = "float32",
 ) -> Path:
