@@ -34,8 +34,10 @@ client (`WorkerLost`: the worker died, stopped, ended the stream early, or froze
 — at most `max_migrations` times — to a new leg: prompt = the client's prompt + every token
 already sent, max_tokens = what is left, `num_sampled` = the tokens already sampled (a seeded
 generator skips their draws, so seeded sampling continues its stream); steps 0-4 run again
-without the failed worker. The client sees one unbroken stream; greedy output is what an
-undisturbed run gives (the new leg prefills exactly the tokens the old one had).
+without the failed worker. The client sees one unbroken stream; in float32 its greedy output is
+exactly what an undisturbed run gives (the new leg prefills exactly the tokens the old one had,
+and the prefill's logits are bit-identical to the decode steps'); in bfloat16 it is equal up to
+the first bf16 near-tie, where the two paths' rounding may flip the argmax.
 
 Every worker call has a timeout equal to the time left before the request's deadline. Whatever
 ends the request early (stop string, error, deadline, client cancel), the caller aborts every
