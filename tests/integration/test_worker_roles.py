@@ -25,6 +25,7 @@ from model_runtime.sampling_params import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
 from worker.process import WorkerProcess
+from worker.step_gate import hold, release
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ ADDRESSES: dict[int, str] = {}  # id(stub) -> address, for health checks
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_model_dir: Path) -> Iterator[tuple[Stub, Stub]]:
+def workers(tiny_model_dir: Path, hold_dir: Path) -> Iterator[tuple[Stub, Stub]]:
     procs, channels, stubs = [], [], []
     for role, wid in (("prefill", "w1"), ("colocated", "w2")):
         args = ["--model", str(tiny_model_dir), "--role", role, "--worker-id", wid]
@@ -167,15 +168,21 @@ def test_wrong_role_and_bad_role(workers: tuple[Stub, Stub]) -> None:
     assert set_role(w1, "prefill").role == "prefill"  # same role: nothing to drain
 
 
-def test_drain_timeout_aborts_what_is_left(workers: tuple[Stub, Stub]) -> None:
+def test_drain_timeout_aborts_what_is_left(workers: tuple[Stub, Stub], hold_dir: Path) -> None:
+    """w2 is held after the request's first steps (`worker.step_gate`): whatever the machine's
+    speed, the request is still there when the drain times out, and is ended UNAVAILABLE."""
     _, w2 = workers
     req = pb.WorkerGenerateRequest(
-        request_id="long", prompt_token_ids=[5, 6, 7], sampling=pb.WorkerSampling(max_tokens=1000)
+        request_id="long", prompt_token_ids=[5, 6, 7], sampling=pb.WorkerSampling(max_tokens=64)
     )
-    call = w2.Generate(req, timeout=30)
-    next(call)
-    status = set_role(w2, "decode", drain_timeout_s=0.2)
-    assert (status.role, status.draining) == ("decode", False)
+    hold(hold_dir, "w2", until_steps=status(w2).engine_steps + 2)
+    try:
+        call = w2.Generate(req, timeout=30)
+        next(call)
+        switched = set_role(w2, "decode", drain_timeout_s=0.2)
+    finally:
+        release(hold_dir, "w2")
+    assert (switched.role, switched.draining) == ("decode", False)
     err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "drain timeout" in err.details()
 
