@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cliflags.model_flags import set_dotted
 from deploy.supervision import SupervisionConfig
 from model_runtime.engine_config import EngineConfig
+from model_runtime.speculative.config import DraftConfig
 from proto.pdserve.v1.roles import ROLE_NAMES, Role
 from router.config import RouterConfig, RouterSettings
 from router.ratio.config import RatioConfig
@@ -408,12 +409,18 @@ class ClusterConfig(_Frozen):
         ("auto" = Ray's node id)."""
         kv_host = host if self.transfer.kv_host == "auto" else self.transfer.kv_host
         shared = {name: getattr(self.worker, name) for name in WorkerSettings.model_fields}
+        engine = self.engine
+        if isinstance(engine.speculative, DraftConfig):  # relative to here, as `model` is
+            draft = engine.speculative.model_copy(
+                update={"model": engine.speculative.model.resolve()}
+            )
+            engine = engine.model_copy(update={"speculative": draft})
         return WorkerConfig(
             **shared,
             worker_id=worker_id,
             model_dir=self.model.resolve(),
             role=role,
-            engine=self.engine,
+            engine=engine,
             host=host,
             port=port,
             torch_threads=self.torch_threads,
@@ -430,6 +437,11 @@ def check_model_dir(config: ClusterConfig) -> None:
     launch, not at load, so example configs validate without their model present)."""
     if not (config.model / "config.json").is_file():
         raise ValueError(f"model: {str(config.model)!r} is not a model folder (no config.json)")
+    spec = config.engine.speculative
+    if isinstance(spec, DraftConfig) and not (spec.model / "config.json").is_file():
+        raise ValueError(
+            f"engine.speculative.model: {str(spec.model)!r} is not a model folder (no config.json)"
+        )
 
 
 def load_cluster_config(

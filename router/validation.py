@@ -385,6 +385,7 @@ def _sampling(
         ignore_eos=sp.ignore_eos,
         min_tokens=min_tokens,
         logprobs=logprobs,
+        speculative=sp.speculative if sp.HasField("speculative") else True,
     )
     params.validate(limits.vocab_size)  # the runtime's own rules; must agree with the above
     return params

@@ -40,6 +40,7 @@ def worker_sampling(params: SamplingParams) -> worker_pb2.WorkerSampling:
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
+        no_speculation=not params.speculative,
     )
     if params.structured is not None:
         out.structured_outputs.CopyFrom(structured_to_proto(params.structured))

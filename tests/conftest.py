@@ -5,6 +5,8 @@
 tokenizer.json, tokenizer_config.json, generation_config.json. It takes well under a second.
 Tests must treat the folder as read-only; a test that needs a modified model builds its own.
 
+`tiny_draft_dir` is a draft model for it (speculative decoding; preset "tiny-draft", seed 1).
+
 `smollm2_dir` is the real model (SmolLM2-135M-Instruct, float32), fetched and converted once
 into a cache that outlives the session; read-only too.
 """
@@ -30,6 +32,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tooling.models.random_model import make_random_model
 
     return make_random_model(tmp_path_factory.mktemp("tiny_model"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A speculative-decoding draft for the tiny model: the "tiny-draft" preset (smaller, the
+    same tokenizer, unrelated random weights, seed 1), built once per session."""
+    from tooling.models.random_model import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("tiny_draft"), "tiny-draft", seed=1)
 
 
 @pytest.fixture(scope="session")

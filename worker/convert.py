@@ -49,6 +49,7 @@ def sampling_from_proto(s: worker_pb2.WorkerSampling, vocab_size: int) -> Sampli
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         structured=structured_from_proto(s.structured_outputs),
+        speculative=not s.no_speculation,
     )
     params.validate(vocab_size)
     return params

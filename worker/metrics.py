@@ -20,6 +20,14 @@ Names follow vLLM's with a ``pdserve:`` prefix and its ``model_name`` label:
   cache's are about half a bfloat16 one's; `cache_dtype` is this worker's `KVLayout.cache_dtype`,
   which both sides of a transfer share), histogram `kv_transfer_seconds` (successful ones) and
   `kv_transfer_failures_total{reason}` (reason: cancelled, timeout, closed, layout, error);
+- with speculative decoding on (`[engine.speculative]`), the engine's counters read at scrape
+  time, under vLLM's names: `spec_decode_num_drafts_total` (verified steps of a request that
+  had proposals), `spec_decode_num_draft_tokens_total` (proposed),
+  `spec_decode_num_accepted_tokens_total` (accepted),
+  `spec_decode_num_accepted_tokens_per_pos_total{position}`, and the two ratios
+  vLLM logs from them, as gauges since start: `spec_decode_acceptance_rate` (accepted /
+  proposed) and `spec_decode_mean_acceptance_length` (1 + accepted / drafts: tokens per
+  verified step);
 - with tracing on, the span counters `tracing_spans_exported_total` and
   `tracing_spans_dropped_total{reason}` (`tracing.metrics`).
 """
@@ -32,11 +40,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtransfer.types import TransferResult
 from model_runtime.request import RequestOutput
+from model_runtime.speculative.speculator import SpecStats
 from proto.pdserve.v1.roles import ROLE_NAMES
 from tracing.metrics import SpanCounters
 from worker.engine_thread import Snapshot
@@ -89,6 +98,48 @@ class _SnapshotGauges(Collector):
         ]
 
 
+class _SpecCounters(Collector):
+    """The engine's speculative-decoding counters (`SpecStats`), read at scrape time."""
+
+    def __init__(self, model: str, stats: Callable[[], SpecStats]) -> None:
+        self._model = model
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        m = [self._model]
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("num_drafts", "Verified steps of a request that had proposals.", s.num_drafts),
+            ("num_draft_tokens", "Tokens proposed and verified.", s.num_draft_tokens),
+            ("num_accepted_tokens", "Proposed tokens accepted.", s.num_accepted_tokens),
+        ):
+            c = CounterMetricFamily(P + "spec_decode_" + name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            out.append(c)
+        per_pos = CounterMetricFamily(
+            P + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose proposal at this position (0-based) was accepted.",
+            labels=["model_name", "position"],
+        )
+        for i, n in enumerate(list(s.accepted_per_pos)):
+            per_pos.add_metric([*m, str(i)], n)
+        out.append(per_pos)
+        ratios: tuple[tuple[str, str, float], ...] = (
+            ("acceptance_rate", "Accepted / proposed tokens since start.", s.acceptance_rate),
+            (
+                "mean_acceptance_length",
+                "Tokens per verified step with proposals since start (1 + accepted / drafts).",
+                s.mean_acceptance_length,
+            ),
+        )
+        for name, doc, ratio in ratios:
+            g = GaugeMetricFamily(P + "spec_decode_" + name, doc, labels=["model_name"])
+            g.add_metric(m, ratio)
+            out.append(g)
+        return out
+
+
 class WorkerMetrics:
     """One worker's metrics (module docstring). `on_*` run on the engine thread."""
 
@@ -98,10 +149,12 @@ class WorkerMetrics:
         snapshot: Callable[[], Snapshot],
         cache_dtype: str,
         span_counts: Callable[[], Mapping[str, int]] | None = None,
+        spec_stats: Callable[[], SpecStats] | None = None,
     ) -> None:
         """`cache_dtype`: the worker's `KVLayout.cache_dtype` (the transfer metrics' label).
         `span_counts`: the tracer's span counts (None: tracing off, no span counters:
-        `tracing.metrics.SpanCounters`)."""
+        `tracing.metrics.SpanCounters`). `spec_stats`: the engine's speculative-decoding
+        counters (None: speculation off, no such metrics)."""
         self.registry = CollectorRegistry()
         self._model = model
         self._cache_dtype = cache_dtype
@@ -153,6 +206,8 @@ class WorkerMetrics:
         r.register(_SnapshotGauges(model, snapshot))
         if span_counts is not None:
             r.register(SpanCounters(model, span_counts))
+        if spec_stats is not None:
+            r.register(_SpecCounters(model, spec_stats))
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

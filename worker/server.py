@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 import torch
@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from kvtransfer.torch_dist import TorchDistTransport
 from model_runtime.engine import LLMEngine
+from model_runtime.speculative.speculator import SpecStats
 from proto.pdserve.v1 import worker_pb2_grpc
 from security.channels import InternalAuth
 from security.config import is_loopback
@@ -127,6 +128,7 @@ class WorkerServer:
                 lambda: engine_thread.snapshot,
                 engine.runner.kv_cache.cache_dtype,
                 self.tracer.counts if self.tracer.enabled else None,
+                _spec_stats(engine),
             )
             engine_thread.metrics = self.metrics
             self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
@@ -220,3 +222,12 @@ def lower_priority(nice: int, sched_idle: bool = False) -> int:
             raise ValueError("sched_idle needs Linux's SCHED_IDLE scheduling policy")
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _spec_stats(engine: LLMEngine) -> Callable[[], SpecStats] | None:
+    """What the metrics read of the engine's speculative decoding (None when it is off): its
+    counters, one object mutated in place for the engine's life."""
+    if engine.speculator is None:
+        return None
+    stats = engine.speculator.stats
+    return lambda: stats

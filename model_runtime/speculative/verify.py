@@ -148,4 +148,3 @@ class Verifier:
             if matcher is not None:
                 matcher.rollback(consumed)
         return emitted
-

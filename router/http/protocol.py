@@ -7,7 +7,9 @@ checked by `router.http.translate`). `user` is accepted: it is an end-user id fo
 own abuse tracking, not an instruction.
 
 Engine extensions, as vLLM and SGLang accept them: `top_k` (-1 or 0 = off), `min_tokens`,
-`ignore_eos`, and structured output beyond `response_format` under vLLM's names:
+`ignore_eos`, pdserve's `speculative` (false: no speculative decoding for this request; the
+tokens are the same either way), and structured output beyond `response_format` under vLLM's
+names:
 `structured_outputs` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``) and
 the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
@@ -81,6 +83,7 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
+    speculative: bool | None = None
     user: str | None = None
     # Accepted at their neutral value only (see NEUTRAL_ONLY).
     n: int = 1

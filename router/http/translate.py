@@ -101,6 +101,8 @@ def _sampling(
         sp.seed = req.seed
     if req.min_tokens is not None:
         sp.min_tokens = _int32("min_tokens", req.min_tokens)
+    if req.speculative is not None:
+        sp.speculative = req.speculative
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp.stop.extend(stops)
     scalar = frozenset({"stop"}) if isinstance(req.stop, str) else frozenset()

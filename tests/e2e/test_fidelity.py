@@ -1,6 +1,11 @@
 """Fidelity and concurrency through real processes: colocated, 1P+1D, 2P+2D and hybrid 1P+1D
 clusters give the in-process colocated engine's greedy tokens, one request at a time and 40 at
-once, and a prefill worker switching role under traffic drops nothing. The hybrid cluster
+once, and a prefill worker switching role under traffic drops nothing. Every topology but one
+speculates (`[engine.speculative]`, `SPECULATION`) while the reference does not: colocated with
+the n-gram proposer, 1P1D and hybrid with a draft model that agrees with the target (the target
+itself: every guess accepted, several tokens per step through the hand-off and the stream),
+2P2D with an unrelated random draft (every guess rejected, k backing off; its role switch
+carries the draft to the new role). The hybrid cluster
 (`[router.hybrid]` local_prefill_max_tokens = `HYBRID_LOCAL`) prefills short prompts on its
 decode worker and long ones on its prefill worker: both paths are taken, and each response says
 which (`FinalInfo.prefill_path`).
@@ -12,14 +17,17 @@ runs every test of a topology before starting the next one.
 from __future__ import annotations
 
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proto.pdserve.v1 import inference_pb2, worker_pb2
-from tests.e2e.helpers import PROMPTS, E2ECluster, Reference, wait_until
+from tests.e2e.helpers import ENGINE, PROMPTS, E2ECluster, Reference, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +49,25 @@ TOPOLOGIES: dict[str, tuple[str, dict[str, int], dict[str, object]]] = {
 }
 
 
+# the proposer per topology: "ngram", "self" (the target as its own draft), "draft" (the tiny
+# random draft)
+SPECULATION = {"colocated": "ngram", "1p1d": "self", "2p2d": "draft", "hybrid-1p1d": "self"}
+
+
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def cluster(
-    request: pytest.FixtureRequest, start_cluster: Callable[..., Iterator[E2ECluster]]
+    request: pytest.FixtureRequest,
+    start_cluster: Callable[..., Iterator[E2ECluster]],
+    tiny_model_dir: Path,
+    tiny_draft_dir: Path,
 ) -> Iterator[E2ECluster]:
     mode, counts, overrides = TOPOLOGIES[request.param]
+    method = SPECULATION[request.param]
+    spec: dict[str, object] = {"method": "ngram", "num_speculative_tokens": 4}
+    if method != "ngram":
+        model = tiny_model_dir if method == "self" else tiny_draft_dir
+        spec = {"method": "draft", "model": str(model), "num_speculative_tokens": 4}
+    overrides = {**overrides, "engine": {**ENGINE, "speculative": spec}}  # ENGINE unchanged
     yield from start_cluster(request.param, mode, overrides, **counts)
 
 
@@ -183,3 +205,38 @@ def test_role_switch_under_traffic_drops_nothing(cluster: E2ECluster, reference:
         reference.check({name: tokens})
     assert cluster.status(mover).role == "prefill"
     cluster.wait_no_leaks()
+
+
+def _spec_counters(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("pdserve:spec_decode_") and "position" not in s.labels
+    }
+
+
+def test_decoding_workers_speculated(cluster: E2ECluster) -> None:
+    """The workers that decode (decode and colocated roles) speculated, under vLLM's metric
+    names: a draft that is the target had its guesses accepted, an unrelated one not; the
+    tokens above are the reference's all the same."""
+    method = SPECULATION[cluster.name]
+    got: dict[str, float] = {}
+    for w in cluster.local.workers.workers:
+        if w.role == "prefill":
+            continue
+        port = cluster.status(w.address).metrics_port
+        for name, value in _spec_counters(f"http://127.0.0.1:{port}/metrics").items():
+            got[name] = got.get(name, 0.0) + value
+    assert "pdserve:spec_decode_num_draft_tokens_total" in got, got
+    if method == "ngram":
+        return  # random prompts: whether the n-gram proposer ever matches is up to them
+    proposed = got["pdserve:spec_decode_num_draft_tokens_total"]
+    accepted = got["pdserve:spec_decode_num_accepted_tokens_total"]
+    assert proposed > 0, got
+    if method == "self":
+        assert accepted / proposed > 0.9, got
+    else:
+        assert accepted / proposed < 0.2, got

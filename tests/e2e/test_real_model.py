@@ -3,10 +3,12 @@
 
 - the converted folder's logits equal HF transformers loading the GGUF file itself;
 - `pdserve batch` greedy tokens equal HF's in float32, and in bfloat16 except at near-ties;
-- a 1 prefill + 1 decode cluster over HTTP (the official `openai` client): completions equal
-  HF's greedy tokens, chat equals `apply_chat_template` + greedy generate and stops at EOS with
-  finish_reason "stop", stop strings cut real text, and "What is the capital of France?" is
-  answered with "Paris" (also through `pdserve demo`'s own stdlib chat call);
+- a 1 prefill + 1 decode cluster over HTTP (the official `openai` client), its decode worker
+  speculating with the n-gram proposer: completions equal HF's greedy tokens, chat equals
+  `apply_chat_template` + greedy generate and stops at EOS with finish_reason "stop", stop
+  strings cut real text, and "What is the capital of France?" is answered with "Paris" (also
+  through `pdserve demo`'s own stdlib chat call); a chat that quotes its prompt equals HF's
+  greedy tokens, streamed and whole, with most proposals accepted;
 - the goodput benchmark's text prompts (`--prompts text`) are the built-in corpus in this
   model's tokens.
 
@@ -133,7 +135,12 @@ def test_batch_bfloat16_agrees_except_at_near_ties(
 
 @pytest.fixture(scope="module")
 def client(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    engine = {"block_size": 16, "num_kv_blocks": 64, "max_num_batched_tokens": 256}
+    engine = {
+        "block_size": 16,
+        "num_kv_blocks": 64,
+        "max_num_batched_tokens": 256,
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+    }
     overrides = {"router.http_port": 0, "engine": engine, "router.default_timeout_s": 120.0}
     config = cluster_config(smollm2_dir, "disagg", overrides, prefill=1, decode=1)
     local = launch_local_cluster(config, tmp_path_factory.mktemp("logs-smollm2"), port=0)
@@ -211,6 +218,34 @@ def test_capital_of_france_is_paris_and_stop_strings_cut_real_text(
         model=served, messages=messages, max_tokens=CHAT_MAX_TOKENS, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
+
+
+QUOTE = (
+    "Copy the following text exactly:\n\nJupiter is the largest planet in the solar system, "
+    "more than three hundred times as massive as the Earth. Its bands of cloud are made of "
+    "ammonia crystals."
+)
+
+
+def test_a_quoting_chat_is_speculated_and_equals_hf(
+    client: openai.OpenAI, served: str, hf: Any, hf_tok: Any
+) -> None:
+    """The n-gram proposer's case: the answer quotes the prompt. Whole and streamed answers
+    are HF's greedy tokens (several tokens per verified step arrive together and stream as
+    one delta)."""
+    messages: Any = [{"role": "user", "content": QUOTE}]
+    want = _hf_chat(hf, hf_tok, messages)[:24]
+    r = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=len(want), temperature=0
+    )
+    text = hf_tok.decode(want, skip_special_tokens=True)
+    assert r.choices[0].message.content == text
+    streamed = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=len(want), temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(deltas) == text
+    assert len([d for d in deltas if d]) < len(want)  # tokens verified together came together
 
 
 def test_demo_chat_call_gets_paris(client: openai.OpenAI) -> None:

@@ -14,6 +14,7 @@ the reference is at a near-tie (`TIE_TOL`), and nothing after it is compared.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -334,3 +335,35 @@ def test_many_seeds_sample_the_same_tokens_with_a_random_draft(
     assert [g.output_token_ids for g in got] == [w.output_token_ids for w in want]
     assert len({w.output_token_ids for w in want}) > 10  # the seeds do sample differently
     idle_check(engine)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_a_migrated_request_continues_as_if_undisturbed(tiny_model_dir: Path, method: str) -> None:
+    """A migration's new leg: prompt + tokens so far, `num_sampled` of them sampled elsewhere.
+    The proposer's state is rebuilt from the tokens on the new engine (n-gram: its index; the
+    draft: a prefill of its KV), and greedy and seeded tokens continue as without any move."""
+    spec = (
+        NgramConfig(num_speculative_tokens=K, prompt_lookup_min=1)
+        if method == "ngram"
+        else DraftConfig(model=tiny_model_dir, num_speculative_tokens=K, num_kv_blocks=64)
+    )
+    base = LLMEngine.from_model_dir(tiny_model_dir, config())
+    prompt = prompts()[4]
+    total, moved = 20, 7
+    for params in (
+        SamplingParams(max_tokens=total),
+        SamplingParams(max_tokens=total, temperature=0.9, seed=21),
+    ):
+        (want,) = base.generate([prompt], params)
+        first = LLMEngine.from_model_dir(tiny_model_dir, config(speculative=spec))
+        (head,) = first.generate([prompt], dataclasses.replace(params, max_tokens=moved))
+        assert head.output_token_ids == want.output_token_ids[:moved]
+        second = LLMEngine.from_model_dir(tiny_model_dir, config(speculative=spec))
+        rest = dataclasses.replace(params, max_tokens=total - moved)
+        second.add_request("moved", prompt + list(head.output_token_ids), rest, num_sampled=moved)
+        outs = []
+        while second.has_unfinished():
+            outs += second.step()
+            second.check_integrity()
+        assert outs[-1].output_token_ids == want.output_token_ids[moved:]
+        idle_check(second)

@@ -404,3 +404,37 @@ def test_threads_reach_a_worker_one_way(tmp_path: Path) -> None:
     assert wc.torch_threads == 3
     assert thread_env(wc) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
     assert thread_env(WorkerConfig(model_dir=tmp_path, role="decode")) == {}
+
+
+def test_speculative_table_reaches_workers_with_the_draft_path_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[engine.speculative]` is every worker's; a relative draft path is relative to where
+    the cluster is launched (as `model` is), and a missing draft fails the launch check."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    cfg = load_cluster_config(
+        None,
+        {
+            "model": "m",
+            "engine.speculative": {"method": "draft", "model": "d", "num_speculative_tokens": 3},
+        },
+    )
+    spec = cfg.worker_config("decode-0", "decode", "127.0.0.1").engine.speculative
+    assert spec is not None and spec.method == "draft"
+    assert spec.model == tmp_path / "d" and spec.num_speculative_tokens == 3
+    with pytest.raises(ValueError, match=r"engine\.speculative\.model"):
+        check_model_dir(cfg)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    check_model_dir(cfg)
+    ngram = load_cluster_config(None, {"model": "m", "engine.speculative.method": "ngram"})
+    assert ngram.worker_config("c", "colocated", "127.0.0.1").engine.speculative == (
+        ngram.engine.speculative
+    )
+    with pytest.raises(ValidationError, match="prompt_lookup_min"):
+        load_cluster_config(
+            None,
+            {"engine.speculative": {"method": "ngram", "prompt_lookup_min": 5}},
+        )

@@ -107,6 +107,9 @@ def test_translation_defaults_and_refusals() -> None:
         ).request.sampling.top_k
         == 0
     )  # vLLM's "off"
+    assert not sp.HasField("speculative")  # the workers' setting
+    off = CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculative": False})
+    assert completion_request(off, "r").request.sampling.speculative is False
     for body, param in (
         ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
         ({"prompt": "x", "echo": True}, "echo"),

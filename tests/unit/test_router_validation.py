@@ -154,3 +154,16 @@ def test_oversized_request_is_refused_by_its_size() -> None:
     assert f"limit is {limits.max_request_bytes} bytes" in str(decoded.error), str(decoded.error)
     small = ipb.GenerateRequest(text="hi").SerializeToString()
     assert decode_generate_request(small, limits.max_request_bytes).error is None
+
+
+def test_speculative_opt_out_reaches_the_worker() -> None:
+    """Unset or true: speculate as the worker is configured; false: never for this request."""
+    from worker.convert import sampling_from_proto
+
+    for flag, want in ((None, True), (True, True), (False, False)):
+        sp = ipb.SamplingParams() if flag is None else ipb.SamplingParams(speculative=flag)
+        v = validate_request(ipb.GenerateRequest(text="x", sampling=sp), LIMITS, fake_encode)
+        assert v.sampling.speculative is want
+        ws = worker_sampling(v.sampling)
+        assert ws.no_speculation is not want
+        assert sampling_from_proto(ws, VOCAB).speculative is want

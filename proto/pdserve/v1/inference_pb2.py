@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/pdserve/v1/inference.proto\x12\npdserve.v1\"\xfb\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0b \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xa7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0f\n\x07lenient\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xcc\x01\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x17\n\x0frouter_queue_ms\x18\x02 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x03 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x04 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x05 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_admission_ms\x18\x06 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x07 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x01\"\xe0\x01\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nmigrations\x18\x06 \x01(\x05\x12\x14\n\x0cprefill_path\x18\x07 \x01(\t\x12\x1b\n\x13prefill_path_reason\x18\x08 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"p\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x1a\n\x12max_tokens_default\x18\x05 \x01(\x05\x32\x9c\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/pdserve/v1/inference.proto\x12\npdserve.v1\"\xa5\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0b \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x18\n\x0bspeculative\x18\x0c \x01(\x08H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x0e\n\x0c_speculative\"\xa7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0f\n\x07lenient\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xcc\x01\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x17\n\x0frouter_queue_ms\x18\x02 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x03 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x04 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x05 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_admission_ms\x18\x06 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x07 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x01\"\xe0\x01\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nmigrations\x18\x06 \x01(\x05\x12\x14\n\x0cprefill_path\x18\x07 \x01(\t\x12\x1b\n\x13prefill_path_reason\x18\x08 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"p\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x1a\n\x12max_tokens_default\x18\x05 \x01(\x05\x32\x9c\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve.v1.inference_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=49
-  _globals['_SAMPLINGPARAMS']._serialized_end=428
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=431
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=598
-  _globals['_CHOICELIST']._serialized_start=600
-  _globals['_CHOICELIST']._serialized_end=629
-  _globals['_TOKENIDS']._serialized_start=631
-  _globals['_TOKENIDS']._serialized_end=654
-  _globals['_GENERATEREQUEST']._serialized_start=657
-  _globals['_GENERATEREQUEST']._serialized_end=809
-  _globals['_USAGE']._serialized_start=811
-  _globals['_USAGE']._serialized_end=891
-  _globals['_TIMINGS']._serialized_start=894
-  _globals['_TIMINGS']._serialized_end=1098
-  _globals['_FINALINFO']._serialized_start=1101
-  _globals['_FINALINFO']._serialized_end=1325
-  _globals['_TOPLOGPROB']._serialized_start=1327
-  _globals['_TOPLOGPROB']._serialized_end=1374
-  _globals['_TOKENLOGPROB']._serialized_start=1376
-  _globals['_TOKENLOGPROB']._serialized_end=1444
-  _globals['_GENERATERESPONSE']._serialized_start=1447
-  _globals['_GENERATERESPONSE']._serialized_end=1600
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1602
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1623
-  _globals['_MODELINFO']._serialized_start=1625
-  _globals['_MODELINFO']._serialized_end=1737
-  _globals['_INFERENCE']._serialized_start=1740
-  _globals['_INFERENCE']._serialized_end=1896
+  _globals['_SAMPLINGPARAMS']._serialized_end=470
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=473
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=640
+  _globals['_CHOICELIST']._serialized_start=642
+  _globals['_CHOICELIST']._serialized_end=671
+  _globals['_TOKENIDS']._serialized_start=673
+  _globals['_TOKENIDS']._serialized_end=696
+  _globals['_GENERATEREQUEST']._serialized_start=699
+  _globals['_GENERATEREQUEST']._serialized_end=851
+  _globals['_USAGE']._serialized_start=853
+  _globals['_USAGE']._serialized_end=933
+  _globals['_TIMINGS']._serialized_start=936
+  _globals['_TIMINGS']._serialized_end=1140
+  _globals['_FINALINFO']._serialized_start=1143
+  _globals['_FINALINFO']._serialized_end=1367
+  _globals['_TOPLOGPROB']._serialized_start=1369
+  _globals['_TOPLOGPROB']._serialized_end=1416
+  _globals['_TOKENLOGPROB']._serialized_start=1418
+  _globals['_TOKENLOGPROB']._serialized_end=1486
+  _globals['_GENERATERESPONSE']._serialized_start=1489
+  _globals['_GENERATERESPONSE']._serialized_end=1642
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1644
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1665
+  _globals['_MODELINFO']._serialized_start=1667
+  _globals['_MODELINFO']._serialized_end=1779
+  _globals['_INFERENCE']._serialized_start=1782
+  _globals['_INFERENCE']._serialized_end=1938
 # @@protoc_insertion_point(module_scope)

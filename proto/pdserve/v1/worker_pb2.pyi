@@ -108,7 +108,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, ticket: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "num_sampled", "structured_outputs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "num_sampled", "structured_outputs", "no_speculation")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class WorkerSampling(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -133,7 +134,8 @@ class WorkerSampling(_message.Message):
     logprobs: int
     num_sampled: int
     structured_outputs: _inference_pb2.StructuredOutputs
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., num_sampled: _Optional[int] = ..., structured_outputs: _Optional[_Union[_inference_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
+    no_speculation: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., num_sampled: _Optional[int] = ..., structured_outputs: _Optional[_Union[_inference_pb2.StructuredOutputs, _Mapping]] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket", "timeout_s")
