@@ -54,21 +54,38 @@ def _decoder_pid(cluster: E2ECluster) -> int:
     return decoder.process.pid
 
 
+def _hold_decoder_after(cluster: E2ECluster, hold_dir: Path, steps: int) -> str:
+    """The decode worker may run `steps` more engine steps, then holds (`worker.step_gate`):
+    a request it runs is still running afterwards on any machine. Its id (to `release`)."""
+    (decoder,) = [w for w in cluster.local.workers.workers if w.role == "decode"]
+    status = cluster.status(decoder.address)
+    hold(hold_dir, status.worker_id, status.engine_steps + steps)
+    return status.worker_id
+
+
 def _serves(cluster: E2ECluster, reference: Reference) -> None:
     p = PROMPTS[5]
     reference.check({p.name: cluster.generate(p.request())[0]})
 
 
-def test_client_cancel_mid_stream_frees_blocks(cluster: E2ECluster, reference: Reference) -> None:
-    call = cluster.stub.Generate(LONG, timeout=60.0)
-    received = 0
-    for resp in call:
-        received += len(resp.token_ids)
-        if received >= 5:
-            break
-    held = cluster.free_blocks()
-    assert any(held[a] < cluster.baseline[a] for a in held), f"nothing held mid-stream: {held}"
-    call.cancel()
+def test_client_cancel_mid_stream_frees_blocks(
+    cluster: E2ECluster, reference: Reference, hold_dir: Path
+) -> None:
+    """The decode worker holds after its first steps, so the stream is open (its blocks held)
+    when the client cancels it, on any machine."""
+    decoder = _hold_decoder_after(cluster, hold_dir, 4)
+    try:
+        call = cluster.stub.Generate(LONG, timeout=60.0)
+        received = 0
+        for resp in call:
+            received += len(resp.token_ids)
+            if received >= 2:
+                break
+        held = cluster.free_blocks()
+        assert any(held[a] < cluster.baseline[a] for a in held), f"nothing held mid-stream: {held}"
+        call.cancel()
+    finally:
+        release(hold_dir, decoder)
     with pytest.raises(grpc.RpcError) as info:
         for _ in call:
             pass
@@ -77,21 +94,21 @@ def test_client_cancel_mid_stream_frees_blocks(cluster: E2ECluster, reference: R
     _serves(cluster, reference)
 
 
-def test_deadline_expiry_frees_blocks(cluster: E2ECluster, reference: Reference) -> None:
-    """The deadline expires mid-stream on any machine: once the first tokens arrived the
-    decode worker is frozen until the client saw DEADLINE_EXCEEDED, then resumed."""
-    deadline_s = 10.0
-    pid = _decoder_pid(cluster)
+def test_deadline_expiry_frees_blocks(
+    cluster: E2ECluster, reference: Reference, hold_dir: Path
+) -> None:
+    """The deadline expires mid-stream on any machine: the decode worker holds after its first
+    steps (`worker.step_gate`) until the client saw DEADLINE_EXCEEDED, then steps again."""
+    deadline_s = 5.0
     got: list[int] = []
     start = time.monotonic()
+    decoder = _hold_decoder_after(cluster, hold_dir, 4)
     try:
         with pytest.raises(grpc.RpcError) as info:
             for resp in cluster.stub.Generate(LONG, timeout=deadline_s):
                 got += resp.token_ids
-                if got and len(got) == len(resp.token_ids):  # the first tokens: hold the rest
-                    os.kill(pid, signal.SIGSTOP)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        release(hold_dir, decoder)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
     assert time.monotonic() - start < deadline_s + 5.0
     assert 0 < len(got) < 900, "the deadline must expire mid-stream"

@@ -20,7 +20,6 @@ Runs in the pytest process; one cluster for the module, stopped by PID at the en
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import urllib.request
@@ -47,7 +46,10 @@ LONG = [(i * 31) % 1000 + 4 for i in range(200)]  # remote
 
 
 @pytest.fixture(scope="module")
-def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
+def cluster(
+    start_cluster: Callable[..., Iterator[E2ECluster]], hold_dir: Path
+) -> Iterator[E2ECluster]:
+    """`hold_dir`: the workers' step gates (`worker.step_gate`), set before they start."""
     overrides: dict[str, object] = {
         "drain_timeout_s": migration.DRAIN_S,
         "supervision.backoff_s": 0.1,
@@ -132,11 +134,11 @@ def test_cancelling_a_local_stream_frees_the_decode_worker(cluster: E2ECluster) 
 
 
 def test_a_local_stream_survives_its_decode_worker(
-    cluster: E2ECluster, engine: LLMEngine, reference: Reference
+    cluster: E2ECluster, engine: LLMEngine, reference: Reference, hold_dir: Path
 ) -> None:
     n = migration.N
     req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
-    tokens, final = migration._signal_decoder_mid_stream(cluster, req, after=8)
+    tokens, final = migration._signal_decoder_mid_stream(cluster, req, 8, hold_dir)
     assert final.prefill_path == "local" and final.migrations == 1
     assert final.usage.completion_tokens == n
     expected = greedy(engine, PROMPT, n)
@@ -146,10 +148,14 @@ def test_a_local_stream_survives_its_decode_worker(
         assert gap <= TIE_TOL, f"token {i}: got {tokens[i]}, want {expected[i]}"
 
 
-def test_sigterm_lets_a_local_request_finish_on_its_draining_worker(cluster: E2ECluster) -> None:
-    n = 500  # long enough to be caught running (fused steps are fast); the rest within the drain
+def test_sigterm_lets_a_local_request_finish_on_its_draining_worker(
+    cluster: E2ECluster, hold_dir: Path
+) -> None:
+    n = 24  # held after 4 steps, SIGTERMed, let go: the other 20 well within the 6 s drain
     req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
-    tokens, final = migration._signal_decoder_mid_stream(cluster, req, after=4, sig=signal.SIGTERM)
+    tokens, final = migration._signal_decoder_mid_stream(
+        cluster, req, 4, hold_dir, sig=signal.SIGTERM
+    )
     assert len(tokens) == n and final.migrations == 0 and final.finish_reason == "length"
     assert final.prefill_path == "local"
     stops = [e for e in cluster.local.workers.events if e.kind == "stopped"]
@@ -157,7 +163,7 @@ def test_sigterm_lets_a_local_request_finish_on_its_draining_worker(cluster: E2E
 
 
 def test_a_drain_timeout_moves_a_local_request_and_refuses_new_local_work(
-    cluster: E2ECluster,
+    cluster: E2ECluster, hold_dir: Path
 ) -> None:
     seen: dict[str, str] = {}
 
@@ -171,17 +177,14 @@ def test_a_drain_timeout_moves_a_local_request_and_refuses_new_local_work(
         seen["new_on"], seen["new_path"] = info.decode_worker, info.prefill_path
         status = cluster.status(victim.address)
         assert status.draining and status.num_running > 0, status
-        # Freeze the worker across its whole drain timeout (shorter than the stall timeout),
-        # so the request outlasts the drain on any machine, then let it see that.
-        os.kill(victim.process.pid, signal.SIGSTOP)
-        time.sleep(migration.DRAIN_S)
-        os.kill(victim.process.pid, signal.SIGCONT)
+        # The victim stays held (`worker.step_gate`) until its drain times out: the request
+        # outlasts the drain on any machine.
         seen["victim"] = victim.worker_id
 
-    req = build_request(token_ids=PROMPT, max_tokens=900, temperature=0.0, ignore_eos=True)
+    req = build_request(token_ids=PROMPT, max_tokens=migration.N, temperature=0.0, ignore_eos=True)
     tokens, final = migration._signal_decoder_mid_stream(
-        cluster, req, after=4, sig=signal.SIGTERM, while_draining=while_draining
+        cluster, req, 4, hold_dir, sig=signal.SIGTERM, while_draining=while_draining
     )
     assert seen["new_path"] == "local" and seen["new_on"] != seen["victim"]
-    assert len(tokens) == 900 and final.migrations == 1  # cut at the drain timeout, moved
+    assert len(tokens) == migration.N and final.migrations == 1  # cut at the drain timeout
     assert final.prefill_path == "local"  # the first leg's path

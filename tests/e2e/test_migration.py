@@ -6,10 +6,13 @@ seeded sampling too (the new leg's generators skip the draws already made).
 SIGSTOP (frozen, issue 26): after `stall_timeout_s` (10 s here) of silence and a status call it
 does not answer, the request moves as from a dead worker; SIGCONT gives its blocks back.
 SIGTERM (graceful drain, `drain_timeout_s` 6 s here): the worker says NOT_SERVING at once
-and takes no new work; a request that ends within the drain finishes where it runs, one that
-does not is moved when the drain times out; nothing in flight is lost.
-Each test picks its victim by the worker's own status (it runs the request and stepped a few
-times), never by how many tokens the client has read, and stops it (SIGSTOP) at once.
+and takes no new work; a request that ends within the drain (its worker let go) finishes
+where it runs, one that does not (its worker still held) is moved when the drain times out;
+nothing in flight is lost.
+Each test holds its request where it wants it, whatever the machine's speed: every decode
+worker may run a few engine steps and then holds them (`worker.step_gate`), and the victim is
+the one seen holding the request — never chosen by how many tokens the client has read, nor
+by a token count standing in for "long enough".
 A killed worker is restarted by the launcher's supervisor; a drained one stays down (the
 operator asked for it) until the test resumes it; every live worker's blocks come back.
 
@@ -36,19 +39,23 @@ from model_runtime.engine import LLMEngine
 from model_runtime.engine_config import EngineConfig
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.structured import StructuredOutput
-from proto.pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from proto.pdserve.v1 import inference_pb2
 from tests.e2e.helpers import ENGINE, TIE_TOL, E2ECluster, Reference, wait_until
+from worker.step_gate import hold, release
 
 pytestmark = pytest.mark.slow
 PROMPT = [(i * 29) % 1000 + 4 for i in range(40)]
-N = 500  # the worker, seen running it after a few (fast, fused) steps, is still in it
+N = 64  # tokens per stream: the held worker holds it, so no length stands in for "long enough"
 T = float(np.float32(0.8))  # the wire carries float32
-DRAIN_S = 6.0  # the drain test freezes its worker this long: below the stall timeout
+DRAIN_S = 6.0  # below the stall timeout: a held draining worker still answers, it is not frozen
 STALL_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def cluster(start_cluster: Callable[..., Iterator[E2ECluster]]) -> Iterator[E2ECluster]:
+def cluster(
+    start_cluster: Callable[..., Iterator[E2ECluster]], hold_dir: Path
+) -> Iterator[E2ECluster]:
+    """`hold_dir`: the workers' step gates (`worker.step_gate`), set before they start."""
     overrides: dict[str, object] = {
         "drain_timeout_s": DRAIN_S,
         "supervision.backoff_s": 0.1,
@@ -75,51 +82,60 @@ def _until_the_router_uses_every_decoder(cluster: E2ECluster, n: int) -> None:
             seen |= {info.decode_worker for _, info in pool.map(cluster.generate, [req] * 4)}
 
 
-def _freeze_the_decoder_that_runs_it(
-    cluster: E2ECluster, decoders: list[LaunchedWorker], stream: Future[object], after: int
+def _hold_decoders_after(
+    cluster: E2ECluster, decoders: list[LaunchedWorker], after: int, hold_dir: Path
+) -> dict[str, int]:
+    """Let every (idle) decode worker run `after` more engine steps, then hold its steps
+    (`worker.step_gate`): set before the request is sent, so whichever runs it cannot end it,
+    however fast it is. The step count each holds at, by address; the caller releases the
+    gates (`_release`)."""
+    limits = {}
+    for w in decoders:
+        status = cluster.status(w.address)
+        limits[w.address] = status.engine_steps + after
+        hold(hold_dir, status.worker_id, limits[w.address])
+    return limits
+
+
+def _the_decoder_holding_it(
+    cluster: E2ECluster,
+    decoders: list[LaunchedWorker],
+    stream: Future[object],
+    limits: dict[str, int],
 ) -> LaunchedWorker:
-    """Poll every (idle) decode worker's status, one open channel each, until one runs a
-    request and has run `after` engine steps since; SIGSTOP it at once and return it. The
-    request is seen running on the worker itself, not inferred from what the client has read
-    (the router and the client lag the worker: on a fast machine it may be done before the
-    client holds a few tokens)."""
-    internal = cluster.local.workers.internal
-    channels = [internal.channel(w.address, CHANNEL_OPTIONS) for w in decoders]
-    try:
-        stubs = [internal.stub(worker_pb2_grpc.WorkerStub(ch)) for ch in channels]
-        get = worker_pb2.GetStatusRequest()
-        steps = [stub.GetStatus(get, timeout=5.0).engine_steps for stub in stubs]
-        deadline = time.monotonic() + 60.0
-        while True:
-            assert not stream.done(), "the request ended before a decode worker ran it"
-            assert time.monotonic() < deadline, "no decode worker ran the request"
-            for w, stub, idle_steps in zip(decoders, stubs, steps, strict=True):
-                status = stub.GetStatus(get, timeout=5.0)
-                if status.num_running > 0 and status.engine_steps - idle_steps >= after:
-                    os.kill(w.process.pid, signal.SIGSTOP)
-                    return w
-    finally:
-        for ch in channels:
-            ch.close()
+    """The decode worker seen holding the request: it runs it and reached its step limit."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        assert not stream.done(), "the request ended before a decode worker ran it"
+        assert time.monotonic() < deadline, "no decode worker ran the request"
+        for w in decoders:
+            status = cluster.status(w.address)
+            if status.num_running > 0 and status.engine_steps >= limits[w.address]:
+                return w
+        time.sleep(0.02)
+
+
+def _release(cluster: E2ECluster, hold_dir: Path, workers: list[LaunchedWorker]) -> None:
+    """Let `workers` step again (by their ids: a restarted worker keeps its id)."""
+    for w in workers:
+        release(hold_dir, w.worker_id)
 
 
 def _signal_decoder_mid_stream(
     cluster: E2ECluster,
     req: inference_pb2.GenerateRequest,
     after: int,
+    hold_dir: Path,
     sig: signal.Signals = signal.SIGKILL,
     while_draining: Callable[[LaunchedWorker], None] | None = None,
 ) -> tuple[list[int], inference_pb2.FinalInfo]:
-    """Stream `req`; once a decode worker runs it and ran `after` steps, freeze that worker
-    (SIGSTOP) and send it `sig` (SIGTERM: then SIGCONT, then `while_draining(the worker)`);
-    wait until the
-    supervisor restarted it — after SIGTERM, a drain that keeps the worker down, once the
-    test resumes it. (every token, the final info).
-
-    The request is long enough (`max_tokens`) that the worker, seen running it, cannot end it
-    in the instant between that status answer and the SIGSTOP. A SIGTERM sent while the
-    worker is stopped must still start its drain once it continues (any thread may take it).
-    """
+    """Stream `req`; once a decode worker holds it after `after` steps (`_hold_decoders_after`,
+    `_the_decoder_holding_it`), send that worker `sig` and let the others step (the moved leg
+    runs there). Without `while_draining` the victim steps again too (killed: its
+    successor; SIGTERM: it finishes the request within its drain); with it, the victim stays
+    held while `while_draining(the worker)` runs and until the stream ends (its drain times
+    out: the rest moves). Wait until the supervisor restarted it — after SIGTERM, a drain that
+    keeps the worker down, once the test resumes it. (every token, the final info)."""
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     _until_the_router_uses_every_decoder(cluster, len(decoders))
     wait_until(  # the readiness requests are gone from every worker
@@ -139,15 +155,20 @@ def _signal_decoder_mid_stream(
                 final = resp.final
         return tokens, final
 
-    with ThreadPoolExecutor(1) as pool:
-        call = pool.submit(stream)
-        victim = _freeze_the_decoder_that_runs_it(cluster, decoders, call, after)
-        os.kill(victim.process.pid, sig)
-        if sig != signal.SIGKILL:
-            os.kill(victim.process.pid, signal.SIGCONT)
-        if while_draining is not None:
-            while_draining(victim)
-        tokens, final = call.result()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            limits = _hold_decoders_after(cluster, decoders, after, hold_dir)
+            call = pool.submit(stream)
+            victim = _the_decoder_holding_it(cluster, decoders, call, limits)
+            os.kill(victim.process.pid, sig)
+            _release(cluster, hold_dir, [w for w in decoders if w is not victim])
+            if while_draining is not None:
+                while_draining(victim)
+            else:
+                _release(cluster, hold_dir, [victim])
+            tokens, final = call.result()
+    finally:
+        _release(cluster, hold_dir, decoders)
     assert final is not None
     if sig == signal.SIGTERM:
         wait_until(
@@ -167,10 +188,10 @@ def _signal_decoder_mid_stream(
 
 
 def test_greedy_stream_survives_its_decode_worker(
-    cluster: E2ECluster, engine: LLMEngine, reference: Reference
+    cluster: E2ECluster, engine: LLMEngine, reference: Reference, hold_dir: Path
 ) -> None:
     req = build_request(token_ids=PROMPT, max_tokens=N, temperature=0.0, ignore_eos=True)
-    tokens, final = _signal_decoder_mid_stream(cluster, req, after=8)
+    tokens, final = _signal_decoder_mid_stream(cluster, req, 8, hold_dir)
     assert final.migrations == 1 and final.usage.completion_tokens == N
     (want,) = engine.generate([PROMPT], SamplingParams(max_tokens=N, ignore_eos=True))
     expected = list(want.output_token_ids)
@@ -180,11 +201,13 @@ def test_greedy_stream_survives_its_decode_worker(
         assert gap <= TIE_TOL, f"token {i}: got {tokens[i]}, want {expected[i]} (gap {gap})"
 
 
-def test_seeded_stream_survives_its_decode_worker(cluster: E2ECluster, engine: LLMEngine) -> None:
+def test_seeded_stream_survives_its_decode_worker(
+    cluster: E2ECluster, engine: LLMEngine, hold_dir: Path
+) -> None:
     req = build_request(
         token_ids=PROMPT, max_tokens=N, temperature=T, top_k=50, seed=99, ignore_eos=True
     )
-    tokens, final = _signal_decoder_mid_stream(cluster, req, after=5)
+    tokens, final = _signal_decoder_mid_stream(cluster, req, 5, hold_dir)
     assert final.migrations == 1
     params = SamplingParams(max_tokens=N, temperature=T, top_k=50, seed=99, ignore_eos=True)
     (want,) = engine.generate([PROMPT], params)
@@ -197,17 +220,19 @@ def _health(address: str) -> int:
         return int(health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status)
 
 
-def test_sigterm_lets_a_request_finish_on_its_draining_worker(cluster: E2ECluster) -> None:
-    n = 500  # long enough to be caught running (fused steps are fast); the rest within the drain
+def test_sigterm_lets_a_request_finish_on_its_draining_worker(
+    cluster: E2ECluster, hold_dir: Path
+) -> None:
+    n = 24  # held after 4 steps, SIGTERMed, let go: the other 20 well within the 6 s drain
     req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
-    tokens, final = _signal_decoder_mid_stream(cluster, req, after=4, sig=signal.SIGTERM)
+    tokens, final = _signal_decoder_mid_stream(cluster, req, 4, hold_dir, sig=signal.SIGTERM)
     assert len(tokens) == n and final.migrations == 0 and final.finish_reason == "length"
     stops = [e for e in cluster.local.workers.events if e.kind == "stopped"]
     assert "exited with status 0" in stops[-1].detail, stops[-1]
 
 
 def test_sigterm_drain_flips_health_takes_no_new_work_and_moves_the_rest(
-    cluster: E2ECluster,
+    cluster: E2ECluster, hold_dir: Path
 ) -> None:
     seen: dict[str, object] = {}
 
@@ -223,30 +248,28 @@ def test_sigterm_drain_flips_health_takes_no_new_work_and_moves_the_rest(
         short = build_request(token_ids=PROMPT[:9], max_tokens=4, temperature=0.0)
         _, info = cluster.generate(short)  # new work goes to the other decode worker
         seen["new_on"] = info.decode_worker
-        # The long request must outlast the drain on any machine: confirm it still runs,
-        # freeze the worker across the whole drain timeout (its deadline passes while it
-        # cannot step; shorter than the router's stall timeout), then let it see that.
+        # The request outlasts the drain on any machine: the victim stays held (it answers
+        # status calls, so the router does not take it for frozen) until its drain times out.
         status = cluster.status(victim.address)
         assert status.draining and status.num_running > 0, status
-        os.kill(victim.process.pid, signal.SIGSTOP)
-        time.sleep(DRAIN_S)
-        os.kill(victim.process.pid, signal.SIGCONT)
 
-    req = build_request(token_ids=PROMPT, max_tokens=900, temperature=0.0, ignore_eos=True)
+    req = build_request(token_ids=PROMPT, max_tokens=N, temperature=0.0, ignore_eos=True)
     tokens, final = _signal_decoder_mid_stream(
-        cluster, req, after=4, sig=signal.SIGTERM, while_draining=while_draining
+        cluster, req, 4, hold_dir, sig=signal.SIGTERM, while_draining=while_draining
     )
     assert seen["health"] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen["new_on"] != seen["victim"]
-    assert len(tokens) == 900 and final.migrations == 1  # cut at the drain timeout, moved
+    assert len(tokens) == N and final.migrations == 1  # cut at the drain timeout, moved
 
 
 def test_greedy_stream_moves_off_a_frozen_decode_worker(
-    cluster: E2ECluster, engine: LLMEngine, reference: Reference
+    cluster: E2ECluster, engine: LLMEngine, reference: Reference, hold_dir: Path
 ) -> None:
+    """The worker holding the request (after 8 steps) is frozen (SIGSTOP); the others step
+    on; after the stall timeout and a status call it does not answer, the request moves."""
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     _until_the_router_uses_every_decoder(cluster, len(decoders))
-    n = 600
+    n = N
     req = build_request(token_ids=PROMPT, max_tokens=n, temperature=0.0, ignore_eos=True)
     deadline_s = 60.0
     started = time.monotonic()
@@ -261,11 +284,15 @@ def test_greedy_stream_moves_off_a_frozen_decode_worker(
         return tokens, final, time.monotonic() - started
 
     with ThreadPoolExecutor(1) as pool:
+        limits = _hold_decoders_after(cluster, decoders, 8, hold_dir)
         call = pool.submit(stream)
-        victim = _freeze_the_decoder_that_runs_it(cluster, decoders, call, after=8)
+        victim = _the_decoder_holding_it(cluster, decoders, call, limits)
+        os.kill(victim.process.pid, signal.SIGSTOP)
         try:
+            _release(cluster, hold_dir, [w for w in decoders if w is not victim])
             tokens, final, took = call.result()
         finally:
+            _release(cluster, hold_dir, decoders)
             os.kill(victim.process.pid, signal.SIGCONT)
     assert final is not None and final.migrations == 1 and len(tokens) == n, final
     assert took < deadline_s / 2, took  # moved, not held until the deadline
@@ -279,7 +306,7 @@ def test_greedy_stream_moves_off_a_frozen_decode_worker(
 
 
 def test_constrained_stream_survives_its_decode_worker(
-    cluster: E2ECluster, engine: LLMEngine
+    cluster: E2ECluster, engine: LLMEngine, hold_dir: Path
 ) -> None:
     """A grammar-constrained request moved mid-stream: the new leg's prefill worker rebuilds
     the matcher over the tokens so far and samples under it, the decode worker rebuilds it
@@ -287,7 +314,7 @@ def test_constrained_stream_survives_its_decode_worker(
     regex = "[a-z ]+"  # never complete, so the request runs all N tokens
     req = build_request(token_ids=PROMPT, max_tokens=N, temperature=0.0, ignore_eos=True)
     req.sampling.structured_outputs.regex = regex
-    tokens, final = _signal_decoder_mid_stream(cluster, req, after=8)
+    tokens, final = _signal_decoder_mid_stream(cluster, req, 8, hold_dir)
     assert final.migrations == 1
     so = StructuredOutput("regex", regex)
     (want,) = engine.generate(

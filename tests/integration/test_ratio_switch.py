@@ -5,12 +5,13 @@ a router process (`tooling.planner.harness.start_cluster`), and in this process 
 pool + `RatioController` (adaptive) acting through the real `PoolActuator` (Worker.SetRole).
 While requests stream, the controller is fed TTFT misses, decides "decode -> prefill", drains
 the least-loaded decode worker and switches it. Both decode workers are busy when it decides by
-construction, not by speed: two long "anchor" requests (hundreds of decode steps each) are sent
-one after the other: the second is sent once the first runs on a decode worker, so the
-least-load policy puts it on the other; the test waits on each state. Checked: every request
-completes with all its tokens; the decision and its `done` record are logged with their inputs;
-the pool and the worker report the new role; the router then prefills on the switched worker;
-every worker's free KV blocks return to their totals.
+construction, not by speed: every decode worker holds its engine steps after a few
+(`worker.step_gate`), and two "anchor" requests are sent one after the other: the second once
+the first runs (held) on a decode worker, so the least-load policy puts it on the other; the
+test waits on each state, and lets the workers step again once the controller has decided.
+Checked: every request completes with all its tokens; the decision and its `done` record are
+logged with their inputs; the pool and the worker report the new role; the router then
+prefills on the switched worker; every worker's free KV blocks return to their totals.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ import pytest
 
 from deploy.tool_launchers import launch_cluster
 from model_runtime.config import ModelConfig
+from proto.pdserve.v1 import worker_pb2
 from proto.pdserve.v1.roles import ROLE_NAMES
 from router.ratio.config import RatioConfig
 from router.ratio.driver import RatioController
 from tooling.goodput.records import RequestRecord, RequestSpec
 from tooling.planner.harness import Sidecar, send_all, start_cluster
+from worker.step_gate import hold, release
 
 pytestmark = pytest.mark.slow
 
-ANCHOR_TOKENS = 900  # decode steps each anchor runs: far longer than the test's 10 ms poll
+ANCHOR_TOKENS = 64  # held by the step gate until the decision: no length stands in for it
+HELD_AFTER = 3  # steps a decode worker runs before it holds
 # KV room for every request of the test in flight at once on one decode worker (2 anchors of
 # 58 blocks + 60 loads of at most 6): on a slow or loaded machine the load piles up, and a
 # refusal for KV room (RESOURCE_EXHAUSTED) would be overload, not a request the switch dropped.
@@ -42,7 +46,7 @@ def specs(n: int, rate: float, t0: float = 0.0) -> list[RequestSpec]:
     return [RequestSpec(i, t0 + i / rate, 24 + 8 * (i % 5), 40) for i in range(n)]
 
 
-async def _scenario(model: Path, tmp: Path) -> None:
+async def _scenario(model: Path, tmp: Path, hold_dir: Path) -> None:
     vocab = ModelConfig.from_model_dir(model).vocab_size
     cluster = start_cluster(model, 3, ENGINE, 1, tmp / "logs", launch_cluster)
     try:
@@ -83,6 +87,12 @@ async def _scenario(model: Path, tmp: Path) -> None:
                 assert loop.time() < deadline, busy
                 await asyncio.sleep(0.01)
 
+        # every decode worker runs a few steps, then holds: an anchor seen running stays so
+        await sc.pool.poll_once()
+        decoders = [v for v in sc.pool.views() if v.role == "decode"]
+        for v in decoders:
+            st = await sc.pool.stub(v.address).GetStatus(worker_pb2.GetStatusRequest(), timeout=30)
+            hold(hold_dir, st.worker_id, st.engine_steps + HELD_AFTER)
         # the second anchor is sent once the first runs: least-load then puts it on the other
         anchors = [anchor(0)]
         await decode_busy(1)
@@ -94,6 +104,8 @@ async def _scenario(model: Path, tmp: Path) -> None:
             controller.observe(0.5, 0.01, True)  # TTFT misses (50 ms SLO), TPOT fine
         controller.sample()
         rec = await controller.evaluate()
+        for v in decoders:  # decided: the held work may run (and the drain may end)
+            release(hold_dir, v.worker_id)
         assert rec is not None and rec.action == "switch", rec
         assert (rec.from_role, rec.to_role) == ("decode", "prefill") and rec.applied
         mover = rec.address
@@ -110,8 +122,6 @@ async def _scenario(model: Path, tmp: Path) -> None:
         assert (done.prefill_workers, done.decode_workers) == (2, 1)
         assert sc.roles()[mover] == "prefill"
         stub = sc.pool.stub(mover)
-        from proto.pdserve.v1 import worker_pb2
-
         status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=30)
         assert status.role == "prefill" and not status.draining
         # the router learns the role from its own poll and prefills on the mover
@@ -145,5 +155,7 @@ async def _scenario(model: Path, tmp: Path) -> None:
         cluster.stop()
 
 
-def test_controller_switch_under_load_drops_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
-    asyncio.run(_scenario(tiny_model_dir, tmp_path))
+def test_controller_switch_under_load_drops_nothing(
+    tiny_model_dir: Path, tmp_path: Path, hold_dir: Path
+) -> None:
+    asyncio.run(_scenario(tiny_model_dir, tmp_path, hold_dir))

@@ -227,29 +227,35 @@ def test_first_token_that_ends_the_request(pd: tuple[Worker, Worker], oracle: LL
 # ---------------------------------------------------------------------- aborts and deadlines
 
 
-def test_abort_mid_decode_frees_blocks(pd: tuple[Worker, Worker]) -> None:
+def test_abort_mid_decode_frees_blocks(pd: tuple[Worker, Worker], hold_dir: Path) -> None:
+    """The decode worker holds after its first steps: the request still runs when the Abort
+    comes, on any machine."""
     p, d = pd
     prompt = list(range(50, 70))
-    ticket = reserve(d, "ab", len(prompt), 900, 30)
-    sampling = pb.WorkerSampling(max_tokens=900)
+    ticket = reserve(d, "ab", len(prompt), 64, 30)
+    sampling = pb.WorkerSampling(max_tokens=64)
     pre = p.stub.Prefill(
         pb.PrefillRequest(
             request_id="ab", prompt_token_ids=prompt, sampling=sampling, ticket=ticket
         ),
         timeout=30,
     )
-    call = d.stub.Decode(
-        pb.DecodeRequest(
-            request_id="ab",
-            transfer_id=ticket.transfer_id,
-            prompt_token_ids=prompt,
-            first_token=pre.first_token,
-            sampling=sampling,
-        ),
-        timeout=30,
-    )
-    next(call), next(call)
-    assert d.stub.Abort(pb.AbortRequest(request_id="ab"), timeout=5).found
+    hold(hold_dir, "d0", until_steps=d.status().engine_steps + 3)
+    try:
+        call = d.stub.Decode(
+            pb.DecodeRequest(
+                request_id="ab",
+                transfer_id=ticket.transfer_id,
+                prompt_token_ids=prompt,
+                first_token=pre.first_token,
+                sampling=sampling,
+            ),
+            timeout=30,
+        )
+        next(call), next(call)
+        assert d.stub.Abort(pb.AbortRequest(request_id="ab"), timeout=5).found
+    finally:
+        release(hold_dir, "d0")
     assert code_of(lambda: list(call)) == grpc.StatusCode.ABORTED
     assert not d.stub.Abort(pb.AbortRequest(request_id="ab"), timeout=5).found
     assert not p.stub.Abort(pb.AbortRequest(request_id="ab"), timeout=5).found

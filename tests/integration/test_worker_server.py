@@ -20,6 +20,7 @@ from proto.pdserve.v1 import worker_pb2 as pb
 from proto.pdserve.v1 import worker_pb2_grpc
 from worker.cli import parse_args
 from worker.config import WorkerConfig
+from worker.step_gate import hold, release
 from worker_main import server as worker_server
 
 OPTS = [("grpc.enable_http_proxy", 0)]
@@ -57,7 +58,9 @@ def test_command_line(tmp_path: Path) -> None:
         parse_args(["--model", str(tmp_path), "--role", "decode", "--engine-json", '{"x": 1}'])
 
 
-def test_server_lifecycle_in_process(tiny_model_dir: Path) -> None:
+def test_server_lifecycle_in_process(tiny_model_dir: Path, hold_dir: Path) -> None:
+    """... and a stop cuts a request still running: the worker holds after its first steps
+    (`worker.step_gate`), so the request is there when the stop comes, on any machine."""
     cfg = WorkerConfig(
         worker_id="inproc",
         model_dir=tiny_model_dir,
@@ -89,8 +92,9 @@ def test_server_lifecycle_in_process(tiny_model_dir: Path) -> None:
             req = pb.WorkerGenerateRequest(
                 request_id="long",
                 prompt_token_ids=[4, 5, 6],
-                sampling=pb.WorkerSampling(max_tokens=1000),
+                sampling=pb.WorkerSampling(max_tokens=64),
             )
+            hold(hold_dir, "inproc", until_steps=status.engine_steps + 2)
             call = stub.Generate(req, timeout=30)
             next(call)
             stopper = threading.Thread(target=server.stop, args=(0.1,))
@@ -102,4 +106,5 @@ def test_server_lifecycle_in_process(tiny_model_dir: Path) -> None:
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     finally:
         server.stop(0.0)
+        release(hold_dir, "inproc")
     assert server.address == address
