@@ -21,6 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ from proto.pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from router.request_trace import ROOT
 from tests.e2e.helpers import E2ECluster, wait_until
 from tracing.receiver import OtlpReceiver, ReceivedSpan
+from worker.step_gate import hold, release
 
 pytestmark = pytest.mark.slow
 PROMPT = [(i * 31) % 900 + 7 for i in range(40)]
@@ -46,8 +48,9 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def cluster(
-    start_cluster: Callable[..., Iterator[E2ECluster]], receiver: OtlpReceiver
+    start_cluster: Callable[..., Iterator[E2ECluster]], receiver: OtlpReceiver, hold_dir: Path
 ) -> Iterator[E2ECluster]:
+    """`hold_dir`: the workers' step gates (`worker.step_gate`), set before they start."""
     overrides: dict[str, object] = {
         "tracing.enabled": True,
         "tracing.endpoint": receiver.grpc_endpoint,
@@ -166,7 +169,8 @@ def test_a_client_traceparent_is_continued(cluster: E2ECluster, receiver: OtlpRe
 def _kill_the_decoder_that_runs_it(cluster: E2ECluster, stream: Future[object]) -> str:
     """SIGKILL the decode worker seen (by its own status, one open channel per worker) running
     the request; its id. Its first token came from the prefill worker and reached the client,
-    so the router moves it whatever the decode worker had done."""
+    so the router moves it whatever the decode worker had done. The decode workers hold their
+    steps (the caller's `worker.step_gate`), so the request cannot end before it is seen."""
     internal = cluster.local.workers.internal
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     channels = [internal.channel(w.address, CHANNEL_OPTIONS) for w in decoders]
@@ -187,7 +191,9 @@ def _kill_the_decoder_that_runs_it(cluster: E2ECluster, stream: Future[object]) 
             ch.close()
 
 
-def test_a_migration_shows_as_a_span(cluster: E2ECluster, receiver: OtlpReceiver) -> None:
+def test_a_migration_shows_as_a_span(
+    cluster: E2ECluster, receiver: OtlpReceiver, hold_dir: Path
+) -> None:
     decoders = [w for w in cluster.local.workers.workers if w.role == "decode"]
     wait_until(
         lambda: all(cluster.status(w.address).num_running == 0 for w in decoders),
@@ -195,15 +201,25 @@ def test_a_migration_shows_as_a_span(cluster: E2ECluster, receiver: OtlpReceiver
         "the decode workers to be idle",
     )
     restarts = sum(e.kind == "restarted" for e in cluster.local.workers.events)
-    req = build_request(token_ids=PROMPT, max_tokens=500, temperature=0.0, request_id="trace-3")
+    req = build_request(token_ids=PROMPT, max_tokens=64, temperature=0.0, request_id="trace-3")
 
     def stream() -> object:
         return cluster.generate(req, timeout=120.0)[1]
 
-    with ThreadPoolExecutor(1) as pool:
-        call = pool.submit(stream)
-        victim = _kill_the_decoder_that_runs_it(cluster, call)
-        final = call.result()
+    statuses = [cluster.status(w.address) for w in decoders]
+    ids = [st.worker_id for st in statuses]
+    for st in statuses:  # two steps (admitted, one token), then none until the victim is killed
+        hold(hold_dir, st.worker_id, st.engine_steps + 2)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(stream)
+            victim = _kill_the_decoder_that_runs_it(cluster, call)
+            for worker_id in ids:
+                release(hold_dir, worker_id)
+            final = call.result()
+    finally:
+        for worker_id in ids:
+            release(hold_dir, worker_id)
     assert isinstance(final, inference_pb2.FinalInfo)
     assert final.migrations == 1 and final.decode_worker != victim
     spans = _trace_of(receiver, "trace-3", {"pdserve.migration", "pdserve.worker.decode"})

@@ -15,14 +15,15 @@ Behaviour (deterministic, no torch):
   until they are cancelled; `kv_push_fails_to` (decode worker ids) makes a `Prefill` whose
   ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
   worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
-  `token_delay_s` / `prefill_delay_s` slow the work down; `hold_prefills` holds every
+  `token_delay_s` / `prefill_delay_s` slow the work down; `hold_streams_after` (CLI `--hold-
+  streams-after`) holds every token stream after that many chunks until it is cancelled (a
+  request that outlasts whatever the test does, on any machine); `hold_prefills` holds every
   `Prefill` (blocks taken) until `release_prefills`, `hold_reserves` every `Reserve` until
   `release_reserves`; `freeze()` stops the worker as SIGSTOP would (every call, new or
-  streaming, and `GetStatus` wait for `thaw`; `freeze(status_too=False)`: only the token
-  streams stop, a worker busy elsewhere); `stall_kv_push_to(decode id)` makes a `Prefill`
-  whose ticket names that decode worker hold its blocks and not answer until
-  `resume_kv_push_to` (or its cancel), as a real prefill worker's push into a frozen decode
-  worker does;
+  streaming, and `GetStatus` wait for `thaw`; `freeze(status_too=False)`: only the token streams
+  stop, a worker busy elsewhere); `stall_kv_push_to(decode id)` makes a `Prefill` whose ticket
+  names that decode worker hold its blocks and not answer until `resume_kv_push_to` (or its
+  cancel), as a real prefill worker's push into a frozen decode worker does;
 - records: `calls[method]` counts, `last[method]` is the latest request, `aborts` lists
   aborted request ids, `held` maps request ids to their blocks; `free_blocks == total_blocks`
   again means nothing leaked;
@@ -66,6 +67,7 @@ class FakeWorkerConfig:
     prefill_token_delay_s: float = 0.0
     reserve_answer_delay_s: float = 0.0  # after the blocks are taken: an answer still on the way
     cut_stream_after: int = 0  # > 0: token streams end (not finished) after this many chunks
+    hold_streams_after: int = 0  # > 0: token streams hold after this many chunks, until cancelled
     eos_ids: tuple[int, ...] = ()
     release_on_cancel: bool = False
     worker_id: str = ""
@@ -239,6 +241,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 raise _Aborted()
             if self.config.cut_stream_after and sent >= self.config.cut_stream_after:
                 return  # a broken worker: the stream ends without a finished chunk
+            if self.config.hold_streams_after and sent >= self.config.hold_streams_after:
+                await asyncio.Event().wait()  # a request that outlasts whatever the test does
             sent += 1
             last = (last + 1) % self.config.vocab_size
             produced += 1
@@ -456,6 +460,9 @@ async def _main() -> None:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--total-blocks", type=int, default=64)
     p.add_argument("--token-delay-s", type=float, default=0.0)
+    p.add_argument(
+        "--hold-streams-after", type=int, default=0, help="streams hold after N chunks (0: never)"
+    )
     args = p.parse_args()
     worker = FakeWorker(
         FakeWorkerConfig(
@@ -463,6 +470,7 @@ async def _main() -> None:
             vocab_size=args.vocab_size,
             total_blocks=args.total_blocks,
             token_delay_s=args.token_delay_s,
+            hold_streams_after=args.hold_streams_after,
         )
     )
     addr = await worker.start(port=args.port)

@@ -336,7 +336,7 @@ def test_no_healthy_worker_503_and_health_503(model_dir: Path) -> None:
 
 
 def test_client_disconnect_mid_stream_aborts_on_every_worker(model_dir: Path) -> None:
-    worker = FakeWorkerConfig(token_delay_s=0.02)
+    worker = FakeWorkerConfig(hold_streams_after=1)  # open until the client goes, any machine
 
     async def scenario() -> None:
         async with fake_cluster(model_dir, worker=worker, http_port=0) as c:

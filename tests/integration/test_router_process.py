@@ -69,10 +69,13 @@ def process(args: list[str], ready_prefix: str) -> Iterator[tuple[subprocess.Pop
 
 @pytest.mark.slow
 def test_cli_router_serves_and_reports_a_killed_worker(tiny_model_dir: Path) -> None:
-    fake = ["-m", "tests.fakes.fake_worker", "--token-delay-s", "0.02"]
+    fake = ["-m", "tests.fakes.fake_worker"]
+    # the decode worker's streams hold after 10 chunks: the long request is still streaming
+    # when the worker is killed, on any machine (a 500-token stream stood in for that once)
+    held = [*fake, "--hold-streams-after", "10"]
     with (
         process([*fake, "--role", "prefill"], "fake-worker") as (_, p_port),
-        process([*fake, "--role", "decode"], "fake-worker") as (decode, d_port),
+        process([*held, "--role", "decode"], "fake-worker") as (decode, d_port),
         process(
             [
                 "-m",

@@ -55,7 +55,7 @@ def test_bad_inputs_get_invalid_argument_naming_the_field(tiny_model_dir: Path) 
 
 def test_duplicate_in_flight_request_id(tiny_model_dir: Path) -> None:
     async def scenario() -> None:
-        worker = FakeWorkerConfig(token_delay_s=0.02)
+        worker = FakeWorkerConfig(hold_streams_after=1)  # "same" runs until cancelled
         async with fake_cluster(tiny_model_dir, worker=worker) as c:
             req = ipb.GenerateRequest(
                 request_id="same", text="hi", sampling=ipb.SamplingParams(max_tokens=200)
