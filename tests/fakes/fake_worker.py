@@ -15,8 +15,8 @@ Behaviour (deterministic, no torch):
   until they are cancelled; `kv_push_fails_to` (decode worker ids) makes a `Prefill` whose
   ticket names one of them fail as a real prefill worker does when its KV push to a dead decode
   worker fails (UNAVAILABLE, the decode worker named in the `FAILED_PEER` trailer);
-  `token_delay_s` / `prefill_delay_s` slow the work down; `hold_streams_after` (CLI `--hold-
-  streams-after`) holds every token stream after that many chunks until it is cancelled (a
+  `token_delay_s` / `prefill_delay_s` slow the work down; `hold_streams_after` (CLI
+  `--hold-streams-after`) holds every token stream after that many chunks until it is cancelled (a
   request that outlasts whatever the test does, on any machine); `hold_prefills` holds every
   `Prefill` (blocks taken) until `release_prefills`, `hold_reserves` every `Reserve` until
   `release_reserves`; `freeze()` stops the worker as SIGSTOP would (every call, new or
