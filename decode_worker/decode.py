@@ -183,7 +183,7 @@ class RemoteDecodeRole(RoleHandler):
         """Blocks that doomed work gives back by `by` without anyone's help: transfers given
         up in flight (at their result), reservations whose lifetime ends and requests whose
         deadline passes by then (at the next expiry sweep)."""
-        blocks = sum(len(a.block_ids) for a in self.engine.scheduler.abandoned.values())
+        blocks = self.handoff.num_abandoned_blocks()
         for res in self._res.values():
             ends = res.expires if res.decode is None else res.decode.deadline
             if ends <= by:

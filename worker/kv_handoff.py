@@ -306,6 +306,11 @@ class KVHandoff:
         """Transfers given up whose result is still to come (a drain waits for them)."""
         return len(self._sched.abandoned)
 
+    def num_abandoned_blocks(self) -> int:
+        """Blocks of transfers given up in flight: back once their results come (a decode
+        worker's Reserve may wait for them: `decode_worker.decode`)."""
+        return sum(len(a.block_ids) for a in self._sched.abandoned.values())
+
     def num_reserved(self) -> int:
         """Live reservations: requests waiting for their KV or their Decode (status: waiting)."""
         return len(self._sched.remote)
