@@ -498,9 +498,7 @@ def _bodies(cap: int, model: str) -> dict[str, tuple[str, bytes]]:
 
 
 @pytest.mark.parametrize("shape", ["tiny-messages", "token-ids", "one-string"])
-def test_a_body_up_to_the_cap_does_not_stall_the_loop(
-    long_context_model: Path, shape: str
-) -> None:
+def test_a_body_up_to_the_cap_does_not_stall_the_loop(long_context_model: Path, shape: str) -> None:
     """The issue's bodies (10 MB of 1-character chat messages stalled /health 3.3 s, a 12 MB
     token-id list 1.1 s): parsed, validated and translated off the loop, they are refused or
     served while the loop's longest stall (the router process's own CPU time, `LoopWatchdog`)
