@@ -294,6 +294,17 @@ def _completion_body(model: str = "tiny") -> bytes:
     return json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 2}).encode()
 
 
+def _completion_head(body: bytes, extra: str = "", token: bool = True) -> bytes:
+    """The head of a `/v1/completions` POST of `body` (with the token unless not `token`),
+    `extra` header lines included, without the blank line that ends it."""
+    auth = f"Authorization: Bearer {TOKEN}\r\n" if token else ""
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}{extra}"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
+        "\r\n"
+    ).encode()
+
+
 def _exchange_with_front(
     model_dir: Path, tmp_path: Path, data: bytes, **router_kw: object
 ) -> tuple[int, dict[str, str], bytes]:
@@ -346,12 +357,8 @@ def test_a_content_encoding_is_refused_cleanly(
     decompress) is never decoded: 415 with a token, 401 without; no traceback either way."""
     caplog.set_level(logging.DEBUG)
     body = _completion_body()
-    auth = f"Authorization: Bearer {TOKEN}\r\n" if with_token else ""
-    data = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Encoding: {encoding}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
-        "\r\n\r\n"
-    ).encode() + body
+    extra = f"Content-Encoding: {encoding}\r\n"
+    data = _completion_head(body, extra, token=with_token) + b"\r\n" + body
     status, headers, raw = _exchange_with_front(model_dir, tmp_path, data)
     assert status == (415 if with_token else 401), raw
     assert headers["content-type"].startswith("application/json")
@@ -366,11 +373,7 @@ def test_an_expectation_other_than_100_continue_is_an_openai_error(
     model_dir: Path, tmp_path: Path
 ) -> None:
     body = _completion_body()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
-        "\r\n"
-    ).encode()
+    head = _completion_head(body)
     status, headers, raw = _exchange_with_front(
         model_dir, tmp_path, head + b"Expect: 999-x\r\n\r\n" + body
     )
@@ -418,11 +421,7 @@ def test_a_bug_is_a_500_that_says_nothing_but_the_request_id(
     monkeypatch.setattr(handlers, "completion_request", broken)
     caplog.set_level(logging.DEBUG)
     body = _completion_body()
-    data = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
-        "\r\n\r\n"
-    ).encode() + body
+    data = _completion_head(body) + b"\r\n" + body
     status, _, raw = _exchange_with_front(model_dir, tmp_path, data)
     assert status == 500, raw
     err = json.loads(raw)["error"]
