@@ -120,7 +120,7 @@ class LLMEngine:
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             proposer = DraftProposer.load(spec, self.config, self.model_config, self.num_kv_blocks)
-        return Speculator(proposer, spec.num_speculative_tokens)
+        return Speculator(proposer, spec.num_speculative_tokens, spec.max_step_rows)
 
     def _new_scheduler(self) -> Scheduler:
         config = self.config
@@ -153,12 +153,14 @@ class LLMEngine:
         model_dir: str | Path,
         config: EngineConfig | None = None,
         kv_event_listener: KVCacheEventListener | None = None,
+        proposer: Proposer | None = None,
     ) -> LLMEngine:
         """Load an HF model folder and size the KV cache from `config` (default config if
-        None). Logs the effective config and the resolved block count."""
+        None). Logs the effective config and the resolved block count. `proposer`: as in
+        `LLMEngine.__init__`."""
         config = config or EngineConfig()
         model_config = ModelConfig.from_model_dir(model_dir)
-        if isinstance(config.speculative, DraftConfig):  # before loading anything big
+        if isinstance(config.speculative, DraftConfig) and proposer is None:  # before loading
             check_same_vocabulary(config.speculative.model, Path(model_dir), model_config)
         num_blocks = num_kv_blocks_for(config, model_config)
         logger.info(
@@ -188,7 +190,7 @@ class LLMEngine:
             grammars = Grammars.from_model_dir(
                 model_dir, model_config.vocab_size, model_config.eos_token_ids
             )
-        return cls(runner, config, kv_event_listener, grammars)
+        return cls(runner, config, kv_event_listener, grammars, proposer)
 
     # ------------------------------------------------------------------ requests
 
@@ -339,7 +341,11 @@ class LLMEngine:
         finished requests' open sends (`Scheduler.open_send`) hold the blocks they need.
         """
         spec = self.speculator
-        scheduled = self.scheduler.schedule(spec.lookahead if spec is not None else None)
+        scheduled = (
+            self.scheduler.schedule()
+            if spec is None
+            else self.scheduler.schedule(spec.lookahead, spec.max_step_rows)
+        )
         # An empty step with work left is a deadlock, unless finished requests hold blocks
         # (prefill worker: they come back when their KV transfers end).
         assert scheduled.items or not self.has_unfinished() or self.scheduler.holds_kv(), (

@@ -29,9 +29,10 @@ how many proposed tokens its engine wants to verify after the pending one (`look
 the request's adaptive k). After every decoding request has its one token, each gets up to that
 many extra positions, capped by its remaining `max_tokens` (so its KV never outgrows prompt +
 max_tokens - 1, the worst case a decode worker reserves), by the step's remaining token budget,
-and by free blocks: lookahead takes blocks only when they are free and never preempts (a
-request short of blocks verifies fewer proposals). `ScheduledRequest.num_lookahead` is the
-grant; the engine fills at most that many proposals.
+by free blocks: lookahead takes blocks only when they are free and never preempts (a
+request short of blocks verifies fewer proposals), and by `max_step_rows`, the decode rows
+(pending tokens plus proposals) the step may have in all, granted oldest request first.
+`ScheduledRequest.num_lookahead` is the grant; the engine fills at most that many proposals.
 
 `update()` advances each scheduled request by its tokens, registers newly computed full blocks
 with the pool's prefix cache (prompt and generated tokens alike), appends the sampled tokens,
@@ -399,9 +400,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, lookahead: Lookahead | None = None) -> SchedulerOutput:
+    def schedule(
+        self, lookahead: Lookahead | None = None, max_step_rows: int | None = None
+    ) -> SchedulerOutput:
         """Choose this step's work (see the module docstring, steps 1-3; `lookahead`:
-        speculative decoding's extra positions per decoding request, none when None)."""
+        speculative decoding's extra positions per decoding request, none when None, within
+        `max_step_rows` decode rows in all, if given)."""
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledRequest] = []
         scheduled: set[str] = set()
@@ -421,10 +425,14 @@ class Scheduler:
             decoding.append(request)
             scheduled.add(request.request_id)
             budget -= 1
+        rows = budget if max_step_rows is None else max_step_rows - len(decoding)
         for request in decoding:
-            extra = 0 if lookahead is None else self._grant_lookahead(request, lookahead, budget)
+            extra = 0
+            if lookahead is not None and rows > 0:
+                extra = self._grant_lookahead(request, lookahead, min(budget, rows))
             items.append(self._item(request, 1, extra))
             budget -= extra
+            rows -= extra
 
         # 2. next chunk of every unfinished prefill (blocks were allocated at admission)
         for request in self.running:

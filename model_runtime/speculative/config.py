@@ -36,6 +36,17 @@ class _Common(BaseModel):
         "pending token plus up to k proposals in one forward. Each request's k adapts to its "
         "recent acceptance below this (`model_runtime.speculative.adapt`).",
     )
+    max_step_rows: int = Field(
+        default=8,
+        ge=1,
+        description="Most decode rows (pending tokens plus proposals) a step may verify: "
+        "proposals are granted, oldest request first, only while the step's decoding requests "
+        "and the proposals granted so far stay within it. A decode step streams every weight "
+        "once whatever its rows, so up to some rows each costs little; beyond them each row "
+        "costs its own compute, and a proposal that is rejected costs what a token does. So "
+        "a busy engine (at least this many decoding requests) does not speculate. Measure "
+        "where your step stops being weight-bound (benchmarks/bench_decode_step.py).",
+    )
 
 
 class NgramConfig(_Common):

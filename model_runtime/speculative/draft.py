@@ -45,10 +45,12 @@ from model_runtime.sampler import Sampler
 from model_runtime.speculative.config import DraftConfig
 from model_runtime.speculative.verify import banned_ids, ends_request
 
-FUSED_CATCH_UP = 8
+FUSED_CATCH_UP = 64
 """Catch-up chunks up to this long run as one row per token (the fused C step, where every
-request's chunk is this short: the usual case after a verified step); longer ones (a prompt)
-as a prefill chunk on the torch path."""
+request's chunk is this short: after a verified step, or after up to `adapt.MAX_IDLE` steps
+without proposals); longer ones (a prompt) as a prefill chunk on the torch path. On the small
+draft of `benchmarks/bench_spec_overhead.py` 64 tokens took 10.5 ms as fused rows and 16.5 ms
+on the torch path (shared machine)."""
 
 
 @dataclass
@@ -132,8 +134,10 @@ class DraftProposer:
             inputs = [
                 StepInput(x.token_ids, x.start_pos, x.block_table, len(x.token_ids)) for x in inputs
             ]
-        ends = list(itertools.accumulate(x.num_logits for x in inputs))
-        rows = self.runner.execute(inputs)[[e - 1 for e in ends]]  # each chunk's last row
+        # each chunk's last row, as views: an indexing kernel here may wait at an OpenMP
+        # barrier for a thread a loaded CPU has not scheduled (3 ms of CPU for one row)
+        logits = self.runner.execute(inputs)
+        rows = [logits[e - 1] for e in itertools.accumulate(x.num_logits for x in inputs)]
         gens = [self._generator(requests[i]) for i in live]
         active = list(range(len(live)))  # positions in `live` still guessing
         for j in itertools.count():
@@ -152,7 +156,8 @@ class DraftProposer:
                 request = requests[live[k]]
                 st = self._state[request.request_id]
                 step.append(StepInput([out[live[k]][-1]], request.num_tokens + j, st.block_ids))
-            rows = self.runner.execute(step)
+            logits = self.runner.execute(step)
+            rows = [logits[n] for n in range(len(going))]
             active = going
         for i in live:
             request, guesses = requests[i], out[i]

@@ -55,9 +55,12 @@ class SpecStats:
 class Speculator:
     """One engine's speculation state (module docstring)."""
 
-    def __init__(self, proposer: Proposer, k_max: int) -> None:
+    def __init__(self, proposer: Proposer, k_max: int, max_step_rows: int | None = None) -> None:
+        """`k_max`: most proposals per request per step; `max_step_rows`: most decode rows of
+        a step with proposals (`SpeculativeConfig.max_step_rows`; None: no limit)."""
         self.proposer = proposer
         self.k_max = k_max
+        self.max_step_rows = max_step_rows
         self.stats = SpecStats(accepted_per_pos=[0] * k_max)
         self._k: dict[str, AdaptiveK] = {}
         self._asked: list[str] = []  # this step's decoding requests, in `lookahead` order

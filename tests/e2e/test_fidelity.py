@@ -63,10 +63,11 @@ def cluster(
 ) -> Iterator[E2ECluster]:
     mode, counts, overrides = TOPOLOGIES[request.param]
     method = SPECULATION[request.param]
-    spec: dict[str, object] = {"method": "ngram", "num_speculative_tokens": 4}
+    # max_step_rows: every request of the concurrent test may speculate too
+    spec: dict[str, object] = {"method": "ngram", "num_speculative_tokens": 4, "max_step_rows": 256}
     if method != "ngram":
         model = tiny_model_dir if method == "self" else tiny_draft_dir
-        spec = {"method": "draft", "model": str(model), "num_speculative_tokens": 4}
+        spec = {**spec, "method": "draft", "model": str(model)}
     overrides = {**overrides, "engine": {**ENGINE, "speculative": spec}}  # ENGINE unchanged
     yield from start_cluster(request.param, mode, overrides, **counts)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_runtime.config import ModelConfig
 from model_runtime.engine import EngineConfig, LLMEngine
 from model_runtime.model_runner import StepInput
 from model_runtime.request import RequestOutput
@@ -38,6 +39,7 @@ from tooling.models.random_model import make_random_model
 BLOCK = 8
 TIE_TOL = 1e-3
 K = 4
+ROWS = 64  # max_step_rows: every request of a test's batch may speculate
 LENGTHS = [1, 7, 8, 9, 15, 17, 30]
 
 
@@ -63,18 +65,15 @@ def spec_engine(
     wrong: Callable[[int], bool],
     **kw: object,
 ) -> tuple[LLMEngine, OracleProposer]:
-    base = LLMEngine.from_model_dir(model_dir, config(**kw))
+    """An engine of its own (its own KV cache: engines never share one) whose speculation
+    proposes `reference`'s tokens, wrong where `wrong(output index)` says."""
     proposer = OracleProposer(
         {r.prompt_token_ids: r.output_token_ids for r in reference},
-        base.model_config.vocab_size,
+        ModelConfig.from_model_dir(model_dir).vocab_size,
         wrong,
     )
-    engine = LLMEngine(
-        base.runner,
-        config(speculative=NgramConfig(num_speculative_tokens=K), **kw),
-        grammars=base.grammars,
-        proposer=proposer,
-    )
+    spec = NgramConfig(num_speculative_tokens=K, max_step_rows=ROWS)
+    engine = LLMEngine.from_model_dir(model_dir, config(speculative=spec, **kw), proposer=proposer)
     return engine, proposer
 
 
@@ -239,9 +238,8 @@ def test_ngram_proposer_end_to_end(tiny_model_dir: Path) -> None:
     params = SamplingParams(max_tokens=24)
     base = LLMEngine.from_model_dir(tiny_model_dir, config())
     want = base.generate(ps, params)
-    engine = LLMEngine(
-        base.runner, config(speculative=NgramConfig(num_speculative_tokens=3)), grammars=None
-    )
+    spec = NgramConfig(num_speculative_tokens=3, max_step_rows=ROWS)
+    engine = LLMEngine.from_model_dir(tiny_model_dir, config(speculative=spec))
     got = engine.generate(ps, params)
     assert_same(base, got, want)
     assert isinstance(engine.speculator, Speculator)
@@ -255,7 +253,7 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def draft_engine(draft: Path, target: Path, **kw: object) -> LLMEngine:
-    spec = DraftConfig(model=draft, num_speculative_tokens=K, num_kv_blocks=64)
+    spec = DraftConfig(model=draft, num_speculative_tokens=K, num_kv_blocks=64, max_step_rows=ROWS)
     return LLMEngine.from_model_dir(target, config(speculative=spec, **kw))
 
 
@@ -343,7 +341,7 @@ def test_a_migrated_request_continues_as_if_undisturbed(tiny_model_dir: Path, me
     The proposer's state is rebuilt from the tokens on the new engine (n-gram: its index; the
     draft: a prefill of its KV), and greedy and seeded tokens continue as without any move."""
     spec = (
-        NgramConfig(num_speculative_tokens=K, prompt_lookup_min=1)
+        NgramConfig(num_speculative_tokens=K, prompt_lookup_min=1, max_step_rows=ROWS)
         if method == "ngram"
         else DraftConfig(model=tiny_model_dir, num_speculative_tokens=K, num_kv_blocks=64)
     )

@@ -107,6 +107,8 @@ def test_compared_configurations_use_the_same_threads(name: str) -> None:
     threads = cc.torch_threads * cc.num_workers
     assert threads == 2 and cc.launcher == "process"
     assert cc.engine.enable_chunked_prefill == (name != "colocated-nochunk")
+    spec = cc.engine.speculative
+    assert (spec is not None and spec.method == "ngram") == name.endswith("-spec")
     if name == "colocated-nochunk":
         assert cc.engine.max_num_batched_tokens >= 512
     else:

@@ -96,3 +96,16 @@ def test_a_run_from_before_repeats_is_one_repeat(
     assert bench_cli_main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "disagg/colocated = 2.52x (1 repeat)" in out and "warning" not in out
+
+
+def test_a_spec_configuration_is_paired_with_its_base() -> None:
+    from tooling.goodput.report import ratios
+    from tooling.goodput.sweep import MaxGoodput
+
+    def mg(rate: float) -> MaxGoodput:
+        return MaxGoodput(rate=rate, first_fail=None, lower_bound=False)
+
+    answers = {"disagg": {0: mg(1.0), 1: mg(2.0)}, "disagg-spec": {0: mg(1.26), 1: mg(2.0)}}
+    r = ratios(answers)
+    assert set(r) == {"disagg-spec/disagg"}
+    assert r["disagg-spec/disagg"].text(lambda x: f"{x:.2f}x").startswith("= 1.13x")

@@ -128,3 +128,18 @@ def test_rollback_over_block_boundaries_keeps_the_count() -> None:
     while s.requests:
         step(s, 2, 1)
     assert s.block_pool.num_free == 32
+
+
+def test_max_step_rows_grants_oldest_first_and_a_busy_step_none() -> None:
+    s = make(num_blocks=64, budget=32)
+    for i in range(3):
+        s.add(Request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=50)))
+    step(s, want=0, right=0)
+    out = s.schedule(lambda _: 4, max_step_rows=8)  # 3 rows + 5 extra: 4 to r0, 1 to r1
+    assert [it.num_lookahead for it in out.items] == [4, 1, 0]
+    s.update(out, [7, 8, 9])
+    s.check_integrity()
+    out = s.schedule(lambda _: 4, max_step_rows=3)  # as many decoding requests as rows
+    assert [it.num_lookahead for it in out.items] == [0, 0, 0]
+    s.update(out, [7, 8, 9])
+    s.check_integrity()

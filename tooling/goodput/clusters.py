@@ -9,11 +9,16 @@ same model, block size, KV blocks and batch limits:
 | `colocated-nochunk` | 1 colocated | `threads` | whole prompts (step budget = context + seqs) |
 | `disagg` | 1 prefill + 1 decode | `threads // 2` each | chunked, `chunk_tokens` per step |
 | `hybrid` | 1 prefill + 1 decode | `threads // 2` each | as `disagg`, short prompts on D |
+| `colocated-spec`, `disagg-spec` | as `colocated`, `disagg` | | + speculative decoding |
 
 `hybrid` is `disagg` with `[router.hybrid]` on: prompts of at most
 `HYBRID_LOCAL_PREFILL_TOKENS` uncached tokens are prefilled on the decode worker itself
 (unless the decode worker has more work than the prefill worker: the section's default
 `spill_to_prefill`).
+
+The `-spec` configurations are their base with `[engine.speculative]` = `SPECULATIVE` (the
+n-gram proposer, k = 4): `pdserve bench --configs disagg,disagg-spec` measures what speculative
+decoding does to a workload's goodput, and the report pairs each with its base by seed.
 
 `bench` compares the first three by default (`DEFAULT_CONFIGS`); `hybrid` is asked for by name
 (`--configs`); `pdserve demo` compares colocated and disagg (`--configs` for more).
@@ -35,7 +40,17 @@ from typing import Any
 
 from tooling.launch import Cluster, LaunchCluster
 
-CONFIG_NAMES = ("colocated", "colocated-nochunk", "disagg", "hybrid")
+CONFIG_NAMES = (
+    "colocated",
+    "colocated-nochunk",
+    "disagg",
+    "hybrid",
+    "colocated-spec",
+    "disagg-spec",
+)
+SPEC_SUFFIX = "-spec"
+SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
+"""`[engine.speculative]` of the `-spec` configurations."""
 DEFAULT_CONFIGS = ("colocated", "colocated-nochunk", "disagg")
 HYBRID_LOCAL_PREFILL_TOKENS = 128
 """`hybrid`'s `router.hybrid.local_prefill_max_tokens`: short prompts skip the prefill hop."""
@@ -57,6 +72,10 @@ def cluster_overrides(name: str, sizing: EngineSizing, threads: int = 2) -> dict
     """Dotted `ClusterConfig` keys of configuration `name` (ValueError for an unknown one)."""
     if name not in CONFIG_NAMES:
         raise ValueError(f"configuration must be one of {CONFIG_NAMES}, got {name!r}")
+    if name.endswith(SPEC_SUFFIX):
+        base = cluster_overrides(name.removesuffix(SPEC_SUFFIX), sizing, threads)
+        base["engine"]["speculative"] = dict(SPECULATIVE)
+        return base
     if threads < 2 and name in ("disagg", "hybrid"):
         raise ValueError(f"{name} needs threads >= 2 (one per worker), got {threads}")
     engine: dict[str, Any] = {

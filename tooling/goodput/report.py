@@ -31,6 +31,7 @@ from tooling.goodput.analysis import (
     tightest_scale,
     ttft_breakdown,
 )
+from tooling.goodput.clusters import SPEC_SUFFIX
 from tooling.goodput.plots import plot_attainment, plot_breakdown, plot_cdfs
 from tooling.goodput.records import SEND_LAG_LIMIT_MS, RunResult
 from tooling.goodput.repeats import Spread, ratio_fmt, ratio_spread, spread
@@ -115,18 +116,20 @@ def _rate(mg: MaxGoodput) -> str:
 
 
 def ratios(answers: dict[str, dict[int, MaxGoodput]]) -> dict[str, Spread]:
-    """disagg's and hybrid's max goodput over each baseline's, paired by trace seed (the seeds
-    both ran), as spreads over those repeats."""
+    """disagg's and hybrid's max goodput over each baseline's, and each `-spec`
+    configuration's over its base's (speculative decoding on / off), paired by trace seed (the
+    seeds both ran), as spreads over those repeats."""
+    pairs = [(top, base) for top in TOPS for base in BASELINES]
+    pairs += [(c, c.removesuffix(SPEC_SUFFIX)) for c in answers if c.endswith(SPEC_SUFFIX)]
     out = {}
-    for top in TOPS:
-        for base in BASELINES:
-            if top not in answers or base not in answers:
-                continue
-            seeds = sorted(set(answers[top]) & set(answers[base]))
-            if seeds:
-                out[f"{top}/{base}"] = ratio_spread(
-                    [answers[top][s] for s in seeds], [answers[base][s] for s in seeds]
-                )
+    for top, base in pairs:
+        if top not in answers or base not in answers:
+            continue
+        seeds = sorted(set(answers[top]) & set(answers[base]))
+        if seeds:
+            out[f"{top}/{base}"] = ratio_spread(
+                [answers[top][s] for s in seeds], [answers[base][s] for s in seeds]
+            )
     return out
 
 
