@@ -68,8 +68,9 @@ TARGETS = {  # judged on: paired vs raw gloo, median hidden and share, best shm 
 }
 
 
-def _finish(p: TorchDistTransport, d: Decode, tid: str) -> float:
-    """Poll the sender until its result; return when the decode side completed the transfer."""
+def finish(p: TorchDistTransport, d: Decode, tid: str) -> tuple[float, TransferResult]:
+    """Poll the sender until its result; (when the decode side completed the transfer, the
+    sender's result)."""
     done = d.wait("result")
     if not done["ok"]:
         raise RuntimeError(f"transfer {tid} failed on the decode side: {done['error']}")
@@ -80,7 +81,7 @@ def _finish(p: TorchDistTransport, d: Decode, tid: str) -> float:
         time.sleep(0.0005)
     if not results or not results[0].ok:
         raise RuntimeError(f"transfer {tid} failed on the prefill side: {results}")
-    return float(done["t"])
+    return float(done["t"]), results[0]
 
 
 def bench_transfer(
@@ -95,7 +96,7 @@ def bench_transfer(
     p.open(ticket, src)
     for layer in range(ticket.layout.num_layers):
         p.send_layer(ticket.transfer_id, layer)
-    return _finish(p, d, ticket.transfer_id) - t0
+    return finish(p, d, ticket.transfer_id)[0] - t0
 
 
 def bench_raw(raw: rdv.PairGroup, d: Decode, layers: list[torch.Tensor]) -> float:
@@ -152,7 +153,7 @@ def bench_prefill(
     p.open(ticket, src)
     runner.execute([item], on_layer_done=on_layer_done)
     t1 = time.monotonic()
-    return t1 - t0, _finish(p, d, ticket.transfer_id) - t0, last[0] - t0
+    return t1 - t0, finish(p, d, ticket.transfer_id)[0] - t0, last[0] - t0
 
 
 def _stats(xs: list[float]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The decode-worker process of `benchmarks.bench_kvtransfer`, and the handle on it.
 
-A spawned process with a KV cache of the `small` preset's layout and a `TorchDistTransport`:
+A spawned process with a KV cache of the `small` preset's layout (float32 unless asked for
+another model dtype or an int8 cache) and a `TorchDistTransport`:
 it issues tickets, waits like a decode engine (`worker.engine_thread`) and polls its
 transport, and hosts the receiving end of the raw-gloo baseline. It reports to the benchmark
 over a pipe, with `time.monotonic()` stamps (one clock for every process on a Linux host).
@@ -28,18 +29,22 @@ from model_runtime.kv_cache import KVCache
 BLOCK = 16
 
 
-def _decode_cache(model_dir: str, num_blocks: int) -> KVCache:
+def _decode_cache(model_dir: str, num_blocks: int, dtype: str, cache_dtype: str) -> KVCache:
     cfg = ModelConfig.from_model_dir(model_dir)
-    return KVCache(cfg, num_blocks, BLOCK, torch.float32, model_name=Path(model_dir).name)
+    name = Path(model_dir).name
+    torch_dtype = getattr(torch, dtype)
+    return KVCache(cfg, num_blocks, BLOCK, torch_dtype, model_name=name, cache_dtype=cache_dtype)
 
 
-def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
+def _decode_main(
+    conn: Connection, model_dir: str, num_blocks: int, dtype: str, cache_dtype: str
+) -> None:
     """The decode worker: issues tickets, polls its transport, and hosts the raw-gloo receiver.
 
     Its loop waits like a decode engine's (`worker.engine_thread`): for a command or the
     transport's waker, at most 2 ms while a transfer is in flight, then polls the transport.
     """
-    cache = _decode_cache(model_dir, num_blocks)
+    cache = _decode_cache(model_dir, num_blocks, dtype, cache_dtype)
     # Accepts both data planes: a sender that offers shared memory gets it, others gloo bytes.
     tr = TorchDistTransport(cache, "bench-d", connect_timeout_s=60.0, shared_memory=True)
     wake_r, wake_w = os.pipe()
@@ -86,10 +91,15 @@ def _decode_main(conn: Connection, model_dir: str, num_blocks: int) -> None:
 class Decode:
     """The prefill side's handle on the decode process."""
 
-    def __init__(self, model_dir: str, num_blocks: int) -> None:
+    def __init__(
+        self, model_dir: str, num_blocks: int, dtype: str = "float32", cache_dtype: str = "auto"
+    ) -> None:
+        """A decode process whose cache has `num_blocks` blocks of `model_dir`'s layout, for a
+        model in `dtype`, stored as `cache_dtype` ("auto" | "int8")."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_main, args=(child, model_dir, num_blocks))
+        args = (child, model_dir, num_blocks, dtype, cache_dtype)
+        self.proc = ctx.Process(target=_decode_main, args=args)
         self.proc.start()
         self.port = int(self.wait("ready"))
 

@@ -20,6 +20,8 @@ Layout of the allocation::
 
     offset 0      token (16 random bytes), then zeros up to HEADER_BYTES
     HEADER_BYTES  the KV tensor, [layers, blocks, 2, block_size, kv_heads, head_dim], C order
+                  (an int8 cache: [layers, blocks, block bytes], values and scales per block,
+                  so a copied block carries its scales)
 
 Ordering on the device: the sender synchronizes its stream before it notifies a layer (so the
 layer's K/V is written when the receiver reads it; `kvtransfer.dist_send`), and the receiver

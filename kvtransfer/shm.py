@@ -14,6 +14,8 @@ Layout of a segment::
 
     offset 0      token (16 random bytes), then zeros up to HEADER_BYTES
     HEADER_BYTES  the KV tensor, [layers, blocks, 2, block_size, kv_heads, head_dim], C order
+                  (an int8 cache: [layers, blocks, block bytes], values and scales per block,
+                  so a copied block carries its scales)
 
 Why it is safe: the mapping is read-only, so a receiver can never write into a sender's cache.
 The sender keeps its source blocks until the transfer's acknowledgement (or its deadline), and

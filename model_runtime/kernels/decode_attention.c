@@ -108,6 +108,9 @@ static void prefetch_block(const char *p, int64_t bytes) {
 static inline __attribute__((always_inline)) void scores_g(
     const int64_t G, const int kind, const float *qf, const kv_src *c, int64_t blk, int64_t n,
     int64_t KVH, int64_t D, int64_t bs, float *s) {
+    /* locals, not c->: stores into s could alias *c, and would force a reload per store */
+    const void *kc = c->k;
+    const uint16_t *ks = kind == KV_I8 ? c->ks + blk * c->scale_stride : NULL;
     const int64_t row = KVH * D, base = blk * c->block_stride;
     for (int64_t t = 0; t < n; t++)
         for (int64_t kh = 0; kh < KVH; kh++) {
@@ -115,13 +118,13 @@ static inline __attribute__((always_inline)) void scores_g(
             __m256 dot[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) dot[g] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) {
-                __m256 kv = load8_kv(c->k, koff + d, kind);
+                __m256 kv = load8_kv(kc, koff + d, kind);
                 for (int64_t g = 0; g < G; g++)
                     dot[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (kh * G + g) * D + d), kv, dot[g]);
             }
             if (kind == KV_I8) {
-                const float ks = kvq_f16_to_f32(c->ks[blk * c->scale_stride + t * KVH + kh]);
-                for (int64_t g = 0; g < G; g++) s[(kh * G + g) * bs + t] = hsum(dot[g]) * ks;
+                const float kscale = kvq_f16_to_f32(ks[t * KVH + kh]);
+                for (int64_t g = 0; g < G; g++) s[(kh * G + g) * bs + t] = hsum(dot[g]) * kscale;
             } else {
                 for (int64_t g = 0; g < G; g++) s[(kh * G + g) * bs + t] = hsum(dot[g]);
             }
@@ -129,27 +132,21 @@ static inline __attribute__((always_inline)) void scores_g(
 }
 
 /* acc_h += sum_t p_ht v_t for one block, a D-chunk at a time with the group's sums in
- * registers (each V row chunk loaded once for the group); on an int8 cache p_ht carries the
- * token's V scale. */
+ * registers (each V row chunk loaded once for the group); on an int8 cache the caller has
+ * multiplied p_ht by the token's V scale. */
 static inline __attribute__((always_inline)) void values_g(
     const int64_t G, const int kind, const float *p, const kv_src *c, int64_t blk, int64_t n,
     int64_t KVH, int64_t D, int64_t bs, float *acc) {
+    const void *vc = c->v; /* a local: stores into acc could alias *c */
     const int64_t row = KVH * D, base = blk * c->block_stride;
     for (int64_t kh = 0; kh < KVH; kh++)
         for (int64_t d = 0; d < D; d += 8) {
             __m256 a[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) a[g] = _mm256_loadu_ps(acc + (kh * G + g) * D + d);
             for (int64_t t = 0; t < n; t++) {
-                __m256 vv = load8_kv(c->v, base + t * row + kh * D + d, kind);
-                if (kind == KV_I8) {
-                    const float vs = kvq_f16_to_f32(c->vs[blk * c->scale_stride + t * KVH + kh]);
-                    for (int64_t g = 0; g < G; g++)
-                        a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[(kh * G + g) * bs + t] * vs), vv,
-                                               a[g]);
-                } else {
-                    for (int64_t g = 0; g < G; g++)
-                        a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[(kh * G + g) * bs + t]), vv, a[g]);
-                }
+                __m256 vv = load8_kv(vc, base + t * row + kh * D + d, kind);
+                for (int64_t g = 0; g < G; g++)
+                    a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[(kh * G + g) * bs + t]), vv, a[g]);
             }
             for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(acc + (kh * G + g) * D + d, a[g]);
         }
@@ -234,6 +231,10 @@ static void one_sequence(const void *q, const kv_src *c, const int64_t *table, i
             const float sum = hsum(sumv);
             l[h] = l[h] * corr + sum;
             m[h] = mx;
+            if (c->kind == KV_I8) { /* the weights of V rows carry their scales (not l) */
+                const uint16_t *vs = c->vs + table[b] * c->scale_stride + h / G;
+                for (int64_t tt = 0; tt < n; tt++) sh[tt] *= kvq_f16_to_f32(vs[tt * KVH]);
+            }
             if (corr != 1.0f) {
                 const __m256 c = _mm256_set1_ps(corr);
                 for (int64_t d = 0; d < D; d += 8)
