@@ -156,8 +156,8 @@ def _paged_attention_kernel(
             mask=d_ok[:, None] & pos_ok[None, :],
             other=0.0,
         )
+        sc_off = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head  # int8's scales
         if KV_INT8:
-            sc_off = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head
             k_scale = tl.load(key_scale_ptr + sc_off, mask=pos_ok, other=0.0).to(tl.float32)
             s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)
             s = s * (k_scale * scale_log2e)[None, :]  # [BLOCK_M, TILE_N]

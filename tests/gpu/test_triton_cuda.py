@@ -100,15 +100,8 @@ def test_decode_serving_sizes(
                  TOL[dtype])  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype) -> None:
-    """get_backend('auto', cuda) is Triton; a mixed step over two real KVCache layer views."""
-    from model_runtime.attention.triton_backend import TritonAttentionBackend
-
-    backend = get_backend("auto", CUDA)
-    assert isinstance(backend, TritonAttentionBackend)
-    torch.manual_seed(1)
-    block_size, heads, kv_heads, head_dim, num_blocks = 16, 32, 8, 128, 512
+def mixed_step(block_size: int, num_blocks: int) -> AttentionMetadata:
+    """A step of decode rows and prefill chunks after cached prefixes, on shuffled blocks."""
     steps = [(100, 1), (0, 300), (47, 1), (64, 129), (0, 1), (4000, 1)]  # (cached, new)
     seq_lens = [c + n for c, n in steps]
     tables = shuffled_tables(seq_lens, block_size, num_blocks)
@@ -117,7 +110,7 @@ def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype) -> None:
         qsl.append(qsl[-1] + new)
         slots += [int(tables[b, p // block_size]) * block_size + p % block_size
                   for p in range(cached, cached + new)]  # fmt: skip
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=CUDA),
         query_start_loc=qsl,
         query_lens=[n for _, n in steps],
@@ -127,9 +120,46 @@ def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype) -> None:
         decode_indices=[i for i, (_, n) in enumerate(steps) if n == 1],
         prefill_indices=[i for i, (_, n) in enumerate(steps) if n != 1],
     )
-    # Two layers of one [L, N, 2, bs, H, D] tensor, like KVCache.layer() returns.
-    kv = torch.randn(2, num_blocks, 2, block_size, kv_heads, head_dim, device=CUDA).to(dtype)
-    ref_kv = kv.clone()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.bfloat16, "auto"),
+        (torch.float32, "auto"),
+        (torch.bfloat16, "int8"),
+        (torch.float16, "int8"),
+        (torch.float32, "int8"),
+    ],
+)
+def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype, cache_dtype: str) -> None:
+    """get_backend('auto', cuda) is Triton; a mixed step over two real `KVCache` layers. The
+    Triton write gives the torch write's bytes; on an int8 cache (values + float16 scales per
+    block) the attention is the reference's float32 attention over the dequantized cache
+    (bfloat16 queries there: the CPU interpreter cannot run them, so only here)."""
+    from model_runtime.attention.triton_backend import TritonAttentionBackend
+    from model_runtime.kv_cache import KVCache
+    from tests.fakes.model_configs import tiny_model_config
+
+    backend = get_backend("auto", CUDA)
+    assert isinstance(backend, TritonAttentionBackend)
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, head_dim, num_blocks = 16, 32, 8, 128, 512
+    meta = mixed_step(block_size, num_blocks)
+    qsl = meta.query_start_loc
+    cfg = tiny_model_config(
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
+    )
+    cache = KVCache(cfg, num_blocks, block_size, dtype, CUDA, cache_dtype=cache_dtype)
+    if cache.quantized:
+        cache.kv.copy_(torch.randint(-127, 128, cache.kv.shape, device=CUDA))
+        for layer in range(2):  # sane scales (random bytes hold NaN/inf float16 patterns)
+            for scales in cache.layer(layer).scales or ():
+                scales.copy_(torch.rand(scales.shape, device=CUDA) * 0.05)
+    else:
+        cache.kv.normal_()
+    ref = KVCache(cfg, num_blocks, block_size, dtype, CUDA, cache_dtype=cache_dtype)
+    ref.kv.copy_(cache.kv)
     reference = TorchAttentionBackend()
     backend.prepare(meta)
     reference.prepare(meta)
@@ -137,8 +167,9 @@ def test_backend_on_kv_cache_layers(tk: ModuleType, dtype: torch.dtype) -> None:
         q = torch.randn(qsl[-1], heads, head_dim, device=CUDA).to(dtype)
         qkv = torch.randn(qsl[-1], 2, kv_heads, head_dim, device=CUDA).to(dtype)
         k, v = qkv[:, 0], qkv[:, 1]
-        got = backend.forward(q, k, v, kv[layer, :, 0], kv[layer, :, 1], meta, head_dim**-0.5)
-        want = reference.forward(q, k, v, ref_kv[layer, :, 0], ref_kv[layer, :, 1], meta,
-                                 head_dim**-0.5)  # fmt: skip
-        assert torch.equal(kv[layer], ref_kv[layer]), f"layer {layer}: caches differ"
-        assert_close(f"backend {dtype} layer {layer}", got, want, TOL[dtype])
+        mine, theirs = cache.layer(layer), ref.layer(layer)
+        got = backend.forward(q, k, v, mine.key, mine.value, meta, head_dim**-0.5, mine.scales)
+        want = reference.forward(q, k, v, theirs.key, theirs.value, meta, head_dim**-0.5,
+                                 theirs.scales)  # fmt: skip
+        assert torch.equal(cache.kv[layer], ref.kv[layer]), f"layer {layer}: caches differ"
+        assert_close(f"backend {dtype} {cache_dtype} layer {layer}", got, want, TOL[dtype])
