@@ -6,7 +6,10 @@ heavy dependencies (torch, the engine) only when they run, so `pdserve --help` i
     pdserve make-model --preset tiny|small|tiny-draft|small-draft --out DIR [--seed N]
                        [--dtype float32|bfloat16]
     pdserve pull smollm2-135m-instruct [--out DIR] [--dtype bfloat16|float16|float32]
+                 [--weights dequantize|keep]
     pdserve convert --gguf FILE --out DIR [--dtype bfloat16|float16|float32]
+                    [--weights dequantize|keep]
+    pdserve quantize --model DIR --out DIR --to int8|q4|q4_0 [--dtype ...]
     pdserve batch --model DIR --input IN.jsonl --output OUT.jsonl [engine options]
     pdserve demo [--model DIR] [--out RUN_DIR]     (what `make demo` runs: one chat, then goodput)
     pdserve batch-demo [--model DIR] [--preset small] [--out RUN_DIR]   (engine only, seconds)
@@ -37,7 +40,7 @@ from deploy.batch import add_batch_parser
 from deploy.bench_cli import add_bench_parser, add_goodput_demo_parser, add_report_parser
 from deploy.cli_help import use_defaults_help
 from deploy.client import add_generate_parser
-from deploy.models_cli import add_convert_parser, add_pull_parser
+from deploy.models_cli import add_convert_parser, add_pull_parser, add_quantize_parser
 from deploy.plan_cli import add_plan_parser
 from deploy.profile_cli import add_profile_parser
 from deploy.simulate_cli import add_simulate_parser
@@ -373,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_make_model_parser(sub)
     add_pull_parser(sub)
     add_convert_parser(sub)
+    add_quantize_parser(sub)
     add_batch_parser(sub)
     add_goodput_demo_parser(sub)
     add_batch_demo_parser(sub)

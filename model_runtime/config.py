@@ -19,6 +19,32 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+QuantType = Literal["Q8_0", "Q4_0", "Q4_1"]
+QUANT_TYPES: tuple[QuantType, ...] = ("Q8_0", "Q4_0", "Q4_1")
+QUANT_METHOD: Literal["ggml"] = "ggml"  # quantization_config.quant_method of a kept folder
+
+
+class WeightQuantization(BaseModel):
+    """`quantization_config` of a folder whose weights are kept quantized (`pdserve convert
+    --weights keep`, `pdserve quantize`): which tensors are stored as ggml blocks, of which
+    type. Each such tensor is a uint8 safetensors tensor [rows, row bytes] holding the rows'
+    32-value blocks exactly as a GGUF file stores them (Q8_0: fp16 scale + 32 int8, 34 bytes;
+    Q4_0: fp16 scale + 16 bytes of 4-bit codes, 18; Q4_1: fp16 scale + fp16 minimum + 16
+    bytes, 20); every other tensor is an ordinary float tensor."""
+
+    model_config = ConfigDict(frozen=True)
+
+    quant_method: Literal["ggml"] = QUANT_METHOD
+    tensor_types: dict[str, QuantType] = Field(
+        description="HF tensor name -> ggml block type, for every tensor stored quantized."
+    )
+
+    def label(self) -> str:
+        """The weights' types, most used first (by tensor count), e.g. 'Q4_1+Q8_0'."""
+        counts: dict[str, int] = {}
+        for t in self.tensor_types.values():
+            counts[t] = counts.get(t, 0) + 1
+        return "+".join(sorted(counts, key=lambda t: (-counts[t], t)))
 
 
 class RopeScaling(BaseModel):
@@ -57,6 +83,18 @@ class ModelConfig(BaseModel):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quantization: WeightQuantization | None = Field(
+        None,
+        description="Set when some weights are kept quantized (config.json's "
+        "quantization_config); None for a float checkpoint.",
+    )
+
+    def weights_label(self, dtype: str | None = None) -> str:
+        """What the served weights are: the quantized types (`WeightQuantization.label`) when
+        any are kept quantized, else `dtype` (the engine's) or the checkpoint's dtype."""
+        if self.quantization is not None:
+            return self.quantization.label()
+        return dtype or self.torch_dtype
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -144,6 +182,7 @@ class ModelConfig(BaseModel):
                     bos_token_id=raw.get("bos_token_id"),
                     eos_token_ids=eos_ids,
                     pad_token_id=raw.get("pad_token_id"),
+                    quantization=_quantization(raw.get("quantization_config")),
                 )
             )
         except KeyError as exc:
@@ -160,3 +199,18 @@ class ModelConfig(BaseModel):
         if gen_path.is_file() and raw.get("eos_token_id") is None:
             raw["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
         return cls.from_hf_dict(raw)
+
+
+def _quantization(raw: Any) -> WeightQuantization | None:
+    """config.json's `quantization_config`: None when absent; a ValueError naming the field for
+    a method other than pdserve's kept ggml blocks (GPTQ, AWQ, bitsandbytes, ... are not run)."""
+    if raw is None:
+        return None
+    method = raw.get("quant_method") if isinstance(raw, dict) else None
+    if method != QUANT_METHOD:
+        raise ValueError(
+            f"config.json: quantization_config.quant_method={method!r} is not supported; "
+            f"supported: {QUANT_METHOD!r} (folders written by `pdserve convert --weights keep` "
+            "or `pdserve quantize`)"
+        )
+    return WeightQuantization.model_validate(raw)

@@ -178,9 +178,11 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             linear_kernel=config.linear_kernel,
             kv_cache_dtype=config.kv_cache_dtype,
+            quant_activations=config.quant_activations,
         )
         logger.info(
-            "linear kernel %s; decode-only steps: %s%s",
+            "weights %s; linear kernel %s; decode-only steps: %s%s",
+            runner.weights_label,
             runner.linear_kernel,
             runner.decode_path,
             f" ({runner.fused_unsupported})" if runner.fused_unsupported else "",

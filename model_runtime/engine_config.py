@@ -59,6 +59,15 @@ class EngineConfig(BaseModel):
         "elsewhere torch's F.linear. 'onednn' = oneDNN for every step, one copy; 'avx2' = "
         "the panel kernel for every step, one copy.",
     )
+    quant_activations: Literal["auto", "int8", "float32"] = Field(
+        default="auto",
+        description="Weights kept quantized (a folder with a quantization_config): how the "
+        "decode GEMMs multiply them. 'int8' quantizes each activation row to int8 per "
+        "32-value block and multiplies with AVX-512 VNNI (llama.cpp's way; greedy output "
+        "agrees with float32 up to near-ties, not bit for bit); 'float32' dequantizes the "
+        "weights in registers and multiplies in fp32 (the dequantized model's function up to "
+        "summation order); 'auto' = 'int8' where the CPU has AVX-512 VNNI, else 'float32'.",
+    )
     device: str = Field(
         default="cpu", description="torch device of model and KV cache, e.g. 'cuda:0'."
     )

@@ -26,7 +26,10 @@ summation order (~1e-6 relative), and float32 greedy tokens still equal HF's
 quantizes each head row with `kernels/kv_quant.h` (the bytes `kv_quant.quantize` writes, from
 the same K/V) and attention reads the cache dequantized in registers, so the fused step and the
 torch path differ there only where their K/V differ in the last bit (a value may then round to
-the neighbouring int8). `FusedDecode.unsupported` says
+the neighbouring int8). Weights kept quantized (`Linear.kernel` "quant", `Linear.panel_code`)
+run qgemm.c's kernels inside the same step (int8 activations where the Linears say so), and a
+quantized embedding's rows are dequantized as they are gathered; the torch modules run the
+same kernels (`kernels.qgemm`). `FusedDecode.unsupported` says
 when a model cannot take this path (a layer without panel weights, a bias other than the QKV
 one, shapes the attention kernel does not take); the runner then keeps the torch model.
 """
@@ -42,6 +45,7 @@ import torch
 
 from model_runtime.kernels import build
 from model_runtime.kernels.decode_step import (
+    KV_FIELD,
     LAYER_FIELDS,
     MAX_BLOCK,
     MAX_GROUP,
@@ -53,6 +57,7 @@ from model_runtime.kernels.decode_step import (
     unavailable_reason,
 )
 from model_runtime.kv_cache import KVCache
+from model_runtime.linear import Linear
 from model_runtime.model import DecoderLayer, LlamaModel
 
 _NO_SPAN = contextlib.nullcontext()
@@ -79,7 +84,8 @@ class FusedDecode:
         kv = kv_cache.kv  # [L, blocks, 2, bs, KVH, D], or int8 [L, blocks, block bytes]
         self.vocab = cfg.vocab_size
         self._dtype = kv_cache.model_dtype
-        self._keep: list[torch.Tensor] = [model.embed_tokens.detach(), model.norm.weight.detach()]
+        embed = model.embed_quant.panels if model.embed_quant is not None else model.embed_tokens
+        self._keep: list[torch.Tensor] = [embed.detach(), model.norm.weight.detach()]
         self._keep += [model.cos_cache.contiguous(), model.sin_cache.contiguous()]
         self._kv_cache = kv_cache
         self._kv = kv  # the cache tensor whose layer addresses `_layers` holds
@@ -99,7 +105,9 @@ class FusedDecode:
             ]
             # (not the cache's layer views: `_kv` holds the cache, which may move)
             self._keep += [t for t in tensors[:-1] if t is not None]
-            rows.append([0 if t is None else t.data_ptr() for t in tensors])
+            codes = [lin.panel_code() for lin in (attn.qkv_proj, attn.o_proj)]
+            codes += [lin.panel_code() for lin in (mlp.gate_up_proj, mlp.down_proj)]
+            rows.append([0 if t is None else t.data_ptr() for t in tensors] + codes)
         self._layers = torch.tensor(rows, dtype=torch.int64)
         assert self._layers.shape == (cfg.num_hidden_layers, LAYER_FIELDS), self._layers.shape
         lm_head = model.lm_head.panel_weight()
@@ -136,6 +144,11 @@ class FusedDecode:
             ks_offset=2 * values,
             vs_offset=2 * values + 2 * bs * kvh,
             scale_stride=kv.stride(1) // 2,
+            embed_code=0 if model.embed_quant is None else model.embed_quant.code,
+            lm_head_code=model.lm_head.panel_code(),
+            int8=int(
+                any(lin.int8_activations for lin in model.modules() if isinstance(lin, Linear))
+            ),
         )
 
     @staticmethod
@@ -192,7 +205,7 @@ class FusedDecode:
         )
         assert kv.dtype == self._kv.dtype, (kv.dtype, self._kv.dtype)
         for i in range(self._layers.shape[0]):
-            self._layers[i, LAYER_FIELDS - 1] = kv[i].data_ptr()
+            self._layers[i, KV_FIELD] = kv[i].data_ptr()
         self._kv = kv
 
     def start_op_timing(self) -> None:

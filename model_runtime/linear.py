@@ -18,6 +18,16 @@ kernel states (`Linear.kernel`), chosen once after loading by `pack_linears`:
   weight once per row, so a decode step grew linearly with the batch; for float32 it streams a
   batch-1 step's GEMVs ~1.5x faster than oneDNN (`avx2_is_best` has the numbers).
 
+- "quant": a weight kept quantized (`model_runtime.quant.QuantWeight`, ggml's Q8_0 / Q4_0 /
+  Q4_1 blocks, set by the loader with `set_quant`; no float copy exists): up to
+  `QUANT_GEMV_ROWS` rows (decode) `kernels.qgemm` multiplies in registers, on the int8 path
+  where `int8_activations` (the activations quantized per 32-value block, AVX-512 VNNI) or
+  the float one; above it (prefill) the weight is dequantized for the call into a transient
+  [K, N] buffer of the activations' dtype (bf16: each weight rounded to bf16, as a dequantized
+  bf16 checkpoint holds it) and multiplied by torch's GEMM (oneDNN). A quantized Linear left
+  in state "torch" runs the plain reference: `quant.dequantize`, then `F.linear` in fp32,
+  rounded once to the activations' dtype.
+
 Two packings at once, chosen per step. On a CPU where 'auto' resolves to oneDNN (AVX-512 / AMX
 hosts: its prefill GEMMs ran 2-6x the panel kernel's speed there) and the `avx2` kernel builds,
 `pack_linears(model, "auto")` also keeps each weight in the panel layout (`Linear.panels`), so
@@ -54,10 +64,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels import panel_gemm
+from model_runtime import quant
+from model_runtime.kernels import panel_gemm, qgemm
 
-KernelName = Literal["torch", "onednn", "avx2"]
+KernelName = Literal["torch", "onednn", "avx2", "quant"]
 LinearKernel = Literal["auto", "torch", "onednn", "avx2"]
+QuantActivations = Literal["auto", "int8", "float32"]
+# Rows up to which a quantized Linear multiplies in registers; above, it dequantizes the weight
+# once per call and runs a GEMM (prefill chunks).
+QUANT_GEMV_ROWS = 16
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks the packed layout for an expected row count. Measured on the `small` preset's
 # shapes, 128 was best or within 5% of best at 1, 8, 32 and 512 rows (decode and prefill).
@@ -87,8 +102,13 @@ class Linear(nn.Module):
         # oneDNN packing (`pack(..., panels=True)`); None otherwise.
         self.panels: torch.Tensor | None = None
         self.weight_nbytes = 0  # set by `pack`; before packing read weight.nbytes
+        self.quant: quant.QuantWeight | None = None  # the weight kept quantized (`set_quant`)
+        # quantized weights: multiply int8-quantized activations (`kernels.qgemm`)
+        self.int8_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self._quant_forward(x, self.quant)
         if self.kernel == "torch":
             return F.linear(x, self.weight, self.bias)
         assert self.packed is not None, f"Linear in state {self.kernel!r} has no packed weight"
@@ -107,12 +127,37 @@ class Linear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out[:rows].view(*x.shape[:-1], self.out_features)
 
+    def _quant_forward(self, x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
+        if self.kernel == "torch":  # the reference: fp32 GEMM, rounded once to x's dtype
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), quant.dequantize(qw), bias).to(x.dtype)
+        rows = x.numel() // self.in_features
+        if rows <= QUANT_GEMV_ROWS:
+            return qgemm.linear(x, qw, self.bias, self.int8_activations)
+        # transient [K, N] buffer, transposed view: no copy into torch's GEMM
+        w = qgemm.dequantize_t(qw, x.dtype).t()
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, w, bias)
+
+    def set_quant(self, qw: quant.QuantWeight) -> None:
+        """Keep the weight quantized (the loader, before `pack_linears`): the float weight
+        becomes an empty placeholder and the Linear runs the reference until packed."""
+        assert self.kernel == "torch" and self.quant is None, "Linear already packed"
+        assert (qw.out_features, qw.in_features) == (self.out_features, self.in_features), (
+            f"quantized weight {qw.out_features}x{qw.in_features} for a "
+            f"{self.out_features}x{self.in_features} Linear"
+        )
+        self.quant = qw
+        self.weight_nbytes = qw.nbytes
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
     def pack(self, kernel: Literal["onednn", "avx2"] = "onednn", panels: bool = False) -> None:
         """Rearrange the weight for `kernel` and drop the plain copy (see `resolve_linear_kernel`
         for where each is available). `panels`: with 'onednn', also keep the weight in the
         panel layout (`panels`, for the fused decode step; the `avx2` kernel must be
         available). Packing twice is an error."""
         assert self.kernel == "torch", f"Linear already packed for {self.kernel!r}"
+        assert self.quant is None, "a quantized Linear packs with `pack_quant`"
         w = self.weight.detach()
         self.weight_nbytes = w.numel() * w.element_size()
         if kernel == "onednn":
@@ -124,14 +169,29 @@ class Linear(nn.Module):
         self.kernel = kernel
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
+    def pack_quant(self, int8_activations: bool) -> None:
+        """Run the quantized weight on `kernels.qgemm` (state "quant"); `int8_activations`:
+        its int8 path (where the CPU has it)."""
+        assert self.quant is not None and self.kernel == "torch", "not a quantized Linear"
+        self.kernel = "quant"
+        self.int8_activations = int8_activations
+
     def panel_weight(self) -> torch.Tensor | None:
-        """The weight in `panel_gemm`'s layout (what the fused decode step reads): the packed
-        weight on the `avx2` kernel, the second copy beside a oneDNN packing, else None."""
+        """The weight in the layout the fused decode step reads: `panel_gemm`'s (the packed
+        weight on the `avx2` kernel, the second copy beside a oneDNN packing) or, in state
+        "quant", the quantized panels (`panel_code` says which); else None."""
+        if self.kernel == "quant":
+            assert self.quant is not None
+            return self.quant.panels
         return self.packed if self.kernel == "avx2" else self.panels
+
+    def panel_code(self) -> int:
+        """0 for `panel_gemm` panels, else the quantized type's code in the C kernels."""
+        return self.quant.code if self.kernel == "quant" and self.quant is not None else 0
 
     def nbytes(self) -> int:
         """Bytes a forward pass reads from the weight (packed or not)."""
-        if self.kernel != "torch":
+        if self.kernel != "torch" or self.quant is not None:
             return self.weight_nbytes
         return self.weight.numel() * self.weight.element_size()
 
@@ -212,17 +272,41 @@ def keeps_panels(
     return kernel == "auto" and resolved == "onednn" and not avx2_unsupported(device, dtype)
 
 
-def pack_linears(model: nn.Module, kernel: LinearKernel) -> KernelName:
+def resolve_quant_activations(activations: QuantActivations) -> bool:
+    """Whether quantized Linears multiply int8 activations: 'int8' (where the CPU runs it,
+    `qgemm.has_int8`; elsewhere the float path runs), 'float32' never, 'auto' where the CPU
+    runs the int8 path. A value outside the three is a ValueError."""
+    if activations not in get_args(QuantActivations):
+        raise ValueError(
+            f"quant_activations must be one of {list(get_args(QuantActivations))}, "
+            f"got {activations!r}"
+        )
+    return activations != "float32" and qgemm.has_int8()
+
+
+def pack_linears(
+    model: nn.Module, kernel: LinearKernel, activations: QuantActivations = "auto"
+) -> KernelName:
     """Switch every `Linear` in `model` to the resolved kernel (with a panel copy where
-    `keeps_panels`); returns the kernel in use."""
+    `keeps_panels`); quantized ones (`Linear.quant`) to state "quant" (`kernels.qgemm`, its
+    int8 path per `resolve_quant_activations`) unless `kernel` is 'torch' or the kernel cannot
+    build here (then they run the reference). Returns the kernel in use for the float
+    Linears, or "quant" when every Linear is quantized and packed."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if not linears:
-        return "torch"
-    first = linears[0].weight if linears[0].kernel == "torch" else linears[0].packed
+    quantized = [m for m in linears if m.quant is not None]
+    floats = [m for m in linears if m.quant is None]
+    int8 = resolve_quant_activations(activations)
+    if kernel != "torch" and qgemm.load() is not None:
+        for layer in quantized:
+            if layer.kernel == "torch":
+                layer.pack_quant(int8)
+    if not floats:
+        return "quant" if quantized and quantized[0].kernel == "quant" else "torch"
+    first = floats[0].weight if floats[0].kernel == "torch" else floats[0].packed
     assert first is not None
     resolved = resolve_linear_kernel(kernel, first.device, first.dtype)
     panels = keeps_panels(kernel, resolved, first.device, first.dtype)
-    for layer in linears:
+    for layer in floats:
         if layer.kernel != resolved:
             assert layer.kernel == "torch", (
                 f"cannot repack a Linear from {layer.kernel!r} to {resolved!r}"

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_runtime import quant
 from model_runtime.attention.base import AttentionBackend, AttentionMetadata
 from model_runtime.config import ModelConfig, RopeScaling
+from model_runtime.kernels import qgemm
 from model_runtime.kv_cache import KVCache, LayerKV
 from model_runtime.linear import Linear
 
@@ -169,6 +171,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        # The embedding kept quantized (`set_quant_embedding`); `embed_tokens` is then empty.
+        self.embed_quant: quant.QuantWeight | None = None
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # With tied embeddings the loader puts the embedding tensor in lm_head.weight as well.
@@ -186,7 +190,7 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         dtype = x.dtype
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)  # [T, 1, head_dim]
         sin = signed_sin(self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1))
@@ -197,6 +201,21 @@ class LlamaModel(nn.Module):
                 on_layer_done(idx)
         hidden: torch.Tensor = self.norm(x)
         return hidden
+
+    def set_quant_embedding(self, qw: quant.QuantWeight, dtype: torch.dtype) -> None:
+        """Keep the embedding quantized: rows are dequantized to `dtype` when gathered."""
+        self.embed_quant = qw
+        self.embed_tokens = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings [T, hidden] of `input_ids` [T], in the model's dtype."""
+        qw = self.embed_quant
+        if qw is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        dtype = self.embed_tokens.dtype
+        if input_ids.device.type == "cpu" and qgemm.load() is not None:
+            return qgemm.rows(qw, input_ids, dtype)
+        return quant.dequantize_rows(qw, input_ids).to(dtype)  # the reference
 
     def num_parameters(self) -> int:
         """Parameter count as in the checkpoint, packed or not (a tied LM head counts once)."""
@@ -209,6 +228,8 @@ class LlamaModel(nn.Module):
                 total += module.bias.numel() if module.bias is not None else 0
             else:
                 total += sum(p.numel() for p in module.parameters(recurse=False))
+        if self.embed_quant is not None:
+            total += self.embed_quant.out_features * self.embed_quant.in_features
         return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

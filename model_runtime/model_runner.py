@@ -19,7 +19,7 @@ from model_runtime.attention.select import get_backend
 from model_runtime.config import ModelConfig
 from model_runtime.fused_decode import FusedDecode
 from model_runtime.kv_cache import KVCache
-from model_runtime.linear import Linear, LinearKernel, pack_linears
+from model_runtime.linear import Linear, LinearKernel, QuantActivations, pack_linears
 from model_runtime.model import LlamaModel
 from model_runtime.weights import load_model
 
@@ -70,6 +70,10 @@ class ModelRunner:
         the widest this CPU runs)."""
         self.config = config
         self.linear_kernel = linear_kernel  # as resolved by `pack_linears`
+        # what the weights are, for logs, `/metrics` and the model listing: 'Q4_1+Q8_0', ...
+        self.weights_label = config.weights_label(
+            str(model.norm.weight.dtype).removeprefix("torch.")
+        )
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -86,6 +90,28 @@ class ModelRunner:
                 if isinstance(layer, Linear):
                     layer.panels = None
         self.decode_path: DecodePath = "torch" if self._fused is None else "fused"
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take in memory: every parameter, packed copy and
+        quantized weight, each storage counted once (a tied head shares the embedding's)."""
+        seen: dict[int, int] = {}
+        tensors: list[torch.Tensor | None] = list(self.model.parameters())
+        if self.model.embed_quant is not None:
+            tensors.append(self.model.embed_quant.panels)
+        for layer in self.model.modules():
+            if isinstance(layer, Linear):
+                tensors += [layer.packed, layer.panels]
+                tensors.append(None if layer.quant is None else layer.quant.panels)
+        opaque = 0  # oneDNN's packed weights have no storage to share
+        for t in tensors:
+            if t is None or not t.numel():
+                continue
+            if t.layout != torch.strided:
+                opaque += t.numel() * t.element_size()
+                continue
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values()) + opaque
 
     @property
     def fused(self) -> FusedDecode | None:
@@ -113,6 +139,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_kernel: LinearKernel = "auto",
         kv_cache_dtype: str = "auto",
+        quant_activations: QuantActivations = "auto",
     ) -> ModelRunner:
         """Load config and weights from an HF folder and allocate `num_blocks` KV blocks.
 
@@ -120,12 +147,14 @@ class ModelRunner:
         'auto' packs weights for oneDNN on CPU where the build supports it, with a panel copy
         for the fused decode step where that kernel builds (AVX2-only CPUs: panels only).
         `kv_cache_dtype`: "auto" (the model dtype) or "int8" (`model_runtime.kv_cache`).
+        Weights the folder keeps quantized stay so (`model_runtime.quant`); `quant_activations`
+        says how decode steps multiply them (`linear.resolve_quant_activations`).
         """
         config = ModelConfig.from_model_dir(model_dir)
         device = torch.device(device)
         torch_dtype = resolve_dtype(dtype, config)
         model = load_model(model_dir, config, torch_dtype, device)
-        resolved = pack_linears(model, linear_kernel)
+        resolved = pack_linears(model, linear_kernel, quant_activations)
         kv_cache = KVCache(
             config,
             num_blocks,

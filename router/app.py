@@ -284,6 +284,7 @@ async def start_router(
         pool.views,
         threshold=None if threshold is None else (lambda: threshold.value),
         span_counts=tracer.counts if tracer.enabled else None,
+        weights=model.weights_label(),
     )
     lifecycle.recorder = metrics
     prefix_index.observer = metrics.observe_prefix_lookup

@@ -25,7 +25,9 @@ routers can share a test process). What is counted where:
   LiveThreshold`, which the ratio controller may move), read at scrape time; only with hybrid on;
 - `prefill_path_total{path,reason}`: `record`, once per request that reached a worker in
   mode 'disagg': where its prompt was prefilled (``remote``: a prefill worker; ``local``: its
-  decode worker, `[router.hybrid]`) and why (`router.hybrid.choose_prefill_path`'s reason).
+  decode worker, `[router.hybrid]`) and why (`router.hybrid.choose_prefill_path`'s reason);
+- `model_weights_info{weights}`, always 1: what the served weights are (e.g. ``Q4_1+Q8_0``
+  for a folder kept quantized, else the checkpoint's dtype), read from the model's config.json.
 
 Every labelled series of the served model exists from start-up, at zero (vLLM does the same),
 so `rate()` and quantile queries work from the first scrape.
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics import exposition as om_exposition
@@ -171,12 +173,21 @@ class RouterMetrics:
         views: Callable[[], Iterable[WorkerView]],
         threshold: Callable[[], int] | None = None,
         span_counts: Callable[[], Mapping[str, int]] | None = None,
+        weights: str = "",
     ) -> None:
         """`threshold`: reads the live hybrid threshold (None: hybrid off, no gauge);
-        `span_counts`: the tracer's span counts (None: tracing off, no span counters)."""
+        `span_counts`: the tracer's span counts (None: tracing off, no span counters);
+        `weights`: what the served weights are (`ModelConfig.weights_label`), exported as
+        `model_weights_info{weights}` (always 1)."""
         self.registry = CollectorRegistry()
         self._model = model
         r, lm = self.registry, ["model_name"]
+        Gauge(
+            P + "model_weights_info",
+            "What the served weights are (quantized types, or the dtype); always 1.",
+            [*lm, "weights"],
+            registry=r,
+        ).labels(model, weights).set(1)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(P + name, doc, lm, registry=r, buckets=buckets)

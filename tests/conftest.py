@@ -9,13 +9,17 @@ Tests must treat the folder as read-only; a test that needs a modified model bui
 
 `smollm2_dir` is the real model (SmolLM2-135M-Instruct, float32), fetched and converted once
 into a cache that outlives the session; read-only too.
+
+`tiny_kept(qtype, dtype)` is the tiny model written as a GGUF file of `qtype` (every matrix,
+embedding included) and converted back with `--weights keep` into `dtype`: the model served
+quantized; built once per (qtype, dtype) per session, read-only.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -71,3 +75,23 @@ def hold_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop(HOLD_DIR_ENV, None)
     else:
         os.environ[HOLD_DIR_ENV] = saved
+
+
+@pytest.fixture(scope="session")
+def tiny_kept(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, str], Path]:
+    """`(qtype, dtype) -> folder` of the tiny model kept quantized (module doc)."""
+    from tooling.models.gguf_convert import convert_gguf
+    from tooling.models.gguf_write import hf_to_gguf
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(qtype: str, dtype: str) -> Path:
+        if (qtype, dtype) not in made:
+            root = tmp_path_factory.mktemp(f"tiny_{qtype}_{dtype}")
+            src = hf_to_gguf(tiny_model_dir, root / "tiny.gguf", qtype)
+            made[qtype, dtype] = convert_gguf(src, root / "kept", dtype, weights="keep")  # type: ignore[arg-type]
+        return made[qtype, dtype]
+
+    return get

@@ -14,6 +14,9 @@ Names follow vLLM's with a ``pdserve:`` prefix and its ``model_name`` label:
   token), `prefix_cache_hits_total` (of those, tokens served from the local prefix cache),
   `generation_tokens_total` (tokens sampled here: a prefill worker samples each request's first
   token, its decode worker the rest);
+- what the served weights are: `model_weights_info{weights}` (always 1; `weights` is e.g.
+  "Q4_1+Q8_0" for a folder kept quantized, else the dtype) and `model_weight_bytes` (bytes
+  the weights take in memory, every packed copy counted);
 - KV transfers, fed by `on_transfers` with every `TransferResult` (`side` = send | recv):
   `kv_transfer_bytes_total{cache_dtype}` and histogram `kv_transfer_request_bytes{cache_dtype}`
   (the KV bytes of each request's transfer: its blocks as the cache stores them, so an int8
@@ -39,7 +42,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -150,15 +153,27 @@ class WorkerMetrics:
         cache_dtype: str,
         span_counts: Callable[[], Mapping[str, int]] | None = None,
         spec_stats: Callable[[], SpecStats] | None = None,
+        weights: str = "",
+        weight_bytes: int = 0,
     ) -> None:
         """`cache_dtype`: the worker's `KVLayout.cache_dtype` (the transfer metrics' label).
         `span_counts`: the tracer's span counts (None: tracing off, no span counters:
         `tracing.metrics.SpanCounters`). `spec_stats`: the engine's speculative-decoding
-        counters (None: speculation off, no such metrics)."""
+        counters (None: speculation off, no such metrics). `weights`, `weight_bytes`: what the
+        weights are and take (`ModelRunner.weights_label`, `weight_bytes`)."""
         self.registry = CollectorRegistry()
         self._model = model
         self._cache_dtype = cache_dtype
         r, lm = self.registry, ["model_name"]
+        Gauge(
+            P + "model_weights_info",
+            "What the served weights are (quantized types, or the dtype); always 1.",
+            [*lm, "weights"],
+            registry=r,
+        ).labels(model, weights).set(1)
+        Gauge(
+            P + "model_weight_bytes", "Bytes the model's weights take in memory.", lm, registry=r
+        ).labels(model).set(weight_bytes)
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prompt tokens prefilled here.", lm, registry=r
         ).labels(model)

@@ -129,6 +129,8 @@ class WorkerServer:
                 engine.runner.kv_cache.cache_dtype,
                 self.tracer.counts if self.tracer.enabled else None,
                 _spec_stats(engine),
+                weights=engine.runner.weights_label,
+                weight_bytes=engine.runner.weight_bytes(),
             )
             engine_thread.metrics = self.metrics
             self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)

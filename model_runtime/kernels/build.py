@@ -33,8 +33,8 @@ import torch
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_FLAGS = {
-    "avx2": ("-mavx2", "-mfma"),
-    "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
 }
 _COMPILE_TIMEOUT_S = 120.0
 

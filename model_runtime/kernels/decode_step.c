@@ -24,8 +24,13 @@
  *     x = x + (silu(g) * u) @ Wdown^T
  *
  * then logits = rmsnorm(x) * norm @ Wlm^T in the weight dtype.
+ *
+ * Any GEMM's weight (and the embedding) may instead be kept quantized (its code != 0: qgemm.c's
+ * Q8_0 / Q4_0 / Q4_1 panels), multiplied by qgemm.c's kernels (int8 path where m->int8) with
+ * the same inputs and outputs in the weight dtype; the embedding rows are then dequantized.
  */
 #include "panel_gemm.c"
+#include "qgemm.c"
 #include "decode_attention.c"
 #include "pool.h"
 
@@ -54,8 +59,12 @@ static inline void lap(double *op_seconds, int op, double *t) {
     *t = n;
 }
 
-/* Per-layer pointers, in this order, in pd_model.layers (int64 each). */
-enum { L_LN1, L_QKV, L_QKV_BIAS, L_O, L_LN2, L_GATE_UP, L_DOWN, L_KV, L_FIELDS };
+/* Per-layer pointers, in this order, in pd_model.layers (int64 each), then the four GEMM
+ * weights' codes (0: panel_gemm panels in the weight dtype; else qgemm.c's QT_*). */
+enum {
+    L_LN1, L_QKV, L_QKV_BIAS, L_O, L_LN2, L_GATE_UP, L_DOWN, L_KV,
+    L_QKV_CODE, L_O_CODE, L_GATE_UP_CODE, L_DOWN_CODE, L_FIELDS
+};
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
@@ -76,6 +85,9 @@ typedef struct {
      * scales from one block to the next. kv_int8 == 0: the cache holds the weight dtype. */
     int kv_int8;
     int64_t ks_offset, vs_offset, scale_stride;
+    int64_t embed_code;    /* 0: embed is plain [vocab, hidden]; else its quantized type */
+    int64_t lm_head_code;  /* 0: panel_gemm panels; else its quantized type */
+    int64_t int8;          /* quantized weights: the int8 path (where the CPU has it) */
 } pd_model;
 
 static inline float ld(const void *p, int64_t i, int bf16) {
@@ -92,10 +104,14 @@ static inline void st(void *p, int64_t i, float f, int bf16) {
 /* The value a torch op in the weight dtype leaves: rounded to bf16 for bf16 models. */
 static inline float rnd(float f, int bf16) { return bf16 ? bf16_to_f32(bf16_scalar(f)) : f; }
 
-/* y = x @ W^T (+ bias) on the panel kernel, its column groups spread over the pool. */
+/* y = x @ W^T (+ bias) on the panel kernel (code 0) or qgemm.c's (a quantized type), its
+ * column groups spread over the pool. xf: scratch for panel_gemm's packed x or qgemm's
+ * activations (q_scratch_bytes). */
 static int gemm(const pd_model *m, const void *x, int64_t rows, int64_t k, const void *w,
-                int64_t n, const void *bias, void *y, float *xf, int nthreads) {
+                int64_t code, int64_t n, const void *bias, void *y, float *xf, int nthreads) {
     if (rows <= 0 || k <= 0 || n <= 0) return -1;
+    if (code != 0)
+        return q_gemm(x, m->bf16, rows, k, w, (int)code, n, bias, y, xf, nthreads, (int)m->int8);
     const int64_t groups = (n + GROUP - 1) / GROUP;
     if (m->bf16) {
         pack_x_bf16(x, rows, k, xf);
@@ -292,7 +308,8 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     const int64_t attn_scratch = 2 * NH * D + NH * bs;
     /* h, qkv, attention out, wide (gate/up), act: weight dtype; then fp32 scratch */
     const int64_t nwt = B * (H + NQKV + Q + widest + I);
-    const int64_t nf32 = B * kmax + attn_scratch * B;
+    const int64_t qscratch = (q_scratch_bytes(B, kmax) + 3) / 4;
+    const int64_t nf32 = (B * kmax > qscratch ? B * kmax : qscratch) + attn_scratch * B;
     /* bf16 LM head outputs, in the call that runs the head */
     const int64_t nlogits = bf16 && head ? B * m->vocab : 0;
     char *arena = malloc((size_t)((nwt + nlogits) * elem + nf32 * 4 + 64));
@@ -300,12 +317,15 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
     char *h = arena, *qkv = h + B * H * elem, *att = qkv + B * NQKV * elem;
     char *wide = att + B * Q * elem, *act = wide + B * widest * elem;
     float *xf = (float *)(((uintptr_t)(act + (B * I + nlogits) * elem) + 63) & ~(uintptr_t)63);
-    float *ascratch = xf + B * kmax;
+    float *ascratch = xf + (B * kmax > qscratch ? B * kmax : qscratch);
 
     double t = op_seconds != NULL ? now_s() : 0.0;
     if (first_layer == 0) {
-        for (int64_t r = 0; r < B; r++)
-            memcpy(x + r * H * elem, (const char *)m->embed + tokens[r] * H * elem, H * elem);
+        if (m->embed_code != 0)
+            q_rows(m->embed, (int)m->embed_code, m->vocab, H, tokens, B, x, bf16);
+        else
+            for (int64_t r = 0; r < B; r++)
+                memcpy(x + r * H * elem, (const char *)m->embed + tokens[r] * H * elem, H * elem);
         lap(op_seconds, OP_EMBED, &t);
     }
 
@@ -317,7 +337,7 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
             rmsnorm(x + r * H * elem, (const void *)(uintptr_t)lp[L_LN1], H, m->eps, bf16,
                     h + r * H * elem);
         lap(op_seconds, OP_NORM, &t);
-        rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_QKV], NQKV,
+        rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_QKV], lp[L_QKV_CODE], NQKV,
                    (const void *)(uintptr_t)lp[L_QKV_BIAS], qkv, xf, nthreads);
         lap(op_seconds, OP_QKV, &t);
         for (int64_t r = 0; r < B; r++) {
@@ -330,7 +350,8 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
         attn_args aa = {m, qkv, kv, tables, table_stride, seq_lens, att, ascratch, attn_scratch};
         pd_parallel_for(B, nthreads, attn_item, &aa);
         lap(op_seconds, OP_ATTENTION, &t);
-        rc |= gemm(m, att, B, Q, (const void *)(uintptr_t)lp[L_O], H, NULL, wide, xf, nthreads);
+        rc |= gemm(m, att, B, Q, (const void *)(uintptr_t)lp[L_O], lp[L_O_CODE], H, NULL, wide,
+                   xf, nthreads);
         lap(op_seconds, OP_O, &t);
         for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
         lap(op_seconds, OP_RESIDUAL, &t);
@@ -338,14 +359,14 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
             rmsnorm(x + r * H * elem, (const void *)(uintptr_t)lp[L_LN2], H, m->eps, bf16,
                     h + r * H * elem);
         lap(op_seconds, OP_NORM, &t);
-        rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_GATE_UP], 2 * I, NULL, wide, xf,
-                   nthreads);
+        rc |= gemm(m, h, B, H, (const void *)(uintptr_t)lp[L_GATE_UP], lp[L_GATE_UP_CODE], 2 * I,
+                   NULL, wide, xf, nthreads);
         lap(op_seconds, OP_GATE_UP, &t);
         act_args ac = {wide, act, I, bf16};
         pd_parallel_for(B, nthreads, act_item, &ac);
         lap(op_seconds, OP_ACT, &t);
-        rc |= gemm(m, act, B, I, (const void *)(uintptr_t)lp[L_DOWN], H, NULL, wide, xf,
-                   nthreads);
+        rc |= gemm(m, act, B, I, (const void *)(uintptr_t)lp[L_DOWN], lp[L_DOWN_CODE], H, NULL,
+                   wide, xf, nthreads);
         lap(op_seconds, OP_DOWN, &t);
         for (int64_t i = 0; i < B * H; i++) st(x, i, ld(x, i, bf16) + ld(wide, i, bf16), bf16);
         lap(op_seconds, OP_RESIDUAL, &t);
@@ -357,7 +378,7 @@ int pdserve_decode_step(const pd_model *m, const int64_t *tokens, const int64_t 
         /* bf16: the LM head's bf16 outputs (the torch model's rounding), widened into the
          * fp32 logits; fp32: written in place */
         void *lm_out = bf16 ? (void *)(arena + nwt * elem) : logits;
-        rc = gemm(m, h, B, H, m->lm_head, m->vocab, NULL, lm_out, xf, nthreads);
+        rc = gemm(m, h, B, H, m->lm_head, m->lm_head_code, m->vocab, NULL, lm_out, xf, nthreads);
         if (bf16)
             for (int64_t i = 0; i < B * m->vocab; i++) ((float *)logits)[i] = ld(lm_out, i, 1);
         lap(op_seconds, OP_LM_HEAD, &t);

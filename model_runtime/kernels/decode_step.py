@@ -16,7 +16,8 @@ from pathlib import Path
 from model_runtime.kernels import build
 
 _SOURCE = Path(__file__).with_name("decode_step.c")
-LAYER_FIELDS = 8  # per-layer addresses (the L_* enum in decode_step.c)
+LAYER_FIELDS = 12  # per-layer addresses and weight codes (the L_* enum in decode_step.c)
+KV_FIELD = 7  # L_KV: the layer's KV cache address
 MAX_HEADS, MAX_GROUP, MAX_BLOCK = 256, 16, 256  # decode_attention.c's limits
 MAX_HEAD_DIM = 512  # decode_step.c's, on an int8 cache
 # The OP_* enum of decode_step.c: where `FusedDecode.op_seconds` adds each op's wall time.
@@ -63,6 +64,9 @@ class ModelStruct(ctypes.Structure):
         ("ks_offset", ctypes.c_int64),
         ("vs_offset", ctypes.c_int64),
         ("scale_stride", ctypes.c_int64),
+        ("embed_code", ctypes.c_int64),
+        ("lm_head_code", ctypes.c_int64),
+        ("int8", ctypes.c_int64),
     ]
 
 

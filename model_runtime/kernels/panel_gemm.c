@@ -25,6 +25,9 @@
  * since the first row block of a group reads the weight from memory at the pace of its FMAs,
  * which the hardware prefetcher alone does not keep ahead of.
  */
+#ifndef PDSERVE_PANEL_GEMM_C
+#define PDSERVE_PANEL_GEMM_C
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -160,3 +163,5 @@ static inline __m512 same_order(__m512 v) { return v; }
 #define LOAD_PANEL512 _mm512_loadu_ps
 #define UNPERMUTE512 same_order
 #include "panel_gemm_body.h"
+
+#endif

@@ -67,6 +67,7 @@ class FrontState:
     metrics: Callable[[str], tuple[bytes, str]] | None
     created: int  # when the front started (the model card's `created`)
     bodies: BodyPool  # large bodies are translated in its helper processes
+    weights: str  # what the weights are (`ModelConfig.weights_label`), for the model card
     body_timeout_s: float = 60.0  # a request body must arrive within this (408 otherwise)
 
     @property
@@ -236,6 +237,7 @@ async def models(request: web.Request) -> web.Response:
         id=state.model_name,
         created=state.created,
         max_model_len=state.lifecycle.limits.context_length,
+        weights=state.weights,
     )
     return web.json_response(text=ModelList(data=[card]).model_dump_json())
 

@@ -388,6 +388,9 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "pdserve"
     max_model_len: int
+    # pdserve's extension: what the served weights are, e.g. "Q4_1+Q8_0" (kept quantized) or
+    # "bfloat16" (`ModelConfig.weights_label`)
+    weights: str
 
 
 class ModelList(_Response):

@@ -44,6 +44,7 @@ from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from model_runtime.config import ModelConfig
 from router.http import handlers
 from router.http.body_pool import BodyPool, BodySettings
 from router.http.chat_template import ChatTemplate
@@ -225,8 +226,16 @@ async def start_http_front(
             config.http_default_max_tokens,
         )
     )
+    weights = ModelConfig.from_model_dir(config.model_dir).weights_label()
     state = FrontState(
-        lifecycle, template, is_serving, metrics, int(time.time()), bodies, body_timeout_s
+        lifecycle,
+        template,
+        is_serving,
+        metrics,
+        int(time.time()),
+        bodies,
+        weights,
+        body_timeout_s,
     )
     runner = _OpenAIAppRunner(
         build_app(state, middlewares),

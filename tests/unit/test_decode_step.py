@@ -9,18 +9,25 @@ but a one-step difference early in a layer propagates). Batches of 1 and 3 with 
 cross block boundaries, one and two threads, and the dispatch rules (prefill keeps the torch
 path; a layer callback keeps the fused step, one C call per layer). Every build
 (`kernels.build.ISA_FLAGS`) this CPU runs is tested; the others are skipped with the reason.
+
+Weights kept quantized (the tiny model as Q8_0, Q4_0 and Q4_1 GGUFs, `--weights keep`): the
+fused step with float activations against the plain reference (every Linear dequantized, then
+`F.linear`: `linear_kernel="torch"`) to the same tolerances; with int8 activations (AVX-512
+VNNI) against the torch modules on the same `qgemm` kernels, which must agree as closely.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from model_runtime.config import QUANT_TYPES
 from model_runtime.fused_decode import decoder_layers
-from model_runtime.kernels import build, decode_step
-from model_runtime.linear import Linear, keeps_panels, resolve_linear_kernel
+from model_runtime.kernels import build, decode_step, qgemm
+from model_runtime.linear import Linear, QuantActivations, keeps_panels, resolve_linear_kernel
 from model_runtime.model_runner import ModelRunner, StepInput
 
 pytestmark = pytest.mark.skipif(
@@ -43,12 +50,24 @@ LOGIT_REL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
 def _runner(
-    model_dir: Path, dtype: str, fused: bool, isa: str | None = None, kv_cache_dtype: str = "auto"
+    model_dir: Path,
+    dtype: str,
+    fused: bool,
+    isa: str | None = None,
+    kv_cache_dtype: str = "auto",
+    activations: QuantActivations = "auto",
 ) -> ModelRunner:
-    """A runner on avx2-packed weights; `fused`: all-decode steps on the fused step built for
-    `isa` (None: the default build), else on the torch modules."""
+    """A runner on avx2-packed weights (quantized ones on `qgemm`, `activations`); `fused`:
+    all-decode steps on the fused step built for `isa` (None: the default build), else on the
+    torch modules."""
     loaded = ModelRunner.from_model_dir(
-        model_dir, 64, BLOCK, dtype=dtype, linear_kernel="avx2", kv_cache_dtype=kv_cache_dtype
+        model_dir,
+        64,
+        BLOCK,
+        dtype=dtype,
+        linear_kernel="avx2",
+        kv_cache_dtype=kv_cache_dtype,
+        quant_activations=activations,
     )
     runner = ModelRunner(
         loaded.config, loaded.model, loaded.kv_cache, loaded.backend, "avx2", decode_isa=isa
@@ -68,6 +87,97 @@ def _tables(lens: list[int]) -> list[list[int]]:
         tables.append([nxt + 2 * i for i in range(need)])  # every other block: gaps
         nxt += 2 * need
     return tables
+
+
+def _lock_step(
+    fused: ModelRunner,
+    ref: ModelRunner,
+    lens: list[int],
+    share_prefill: bool = False,
+    share_every_step: float | None = None,
+) -> None:
+    """Prefill both runners with the same prompts, then decode 6 steps in lock step: logits and
+    every layer's KV cache rows within LOGIT_REL of the cache dtype. `share_prefill`: the
+    reference decodes from `fused`'s prefilled cache (bf16 prefill over quantized weights
+    multiplies bf16-rounded weights, the reference exact ones: a difference of prefill, not of
+    the decode step under test). `share_every_step`: the reference starts every step from
+    `fused`'s cache, and logits must agree to this relative tolerance (int8 activations: a last-
+    bit difference upstream can move an activation across an int8 rounding boundary, a
+    difference that the next steps would amplify)."""
+    g = torch.Generator().manual_seed(len(lens))
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    tables = _tables(lens)
+    items = [StepInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    for runner in (fused, ref):
+        runner.execute(items)
+    if share_prefill:
+        ref.kv_cache.kv.copy_(fused.kv_cache.kv)
+    tol = share_every_step or LOGIT_REL[fused.kv_cache.dtype]
+    tokens = [p[-1] for p in prompts]
+    for step in range(6):
+        items = [
+            StepInput([tok], n + step, t) for tok, n, t in zip(tokens, lens, tables, strict=True)
+        ]
+        if share_every_step is not None:
+            ref.kv_cache.kv.copy_(fused.kv_cache.kv)
+        got, want = fused.execute(items), ref.execute(items)
+        assert got.dtype == want.dtype == torch.float32
+        assert got.shape == want.shape == (len(lens), fused.config.vocab_size)
+        diff = (got - want).abs().max().item()
+        scale = want.abs().max().item()
+        assert diff <= tol * scale, f"step {step}: logits differ by {diff} (scale {scale})"
+        kv_diff = (fused.kv_cache.kv.float() - ref.kv_cache.kv.float()).abs().max().item()
+        kv_scale = ref.kv_cache.kv.float().abs().max().item()
+        assert kv_diff <= tol * kv_scale, f"step {step}: KV differs by {kv_diff}"
+        tokens = want.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("lens", [[5], [15, 16, 40]], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_fused_decode_over_quantized_weights_matches_the_reference(
+    tiny_kept: Callable[[str, str], Path], qtype: str, dtype: str, lens: list[int], isa: str
+) -> None:
+    """Float activations: the fused step over packed weights is the reference model's function
+    (dequantize every weight, `F.linear`) to the float tolerances."""
+    model = tiny_kept(qtype, dtype)
+    fused = _runner(model, dtype, True, isa, activations="float32")
+    ref = ModelRunner.from_model_dir(model, 64, BLOCK, dtype=dtype, linear_kernel="torch")
+    assert ref.decode_path == "torch" and ref.model.lm_head.kernel == "torch"
+    assert fused.model.embed_quant is not None and fused.model.lm_head.kernel == "quant"
+    _lock_step(fused, ref, lens, share_prefill=True)
+
+
+@pytest.mark.skipif(not qgemm.has_int8(), reason="no AVX-512 VNNI here: no int8 path to test")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_fused_int8_decode_runs_the_int8_path(
+    tiny_kept: Callable[[str, str], Path], qtype: str, dtype: str, threads: int
+) -> None:
+    """int8 activations reach the fused step's GEMMs: its logits differ from the float path's
+    (the kernel itself is bounded in `test_qgemm`; the plumbing of every weight is the float
+    test's above) and stay near the torch modules running the same kernels from the same
+    cache. Near, not equal: a last-bit difference upstream (RMSNorm, SiLU) moves an activation
+    across an int8 rounding boundary now and then, and this model's sharp attention (the
+    tiny model's q/k gain) amplifies that; 10 % of the logits' scale still catches a wrong
+    scale or a mis-wired weight, which are off by the whole scale."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = tiny_kept(qtype, dtype)
+        fused = _runner(model, dtype, True, activations="int8")
+        ref = _runner(model, dtype, False, activations="int8")
+        exact = _runner(model, dtype, True, activations="float32")
+        assert fused.model.lm_head.int8_activations and ref.model.lm_head.int8_activations
+        assert not exact.model.lm_head.int8_activations
+        _lock_step(fused, ref, [15, 16, 40], share_every_step=0.1)
+        exact.kv_cache.kv.copy_(fused.kv_cache.kv)
+        item = [StepInput([7], 20, _tables([20])[0])]
+        assert not torch.equal(fused.execute(item), exact.execute(item))
+    finally:
+        torch.set_num_threads(old_threads)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -5,16 +5,28 @@ folder it writes loads in pdserve's engine and in HF transformers alike:
 
     config.json              LlamaForCausalLM, from the `llama.*` metadata
     generation_config.json   BOS / EOS / PAD ids from `tokenizer.ggml.*_token_id`
-    model.safetensors        HF parameter names, dequantized to --dtype
+    model.safetensors        HF parameter names, dequantized to --dtype (or, with
+                             --weights keep, Q8_0 / Q4_0 / Q4_1 matrices as their blocks)
     tokenizer.json           byte-level BPE rebuilt from `tokenizer.ggml.*` with `tokenizers`
     tokenizer_config.json    special tokens, add_bos_token, and `tokenizer.chat_template`
     gguf_source.json         what was converted: file name, sha256, dtype (`pull` checks it)
 
 Contract:
 
-- Weights: every tensor is dequantized with the `gguf` package (F32, F16, BF16, Q4_0, Q4_1,
-  Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K) to float32, then cast to the requested dtype
-  once. llama.cpp stores attn_q / attn_k rows permuted for its RoPE layout (convert_hf_to_gguf's
+- Weights (`weights="dequantize"`, the default): every tensor is dequantized with the `gguf`
+  package (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K) to
+  float32, then cast to the requested dtype once. `weights="keep"`: matrices in a type the
+  engine's kernels run (Q8_0, Q4_0, Q4_1: `model_runtime.quant`) keep their bytes, each row's
+  blocks as the file has them (uint8 [rows, row bytes]), listed in config.json's
+  `quantization_config` (`model_runtime.config.WeightQuantization`); every other tensor is
+  dequantized as above (norms, F16/BF16 matrices, and the K-quants and Q5 types, which the
+  kernels do not run: a Q4_K_M file keeps nothing of its K-quant tensors). `dtype` is then the
+  dtype of those float tensors and of the engine's activations and KV cache.
+  Why a folder and not the GGUF file served as it is: the router, the tokenizer and every
+  other reader keep reading one format (config.json + tokenizer.json, torch-free), q/k rows
+  are unpermuted once here (block rows move whole), and `pdserve quantize` writes the same
+  format from any HF folder.
+- llama.cpp stores attn_q / attn_k rows permuted for its RoPE layout (convert_hf_to_gguf's
   `permute`); `unpermute_qk` undoes it. A file without `output.weight` has tied embeddings and
   the folder says `tie_word_embeddings: true` with no lm_head tensor.
 - Everything is checked before anything is written: an architecture other than `llama`, a
@@ -59,6 +71,10 @@ from tooling.models.gguf_input import (
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 DTYPES: tuple[Dtype, ...] = ("bfloat16", "float16", "float32")
+Weights = Literal["dequantize", "keep"]
+WEIGHTS: tuple[Weights, ...] = ("dequantize", "keep")
+# Tensor types `weights="keep"` keeps as they are (what model_runtime.quant's kernels run).
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Tensor types dequantized by the `gguf` package that this converter accepts.
 SUPPORTED_TENSOR_TYPES = (
@@ -273,20 +289,28 @@ def _check_tensors(infos: list[GGUFTensorInfo], config: dict[str, Any]) -> None:
 
 
 def hf_tensors(
-    reader: Any, config: dict[str, Any], allow_non_finite: bool = False
-) -> dict[str, np.ndarray]:
-    """HF name -> float32 array, q/k unpermuted (tensors checked by `_check_tensors` first);
-    a tensor holding NaN or Inf raises unless `allow_non_finite`."""
+    reader: Any, config: dict[str, Any], allow_non_finite: bool = False, keep: bool = False
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(HF name -> array, HF name -> kept type): float32 arrays, or with `keep` uint8 blocks
+    [rows, row bytes] for the matrices of a KEPT_TYPES type; q/k rows unpermuted either way
+    (a block never spans two rows, so block rows move whole). Tensors are checked by
+    `_check_tensors` first; one holding NaN or Inf (kept ones: their values) raises unless
+    `allow_non_finite`."""
     out: dict[str, np.ndarray] = {}
+    kept: dict[str, str] = {}
     for t in reader.tensors:
         w = dequantize(t)
         check_finite(t.name, w, allow_non_finite)
+        kind = t.tensor_type.name
+        if keep and kind in KEPT_TYPES and len(t.shape) == 2:
+            w = np.array(t.data, dtype=np.uint8)  # a copy: the file is mapped read-only
+            kept[hf_name(t.name)] = kind
         if ".attn_q." in t.name:
             w = unpermute_qk(w, config["num_attention_heads"])
         elif ".attn_k." in t.name:
             w = unpermute_qk(w, config["num_key_value_heads"])
         out[hf_name(t.name)] = w
-    return out
+    return out, kept
 
 
 # --- tokenizer -----------------------------------------------------------------------------
@@ -452,6 +476,7 @@ def convert_gguf(
     out: str | Path,
     dtype: Dtype = "bfloat16",
     allow_non_finite: bool = False,
+    weights: Weights = "dequantize",
 ) -> Path:
     """Convert `gguf_path` into the HF folder `out` (module docstring); returns `out`.
 
@@ -460,7 +485,8 @@ def convert_gguf(
        here, before any file is written).
     2. Make the staging folder beside `out` (an `out` that cannot be written fails here).
     3. Dequantize every tensor (unpermuting q/k; NaN or Inf refused unless
-       `allow_non_finite`) and cast to `dtype`.
+       `allow_non_finite`) and cast to `dtype`; with `weights="keep"` the KEPT_TYPES matrices
+       keep their blocks instead.
     4. Write the folder into the staging folder, then rename it to `out`.
 
     `out` must not exist or be an empty folder. Every failure is a `GGUFConversionError`.
@@ -470,6 +496,10 @@ def convert_gguf(
 
     if dtype not in DTYPES:
         raise GGUFConversionError(f"dtype {dtype!r} is not supported; supported: {list(DTYPES)}")
+    if weights not in WEIGHTS:
+        raise GGUFConversionError(
+            f"weights {weights!r} is not supported; supported: {list(WEIGHTS)}"
+        )
     src, dst = Path(gguf_path), Path(out)
     reader = open_gguf(src)
     meta = read_metadata(reader, src)
@@ -483,10 +513,15 @@ def convert_gguf(
     torch_dtype = getattr(torch, dtype)
     tmp = _staging_dir(dst)
     try:
+        arrays, kept = hf_tensors(reader, config, allow_non_finite, keep=weights == "keep")
         tensors = {
-            name: torch.from_numpy(w).to(torch_dtype).contiguous()
-            for name, w in hf_tensors(reader, config, allow_non_finite).items()
+            name: torch.from_numpy(w).contiguous()
+            if name in kept
+            else torch.from_numpy(w).to(torch_dtype).contiguous()
+            for name, w in arrays.items()
         }
+        if kept:
+            config["quantization_config"] = {"quant_method": "ggml", "tensor_types": kept}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation_config(meta))
@@ -498,6 +533,7 @@ def convert_gguf(
                 "file": src.name,
                 "sha256": file_sha256(src),
                 "dtype": dtype,
+                "weights": weights,
                 "converter_version": CONVERTER_VERSION,
             },
         )

