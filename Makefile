@@ -31,8 +31,9 @@ $(STAMP): pyproject.toml
 demo: setup  ## SmolLM2-135M-Instruct: one chat over the 1P1D cluster, then disagg vs colocated goodput on 3 seeds (~15 min)
 	$(PY) -m deploy.cli demo --model $(REAL_MODEL_DIR) --out $(RUN_DIR)
 
-up: setup  ## start a local 1 prefill + 1 decode cluster serving SmolLM2-135M-Instruct (Ctrl-C stops it)
-	$(PY) -m deploy.cli pull smollm2-135m-instruct --out $(REAL_MODEL_DIR)
+up: setup  ## start a local 1 prefill + 1 decode cluster serving SmolLM2-135M-Instruct, Q4_1 kept quantized (Ctrl-C stops it)
+	test -f $(REAL_MODEL_DIR)/config.json || \
+		$(PY) -m deploy.cli pull smollm2-135m-instruct --weights keep --out $(REAL_MODEL_DIR)
 	$(PY) -m deploy.cli up --config deploy/examples/disagg-1p1d.toml --model $(REAL_MODEL_DIR)
 
 test: setup  ## the whole test suite (what CI runs)

@@ -3,12 +3,20 @@
     python -m benchmarks.bench_decode_step --models small,smollm2 --threads 1,2 \\
         --batches 1,16 --rounds 3 [--baselines] [--profile-batches 1] \\
         --out runs/bench/decode_step.json
+    python -m benchmarks.bench_decode_step --models smollm2 --dtypes q8_0,q4_1 \\
+        --threads 1,2 --batches 1 --rounds 3 --no-torch-path --profile-batches 1 \\
+        --out runs/bench/decode_step_quant.json       (weights kept quantized, issue 40)
 
 One engine per (model, dtype), all in one process, on the `avx2` linear kernel (the panel
 GEMM, whose weights the fused decode step reads): `small` (the 12-layer preset, 129 M
 parameters) and `smollm2` (a random model of SmolLM2-135M's shape: hidden 576, intermediate
 1536, 30 layers, 9 heads, 3 KV heads, vocab 49152, tied embeddings; written here, in
-models/smollm2-shape[-bf16], unless present), each in float32 and bfloat16. Per engine two
+models/smollm2-shape[-bf16], unless present), each in float32 and bfloat16; and with
+`--dtypes q8_0,q4_1` the float32 folder quantized (`pdserve quantize`, into
+models/<name>-q8_0 and -q4_1, bfloat16 activations): q8_0 every matrix Q8_0, q4_1 the layers
+Q4_1 with the embedding and LM head Q8_0 (the make-up of SmolLM2's own Q4_1 file, 96.4 MB a
+step for this shape). Their floor is the packed bytes (blocks and scales) over the bandwidth;
+`--quant-activations` picks the int8 or float32 decode path. Per engine two
 variants on the same weights: `fused` (all-decode steps in one C call,
 `model_runtime.kernels.decode_step`, the default wherever the weights are panel-packed) and
 `torch` (the model's torch modules, the path before issue 30). `--baselines` adds, where the
@@ -54,6 +62,7 @@ from model_runtime.sampling_params import SamplingParams
 from tooling.machine import MachineInfo, measure_machine
 
 DTYPES = ("float32", "bfloat16")
+QUANTIZED = {"q8_0": "int8", "q4_1": "q4"}  # pseudo-dtype -> `pdserve quantize --to`
 TOP_OPS = 12  # torch-profiler rows with their own line; the rest are summed
 # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json), random weights.
 SMOLLM2_SHAPE: dict[str, Any] = {
@@ -139,7 +148,15 @@ def write_shaped_model(path: str, shape: dict[str, Any], dtype: str, seed: int =
 
 
 def model_path(name: str, dtype: str) -> str:
-    """The folder of model `name` in `dtype`, made if missing."""
+    """The folder of model `name` in `dtype` (or quantized: QUANTIZED), made if missing."""
+    if dtype in QUANTIZED:
+        from tooling.models.quantize import quantize_folder
+
+        path = f"{MODELS[name]}-{dtype}"
+        if not (Path(path) / "config.json").is_file():
+            _say(f"quantizing {name} to {dtype} into {path} ...")
+            quantize_folder(model_path(name, "float32"), path, QUANTIZED[dtype], "bfloat16")  # type: ignore[arg-type]
+        return path
     path = MODELS[name] + ("-bf16" if dtype == "bfloat16" else "")
     if name == "small":
         ensure_model(path, dtype)
@@ -154,6 +171,7 @@ def make_engine(
     tokens_per_seq: int,
     linear_kernel: str = "auto",
     attention_backend: str = "auto",
+    quant_activations: str = "auto",
 ) -> LLMEngine:
     """An engine sized for `max_batch` sequences of `tokens_per_seq` tokens."""
     per_seq = -(-tokens_per_seq // 16) + 1
@@ -164,6 +182,7 @@ def make_engine(
             "max_num_seqs": max_batch,
             "linear_kernel": linear_kernel,
             "attention_backend": attention_backend,
+            "quant_activations": quant_activations,
         }
     )
     return LLMEngine.from_model_dir(model, config)
@@ -279,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the avx2 weights' torch-path variant (the step before the fused C step)",
     )
+    ap.add_argument(
+        "--quant-activations",
+        default="auto",
+        choices=["auto", "int8", "float32"],
+        help="quantized weights (dtypes q8_0, q4_1): how decode steps multiply them",
+    )
     ap.add_argument("--out", default="runs/bench/decode_step.json")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -292,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         for dtype in dtypes:
             path = model_path(name, dtype)
-            engines[(name, dtype, "avx2")] = make_engine(path, max_b, tokens, "avx2")
+            engines[(name, dtype, "avx2")] = make_engine(
+                path, max_b, tokens, "avx2", quant_activations=args.quant_activations
+            )
             if args.baselines:
                 auto = make_engine(path, max_b, tokens, "auto")
                 if auto.runner.linear_kernel != "avx2":
@@ -408,6 +435,7 @@ def summarize(
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "context": args.context,
         "steps": args.steps,
+        "quant_activations": args.quant_activations,
         "rounds": args.rounds,
         "machine": {str(t): m.to_json() for t, m in bandwidth.items()},
         "weight_bytes": wbytes,

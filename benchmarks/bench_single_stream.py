@@ -3,13 +3,24 @@ llama.cpp's `llama-server`, each served TPOT next to the serving worker's own en
 counters and the in-process engine step at the worker's threads. Standalone.
 
     python -m benchmarks.bench_single_stream [--model DIR] [--threads 2] [--rounds 2]
-        [--repeats 5] [--llamacpp] [--out runs/bench/single_stream.json]
+        [--repeats 5] [--llamacpp] [--llamacpp-gguf FILE] [--llamacpp-args "--poll 0"]
+        [--out runs/bench/single_stream.json]
+
+Issue 40 (pdserve on SmolLM2's own Q4_1 file, kept quantized, beside llama.cpp on that file):
+
+    pdserve pull smollm2-135m-instruct --weights keep --out models/smollm2-135m-instruct-q4
+    python -m benchmarks.bench_single_stream --model models/smollm2-135m-instruct-q4 \\
+        --llamacpp --llamacpp-gguf ~/.cache/pdserve/models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --llamacpp-args "--poll 0" --threads 2 --out runs/bench/single_stream_q4_t2.json
+    (and the same with --threads 1: each side's best thread setting counts)
 
 One run, in order:
 
 1. starts a colocated cluster (one worker, `--threads` torch threads) and a 1P1D cluster (one
-   prefill and one decode worker, `--threads` / 2 each), and with `--llamacpp` a llama-server
-   on the same weights as F16 GGUF with `--threads` threads (`bench_llamacpp`'s build);
+   prefill and one decode worker, `--threads` / 2 each; not with `--threads 1`), and with
+   `--llamacpp` a
+   llama-server with `--threads` threads (`bench_llamacpp`'s build) on the same weights as F16
+   GGUF, or on `--llamacpp-gguf` (e.g. the very file `--model` was converted from);
 2. `--rounds` rounds, targets interleaved: one request at a time (`--prompt-len` token-id
    prompt, `--output-len` tokens, greedy, ignore_eos; `tooling.goodput.calibrate`), the median
    TPOT of `--repeats` requests; around each target's requests, every process's CPU seconds
@@ -148,7 +159,8 @@ async def run_targets(args: argparse.Namespace, model: Path, out_dir: Path) -> l
     clusters: dict[str, Any] = {}
     server: subprocess.Popen[bytes] | None = None
     try:
-        for name in ("colocated", "disagg"):
+        # 1P1D needs a thread per worker: with --threads 1, colocated (and llama.cpp) only
+        for name in ("colocated", "disagg") if args.threads >= 2 else ("colocated",):
             cfg = load_cluster_config(None, cluster_settings(name, model, sizing, args.threads))
             clusters[name] = await asyncio.to_thread(
                 launch_local_cluster, cfg, out_dir / name, port=0
@@ -166,10 +178,10 @@ async def run_targets(args: argparse.Namespace, model: Path, out_dir: Path) -> l
         if args.llamacpp:
             from benchmarks import bench_llamacpp as lc
 
-            gguf = lc.f16_gguf(model)
+            gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else lc.f16_gguf(model)
             server, url = lc.start_server(
                 lc.build_server(), gguf, args.threads, 1, 2 * sizing.context,
-                out_dir / "llama-server.log",
+                out_dir / "llama-server.log", args.llamacpp_args.split(),
             )  # fmt: skip
             cfg = json.loads((model / "config.json").read_text())
             fields = {"api": "openai", "model": "smollm2", "vocab_size": cfg["vocab_size"]}
@@ -202,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="requests per target and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--llamacpp", action="store_true", help="also llama-server (F16 GGUF)")
+    ap.add_argument(
+        "--llamacpp-gguf", default="", help="llama-server's GGUF (default: --model as F16)"
+    )
+    ap.add_argument("--llamacpp-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     ap.add_argument("--out", default="runs/bench/single_stream.json")
     args = ap.parse_args(argv)
     model = Path(args.model).resolve()
@@ -209,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     runs = asyncio.run(run_targets(args, model, out.parent / f"{out.stem}_logs"))
-    threads = sorted({args.threads // 2, args.threads})
+    threads = sorted({t for t in (args.threads // 2, args.threads) if t})
     context = args.prompt_len + args.output_len // 2
     engine = engine_steps(str(model), threads, context, 30, args.rounds)
     result = {

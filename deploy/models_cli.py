@@ -29,9 +29,9 @@ def add_convert_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         "Q2_K..Q6_K) into an HF folder (config.json, model.safetensors, tokenizer.json, "
         "tokenizer_config.json with the chat template, generation_config.json): dequantized "
         "(loads in pdserve and HF transformers), or with --weights keep its Q8_0 / Q4_0 / Q4_1 "
-        "matrices kept as they are (pdserve serves them quantized). Nothing is written when the file cannot be converted (corrupt, "
-        "unsupported, or weights holding NaN/Inf without --allow-non-finite): one line on "
-        "stderr and exit status 2.",
+        "matrices kept as they are (pdserve serves them quantized). Nothing is written when the "
+        "file cannot be converted (corrupt, unsupported, or weights holding NaN/Inf without "
+        "--allow-non-finite): one line on stderr and exit status 2.",
     )
     p.add_argument("--gguf", required=True, help="the .gguf file")
     p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")

@@ -161,7 +161,7 @@ def load_model(
     embed = "model.embed_tokens.weight"
     if embed in types:
         model.set_quant_embedding(
-            quant.pack_blocks(w[embed], types[embed], config.hidden_size), dtype
+            quant.pack_blocks(w.pop(embed), types[embed], config.hidden_size), dtype
         )
     else:
         put(model.embed_tokens, w[embed])
@@ -174,7 +174,7 @@ def load_model(
             else:
                 model.lm_head.weight = model.embed_tokens  # one tensor, two uses
         elif qtype is not None:
-            raw = torch.cat([w[p] for p in parts])
+            raw = torch.cat([w.pop(p) for p in parts])  # the blocks go as they are packed
             linear.set_quant(quant.pack_blocks(raw, qtype, linear.in_features))
         else:
             if any(p in types for p in parts):

@@ -240,3 +240,64 @@ def test_existing_output_folder_is_refused(tiny_model_dir: Path, tmp_path: Path)
     with pytest.raises(GGUFConversionError, match="not empty"):
         convert_gguf(src, out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+# --- weights kept quantized (--weights keep) -------------------------------------------------
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1", "F16"])
+def test_keep_stores_the_files_blocks(
+    tiny_model_dir: Path, tmp_path: Path, tensor_type: str
+) -> None:
+    """`--weights keep`: each Q8_0 / Q4_0 / Q4_1 matrix is its rows' blocks as the file holds
+    them (q/k rows unpermuted whole), listed in quantization_config, and dequantizes to what
+    the dequantizing conversion writes; other types (F16 here, norms always) are dequantized."""
+    from model_runtime.quant import dequantize_blocks
+
+    src = hf_to_gguf(tiny_model_dir, tmp_path / f"tiny-{tensor_type}.gguf", tensor_type)
+    kept, plain = tmp_path / "kept", tmp_path / "plain"
+    argv = ["convert", "--gguf", str(src), "--dtype", "float32"]
+    assert main([*argv, "--out", str(kept), "--weights", "keep"]) == 0
+    assert main([*argv, "--out", str(plain)]) == 0
+    config = json.loads((kept / "config.json").read_text())
+    want = load_file(str(plain / "model.safetensors"))
+    got = load_file(str(kept / "model.safetensors"))
+    assert set(got) == set(want)
+    if tensor_type == "F16":
+        assert "quantization_config" not in config
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        return
+    types = config["quantization_config"]["tensor_types"]
+    assert config["quantization_config"]["quant_method"] == "ggml"
+    assert set(types) == {n for n, t in want.items() if t.dim() == 2}
+    assert set(types.values()) == {tensor_type}
+    for name, w in want.items():
+        if name in types:
+            assert got[name].dtype == torch.uint8, name
+            assert torch.equal(dequantize_blocks(got[name], tensor_type, w.shape[1]), w), name
+        else:
+            assert torch.equal(got[name], w), name
+    assert json.loads((kept / "gguf_source.json").read_text())["weights"] == "keep"
+    assert ModelConfig.from_model_dir(kept).weights_label() == tensor_type
+
+
+def test_quantize_cli_writes_a_folder_served_quantized(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`pdserve quantize --to q4`: layer matrices Q4_1, embedding Q8_0, norms float; the folder
+    loads with every Linear kept quantized; a second quantization and a taken --out refused."""
+    from model_runtime.model_runner import ModelRunner
+
+    out = tmp_path / "q4"
+    argv = ["quantize", "--model", str(tiny_model_dir), "--to", "q4", "--dtype", "float32"]
+    assert main([*argv, "--out", str(out)]) == 0
+    cfg = ModelConfig.from_model_dir(out)
+    assert cfg.quantization is not None and cfg.weights_label() == "Q4_1+Q8_0"
+    assert cfg.quantization.tensor_types["model.embed_tokens.weight"] == "Q8_0"
+    runner = ModelRunner.from_model_dir(out, 8, 16, dtype="float32")
+    assert runner.model.embed_quant is not None
+    assert runner.model.layers[0].mlp.down_proj.quant is not None
+    assert main([*argv, "--out", str(out)]) == 2  # not empty
+    assert (
+        main(["quantize", "--model", str(out), "--to", "int8", "--out", str(tmp_path / "x")]) == 2
+    )

@@ -170,6 +170,7 @@ def test_whole_answers_and_models_and_health(model_dir: Path) -> None:
             async with s.get(base(c) + "/v1/models") as r:
                 models = await r.json()
             assert models["data"][0]["id"] == "tiny" and models["object"] == "list"
+            assert models["data"][0]["weights"] == "float32"  # the checkpoint dtype
             async with s.get(base(c) + "/health") as r:
                 assert r.status == 200
             await c.assert_no_leaks()

@@ -14,7 +14,7 @@ and Q4_1 GGUFs, through the colocated engine:
   (`tests/e2e/test_real_model.py`), scaled to the tiny model's logits.
 
 **HF folders quantized** (`pdserve quantize`): perplexity on the project's own text
-(`tooling.goodput.text_prompts.CORPUS`, through decode steps: the served path) within 1 %
+(`tooling.goodput.text_prompts.CORPUS`, one-token steps: decode numerics) within 1 %
 (int8) and 5 % (4-bit) of float32's, on the tiny model here and on SmolLM2 in
 `tests/e2e/test_quant_real_model.py`.
 """
@@ -32,7 +32,7 @@ from model_runtime.kernels import qgemm
 from model_runtime.model_runner import ModelRunner
 from model_runtime.sampling_params import SamplingParams
 from tooling.goodput.text_prompts import corpus_ids
-from tooling.models.fidelity import perplexity
+from tooling.models.perplexity import score
 from tooling.models.quantize import quantize_folder
 
 transformers = pytest.importorskip("transformers")
@@ -111,7 +111,7 @@ def test_served_gguf_greedy_equals_hf_on_the_dequantized_model(
 def test_quantized_folder_perplexity_within_bounds(
     tiny_model_dir: Path, tmp_path: Path, target: str
 ) -> None:
-    """`pdserve quantize` of the tiny model: perplexity through decode steps within the
+    """`pdserve quantize` of the tiny model: perplexity through one-token steps within the
     target's bound of float32's (a random model's perplexity is near its vocabulary size, so
     this is the mechanism under CI; SmolLM2's e2e test is the meaningful bound)."""
     out = quantize_folder(tiny_model_dir, tmp_path / target, target, "float32")  # type: ignore[arg-type]
@@ -119,7 +119,7 @@ def test_quantized_folder_perplexity_within_bounds(
     ref = ModelRunner.from_model_dir(tiny_model_dir, 32, 16, dtype="float32")
     quantized = ModelRunner.from_model_dir(out, 32, 16, dtype="float32")
     assert quantized.weights_label.startswith("Q")
-    want = perplexity(ref, ids, "decode").value
-    got = perplexity(quantized, ids, "decode").value
+    want = score(ref, ids, chunk=1).ppl
+    got = score(quantized, ids, chunk=1).ppl
     print(f"{target}: perplexity {got:.4f} vs float32 {want:.4f} ({got / want - 1:+.3%})")
     assert abs(got / want - 1) <= PPL_BOUND[target], (got, want)

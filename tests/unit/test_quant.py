@@ -71,3 +71,33 @@ def test_bad_input_says_what_is_wrong() -> None:
     qw = quant.pack_blocks(quant.quantize(_weight(8, 32), "Q8_0"), "Q8_0", 32)
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
         quant.dequantize_rows(qw, torch.tensor([8]))
+
+
+def test_config_reads_the_quantization_config() -> None:
+    """config.json's `quantization_config` names the kept tensors; the label lists the types
+    most used first; other quantization methods are refused naming the field."""
+    from model_runtime.config import ModelConfig
+
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "torch_dtype": "bfloat16",
+    }
+    assert ModelConfig.from_hf_dict(raw).weights_label() == "bfloat16"
+    assert ModelConfig.from_hf_dict(raw).weights_label("float32") == "float32"
+    types = {"a.weight": "Q4_1", "b.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}
+    cfg = ModelConfig.from_hf_dict(
+        raw | {"quantization_config": {"quant_method": "ggml", "tensor_types": types}}
+    )
+    assert cfg.quantization is not None and cfg.quantization.tensor_types == types
+    assert cfg.weights_label() == "Q4_1+Q8_0"
+    with pytest.raises(ValueError, match=r"quantization_config.quant_method='gptq'"):
+        ModelConfig.from_hf_dict(raw | {"quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(ValueError, match="Q5_K"):
+        ModelConfig.from_hf_dict(
+            raw | {"quantization_config": {"quant_method": "ggml", "tensor_types": {"a": "Q5_K"}}}
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.admission import Admission
@@ -166,3 +167,19 @@ def test_worker_counts_kv_bytes_per_request_by_cache_dtype() -> None:
     bucket = 'pdserve:kv_transfer_request_bytes_bucket{cache_dtype="int8",le="%s",model_name="m",'
     assert bucket % "262144.0" + 'side="recv"} 0.0' in text
     assert bucket % "1.048576e+06" + 'side="recv"} 2.0' in text
+
+
+def test_the_served_weights_are_an_info_metric_on_router_and_worker() -> None:
+    """`model_weights_info{weights}` says what the weights are (1 always); a worker adds the
+    bytes they take."""
+    from worker.engine_thread import Snapshot
+    from worker.metrics import WorkerMetrics
+
+    router = RouterMetrics("smol", Admission(1, 0), lambda: [], weights="Q4_1+Q8_0")
+    text = router.exposition()[0].decode()
+    assert 'pdserve:model_weights_info{model_name="smol",weights="Q4_1+Q8_0"} 1.0' in text
+    snap = Snapshot("decode", False, 0, 0, 0, 10, 10, 16)
+    worker = WorkerMetrics("smol", lambda: snap, "bfloat16", None, "Q4_1+Q8_0", 96_000_000)
+    text = generate_latest(worker.registry).decode()
+    assert 'pdserve:model_weights_info{model_name="smol",weights="Q4_1+Q8_0"} 1.0' in text
+    assert 'pdserve:model_weight_bytes{model_name="smol"} 9.6e+07' in text

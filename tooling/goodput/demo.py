@@ -135,14 +135,19 @@ def show_chat(clusters: ClusterSet) -> None:
 
 
 def ensure_model(model: Path) -> Path:
-    """`model` when it already holds a model folder; else SmolLM2-135M-Instruct pulled and
-    converted into it (`pull`, idempotent). Raises `PullError` saying what it tried."""
+    """`model` when it already holds a model folder; else SmolLM2-135M-Instruct pulled into it
+    with its Q4_1 / Q8_0 weights kept quantized and bfloat16 activations (`pull --weights keep`,
+    idempotent: the file as it ships, served quantized; it meets the fidelity bounds, see
+    `tests/e2e/test_quant_real_model.py`). Raises `PullError` saying what it tried."""
     if (model / "config.json").is_file():
         return model
     from tooling.models.pull import pull
 
-    print(f"pdserve demo: pulling smollm2-135m-instruct into {model} ...", file=sys.stderr)
-    return pull("smollm2-135m-instruct", out=model)
+    print(
+        f"pdserve demo: pulling smollm2-135m-instruct (Q4_1, kept quantized) into {model} ...",
+        file=sys.stderr,
+    )
+    return pull("smollm2-135m-instruct", out=model, weights="keep")
 
 
 def run_demo(

@@ -8,7 +8,14 @@ cache, as a chunked prefill does), and keeps every position's float32 log-probab
 next token: the mean negative log-likelihood, its exponential (perplexity) and the
 teacher-forced argmax at each position. `agreement` compares two runs position by position;
 given the other run's choices (`against`), a score also keeps how far below its own best logit
-each of them is (`gaps`), so a disagreement can be told from a near-tie.
+each of them is (`gaps`), so a disagreement can be told from a near-tie. With `chunk=1` every
+position is a one-token engine step (`ModelRunner.execute`): the decode path itself, the fused
+C step where the runner has it (quantized weights with int8 activations multiply as served;
+prefill chunks dequantize them).
+
+`parting` is the other half of the fidelity rule: free-running greedy continuations of a
+prompt by a model and its reference, where they first part and by how much the reference
+preferred its own token there (a near-tie when small, DESIGN.md §5).
 """
 
 from __future__ import annotations
@@ -88,12 +95,18 @@ def _window(
     total, argmax, gaps = 0.0, [], []
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
-        input_ids, positions, meta, _ = runner.build_metadata([StepInput(piece, start, table)])
-        hidden = runner.model(input_ids, positions, runner.kv_cache, meta, runner.backend)
-        logp = torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
+        if chunk == 1:  # a decode step, as the engine runs it (the fused C step where it can)
+            logits = runner.execute([StepInput(piece, start, table)])
+        else:
+            input_ids, positions, meta, _ = runner.build_metadata([StepInput(piece, start, table)])
+            hidden = runner.model(input_ids, positions, runner.kv_cache, meta, runner.backend)
+            logits = runner.model.compute_logits(hidden)
+        logp = torch.log_softmax(logits.float(), dim=-1)
         targets = ids[start + 1 : start + 1 + len(piece)]  # the last chunk: one fewer
+        if not targets:  # a last chunk of the final token alone predicts nothing
+            break
         rows = torch.arange(len(targets))
-        total -= float(logp[rows, torch.tensor(targets)].sum())
+        total -= float(logp[rows, torch.tensor(targets, dtype=torch.long)].sum())
         best = logp[: len(targets)].max(-1)
         argmax += best.indices.tolist()
         if against is not None:
@@ -107,3 +120,38 @@ def agreement(a: Score, b: Score) -> float:
     if a.tokens != b.tokens:
         raise ValueError(f"scores of different streams: {a.tokens} and {b.tokens} tokens")
     return sum(x == y for x, y in zip(a.argmax, b.argmax, strict=True)) / a.tokens
+
+
+@dataclass(frozen=True)
+class Parting:
+    """Greedy continuations of one prompt by a model (`tokens`) and its reference."""
+
+    tokens: list[int]
+    reference: list[int]
+    first_difference: int | None  # index of the first differing token, None if none
+    gap: float  # there: the reference's logit of its token minus of ours (0.0 if none)
+
+
+@torch.inference_mode()
+def greedy(
+    runner: ModelRunner, prompt: Sequence[int], n: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """`n` greedy tokens after `prompt` (a prefill, then decode steps: the engine's paths) and
+    the float32 logits each was chosen from."""
+    table = list(range(-(-(len(prompt) + n) // runner.block_size)))
+    logits = [runner.execute([StepInput(list(prompt), 0, table)])[0]]
+    out: list[int] = []
+    for i in range(n):
+        out.append(int(logits[-1].argmax()))
+        if i + 1 < n:
+            logits.append(runner.execute([StepInput([out[-1]], len(prompt) + i, table)])[0])
+    return out, logits
+
+
+def parting(runner: ModelRunner, reference: ModelRunner, prompt: Sequence[int], n: int) -> Parting:
+    """Where `runner`'s greedy continuation of `prompt` first parts from `reference`'s."""
+    ours, _ = greedy(runner, prompt, n)
+    theirs, ref_logits = greedy(reference, prompt, n)
+    k = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+    gap = 0.0 if k is None else float(ref_logits[k][theirs[k]] - ref_logits[k][ours[k]])
+    return Parting(ours, theirs, k, gap)
