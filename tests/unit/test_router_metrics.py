@@ -179,7 +179,9 @@ def test_the_served_weights_are_an_info_metric_on_router_and_worker() -> None:
     text = router.exposition()[0].decode()
     assert 'pdserve:model_weights_info{model_name="smol",weights="Q4_1+Q8_0"} 1.0' in text
     snap = Snapshot("decode", False, 0, 0, 0, 10, 10, 16)
-    worker = WorkerMetrics("smol", lambda: snap, "bfloat16", None, "Q4_1+Q8_0", 96_000_000)
+    worker = WorkerMetrics(
+        "smol", lambda: snap, "bfloat16", weights="Q4_1+Q8_0", weight_bytes=96_000_000
+    )
     text = generate_latest(worker.registry).decode()
     assert 'pdserve:model_weights_info{model_name="smol",weights="Q4_1+Q8_0"} 1.0' in text
     assert 'pdserve:model_weight_bytes{model_name="smol"} 9.6e+07' in text
