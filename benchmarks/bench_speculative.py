@@ -28,8 +28,9 @@ One run, in order, one server at a time (the machine's memory is shared):
    the decoding worker's `pdserve:spec_decode_*` counters before and after give the
    workload's acceptance rate and mean acceptance length (tokens per verified step);
 3. with `--llamacpp`, llama-server (`bench_llamacpp`'s build, the model as F16 GGUF) at each of
-   `--llamacpp-threads` threads, the quoting requests once each: its best TPOT is the
-   comparison's (`--llamacpp-threads` is "its best setting" on this machine).
+   `--llamacpp-threads` threads with each of `--llamacpp-spec` (its `--spec-type`: none, or
+   its own prompt-lookup proposers `ngram-simple`, `ngram-mod`), the quoting requests once
+   each: its best TPOT over those settings is the comparison's.
 
 Per topology and workload: median TPOT with / without speculation and the median of the
 per-pair ratios; acceptance rate; mean acceptance length; identical answers. JSON to
@@ -229,25 +230,30 @@ def summarize(
 
 
 def run_llamacpp(args: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
-    """Step 3 of the module docstring: llama-server's quoting TPOT at each thread count."""
+    """Step 3 of the module docstring: llama-server's quoting TPOT at each thread count and
+    speculation setting (`--spec-type`: its own prompt-lookup proposers; "none": off)."""
     from benchmarks import bench_llamacpp as lc
 
     binary, gguf = lc.build_server(), lc.f16_gguf(model)
     result: dict[str, Any] = {}
     for threads in args.llamacpp_threads:
-        server, url = lc.start_server(
-            binary, gguf, threads, 1, 4096, out / f"llama-server-{threads}.log"
-        )
-        try:
-            reqs = bodies("quoting", args, 0)
-            stream(f"{url}/v1/{reqs[0][0]}", {**reqs[0][1], "model": "smollm2", "max_tokens": 4})
-            runs = [stream(f"{url}/v1/{e}", {**b, "model": "smollm2"}) for e, b in reqs]
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-        tpot = statistics.median(r["tpot_ms"] for r in runs)
-        result[str(threads)] = {"tpot_ms": tpot, "tokens": sum(r["tokens"] for r in runs)}
-        say(f"llama.cpp, {threads} thread(s): quoting TPOT {tpot:.1f} ms")
+        for spec in args.llamacpp_spec:
+            name = f"{threads} thread(s), spec-type {spec}"
+            extra = [] if spec == "none" else ["--spec-type", spec]
+            server, url = lc.start_server(
+                binary, gguf, threads, 1, 4096, out / f"llama-server-{threads}-{spec}.log", extra
+            )
+            try:
+                reqs = bodies("quoting", args, 0)
+                warm = {**reqs[0][1], "model": "smollm2", "max_tokens": 4}
+                stream(f"{url}/v1/{reqs[0][0]}", warm)
+                runs = [stream(f"{url}/v1/{e}", {**b, "model": "smollm2"}) for e, b in reqs]
+            finally:
+                server.terminate()
+                server.wait(timeout=30)
+            tpot = statistics.median(r["tpot_ms"] for r in runs)
+            result[name] = {"tpot_ms": tpot, "tokens": sum(r["tokens"] for r in runs)}
+            say(f"llama.cpp, {name}: quoting TPOT {tpot:.1f} ms")
     return result
 
 
@@ -272,7 +278,7 @@ def render(result: dict[str, Any]) -> str:
     if lc:
         best = min(v["tpot_ms"] for v in lc.values())
         lines += ["", "llama.cpp quoting TPOT: " + ", ".join(
-            f"{t} thread(s) {v['tpot_ms']:.1f} ms" for t, v in lc.items()
+            f"{t} {v['tpot_ms']:.1f} ms" for t, v in lc.items()
         ) + f"; best {best:.1f} ms"]  # fmt: skip
         for topo, per in result["topologies"].items():
             if "quoting" in per:
@@ -298,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llamacpp", action="store_true", help="also llama-server (F16 GGUF)")
     ap.add_argument(
         "--llamacpp-threads", default="1,2", type=lambda s: [int(x) for x in s.split(",")]
+    )
+    ap.add_argument(
+        "--llamacpp-spec",
+        default="none,ngram-simple,ngram-mod",
+        type=lambda s: s.split(","),
+        help="llama-server --spec-type values to try (none: no speculation)",
     )
     ap.add_argument("--out", help="run folder (default: runs/spec-YYYYmmdd-HHMMSS)")
     args = ap.parse_args(argv)

@@ -40,7 +40,13 @@ from model_runtime.model_runner import ModelRunner, StepInput, resolve_dtype
 from model_runtime.request import Request, RequestOutput, RequestStatus
 from model_runtime.sampler import Sampler, skip_draws
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
-from model_runtime.scheduler import AcceptedToken, Scheduler, SchedulerConfig, SchedulerOutput
+from model_runtime.scheduler import (
+    AcceptedToken,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from model_runtime.speculative.base import Proposer
 from model_runtime.speculative.config import DraftConfig, NgramConfig
 from model_runtime.speculative.draft import DraftProposer, check_same_vocabulary
@@ -370,60 +376,64 @@ class LLMEngine:
     def _run(
         self, scheduled: SchedulerOutput, on_layer_done: LayerCallback | None = None
     ) -> _StepResult:
-        """Forward the step (with the proposals of its speculating rows), then sample the
-        rows whose chunk reaches the last known token (a request below its `min_tokens` may
-        not pick its EOS or stop ids) and verify the proposals (`speculative.verify`)."""
+        """Forward the step (with the proposals of its speculating rows), then verify the
+        proposals (`speculative.verify`) and sample the other rows whose chunk reaches the
+        last known token."""
         items = scheduled.items
         result = _StepResult(items)
         if not items:
             return result
         proposals = self._propose(scheduled)
-        inputs = []
-        for it, guess in zip(items, proposals, strict=True):
-            if guess:
-                inputs.append(
-                    StepInput(it.token_ids + guess, it.start_pos, it.block_table, 1 + len(guess))
-                )
-            else:
-                inputs.append(StepInput(it.token_ids, it.start_pos, it.block_table))
+        inputs = [
+            StepInput(it.token_ids + guess, it.start_pos, it.block_table, 1 + len(guess))
+            if guess
+            else StepInput(it.token_ids, it.start_pos, it.block_table)
+            for it, guess in zip(items, proposals, strict=True)
+        ]
         logits = self.runner.execute(inputs, on_layer_done)
         first_row = list(itertools.accumulate((x.num_logits for x in inputs), initial=0))
-        tokens, logprobs, tops = result.tokens, result.logprobs, result.tops
         for i, guess in enumerate(proposals):
             if guess:
-                request = self.scheduler.requests[items[i].request_id]
-                emitted = self.verifier.verify(
-                    request, logits[first_row[i] : first_row[i + 1]], guess
-                )
-                tokens[i], logprobs[i], tops[i] = emitted[-1]
-                result.accepted[i] = emitted[:-1]
-                result.verified[request.request_id] = (len(guess), accepted_prefix(emitted, guess))
+                self._verify(result, i, logits[first_row[i] : first_row[i + 1]], guess)
         rows = [i for i, it in enumerate(items) if it.samples and not proposals[i]]
         if rows:
-            requests = [self.scheduler.requests[items[i].request_id] for i in rows]
-            constrained = [k for k, r in enumerate(requests) if r.matcher is not None]
-            masks = None
-            if constrained:  # one batched fill; unconstrained batches never get here
-                assert self.grammars is not None and self._masks is not None
-                masks = self._masks[: len(constrained)]
-                matchers = [requests[k].matcher for k in constrained]
-                self.grammars.fill_masks(matchers, masks)  # type: ignore[arg-type]
             picked = [first_row[i] for i in rows]
-            out = self.sampler.sample(
-                logits if len(picked) == logits.shape[0] else logits[picked],
-                [r.params for r in requests],
-                [r.generator for r in requests],
-                [banned_ids(r) for r in requests],
-                masks,
-                constrained,
-            )
-            for k, i in enumerate(rows):
-                tokens[i], logprobs[i], tops[i] = (
-                    out.token_ids[k],
-                    out.logprobs[k],
-                    out.top_logprobs[k],
-                )
+            self._sample(result, rows, logits if len(picked) == len(logits) else logits[picked])
         return result
+
+    def _verify(self, result: _StepResult, i: int, logits: torch.Tensor, guess: list[int]) -> None:
+        """Item i's verification rows' tokens into `result`: the kept proposals, the last
+        emitted token as its sampled one, and (proposed, accepted) for the speculator."""
+        request = self.scheduler.requests[result.items[i].request_id]
+        emitted = self.verifier.verify(request, logits, guess)
+        result.tokens[i], result.logprobs[i], result.tops[i] = emitted[-1]
+        result.accepted[i] = emitted[:-1]
+        result.verified[request.request_id] = (len(guess), accepted_prefix(emitted, guess))
+
+    def _sample(self, result: _StepResult, rows: list[int], logits: torch.Tensor) -> None:
+        """Sample items `rows` (one logits row each, in order) into `result`, in one batch (a
+        request below its `min_tokens` may not pick its EOS or stop ids)."""
+        items = result.items
+        requests = [self.scheduler.requests[items[i].request_id] for i in rows]
+        constrained = [k for k, r in enumerate(requests) if r.matcher is not None]
+        masks = None
+        if constrained:  # one batched fill; unconstrained batches never get here
+            assert self.grammars is not None and self._masks is not None
+            masks = self._masks[: len(constrained)]
+            matchers = [requests[k].matcher for k in constrained]
+            self.grammars.fill_masks(matchers, masks)  # type: ignore[arg-type]
+        out = self.sampler.sample(
+            logits,
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            [banned_ids(r) for r in requests],
+            masks,
+            constrained,
+        )
+        for k, i in enumerate(rows):
+            result.tokens[i] = out.token_ids[k]
+            result.logprobs[i] = out.logprobs[k]
+            result.tops[i] = out.top_logprobs[k]
 
     def _propose(self, scheduled: SchedulerOutput) -> list[list[int]]:
         """The proposer's guesses for each item granted lookahead ([] for the others)."""
@@ -482,7 +492,8 @@ class _StepResult:
     """One step's sampled and verified tokens, per item (`LLMEngine._run`): what
     `Scheduler.update` takes, and each verified request's (proposed, accepted)."""
 
-    def __init__(self, items: Sequence[object]) -> None:
+    def __init__(self, items: Sequence[ScheduledRequest]) -> None:
+        self.items = items
         n = len(items)
         self.tokens: list[int | None] = [None] * n
         self.logprobs: list[float] = [0.0] * n

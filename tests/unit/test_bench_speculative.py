@@ -41,7 +41,7 @@ def test_summary_pairs_ratios_and_counter_deltas() -> None:
             "threads": 2,
             "started": "now",
             "topologies": {"colocated": {"quoting": s}},
-            "llamacpp": {"1": {"tpot_ms": 20.0}, "2": {"tpot_ms": 12.0}},
+            "llamacpp": {"1 thread(s)": {"tpot_ms": 20.0}, "2 thread(s)": {"tpot_ms": 12.0}},
         }
     )
     assert "| colocated | quoting | 6.0 | 10.0 | 0.60x (0.60x) | 0.75 | 4.00 | 10 / 30 | 2/3 |" in (
