@@ -189,7 +189,8 @@ class WorkerServer:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """NOT_SERVING; refuse new work; give in-flight work `grace_s` to finish, abort the
-        rest (every block released); close the KV transport; stop the gRPC server."""
+        rest (every block released); close the KV transport; stop the gRPC server and the
+        service's compile thread."""
         loop = self._loop
         if loop is not None and self._service is not None:
             asyncio.run_coroutine_threadsafe(self._service.set_serving(False), loop).result(5)
@@ -204,6 +205,8 @@ class WorkerServer:
             if self._loop_thread is not None:
                 self._loop_thread.join(10)
             loop.close()
+            if self._service is not None:
+                self._service.close()
             self._loop = self._server = self._service = None
         if self.metrics is not None:
             self.metrics.stop()

@@ -43,7 +43,8 @@ SERVICE_NAME = "pdserve.v1.Worker"
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """One worker's `Worker` service over its `EngineThread`."""
+    """One worker's `Worker` service over its `EngineThread`. `close()` when its server has
+    stopped: it ends the compile thread."""
 
     def __init__(
         self,
@@ -69,6 +70,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._epoch = epoch
         self._metrics_port = metrics_port
         self._compile = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def close(self) -> None:
+        """End the compile thread (a compile in progress finishes first; none starts after).
+        Its thread is not a daemon: left running, it would hold the worker process's exit
+        (`worker.cli.wait_for_threads`)."""
+        self._compile.shutdown(wait=False, cancel_futures=True)
 
     async def set_serving(self, serving: bool) -> None:
         status = (

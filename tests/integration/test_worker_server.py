@@ -16,8 +16,8 @@ import pytest
 from pydantic import ValidationError
 
 from model_runtime.engine import EngineConfig
+from proto.pdserve.v1 import inference_pb2, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as pb
-from proto.pdserve.v1 import worker_pb2_grpc
 from worker.cli import parse_args
 from worker.config import WorkerConfig
 from worker.step_gate import hold, release
@@ -108,3 +108,45 @@ def test_server_lifecycle_in_process(tiny_model_dir: Path, hold_dir: Path) -> No
         server.stop(0.0)
         release(hold_dir, "inproc")
     assert server.address == address
+
+
+def test_stop_ends_the_grammar_compile_thread(tiny_model_dir: Path) -> None:
+    """A constrained request has its grammar compiled on the service's compile thread; the
+    stop ends that thread. It is not a daemon, so one left running would hold the worker
+    process's exit (`worker.cli.wait_for_threads` waits for it, then gives up). The test keeps
+    the service alive, as a reference cycle does until the collector happens to run (freeing
+    the service would end the thread too; the stop must not rely on that)."""
+    cfg = WorkerConfig(
+        worker_id="grammar-stop",
+        model_dir=tiny_model_dir,
+        role="colocated",
+        engine=EngineConfig(block_size=8, num_kv_blocks=64),
+    )
+    before = set(threading.enumerate())
+    server = worker_server(cfg)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address, OPTS) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            choice = inference_pb2.ChoiceList(choices=["yes", "no"])
+            req = pb.WorkerGenerateRequest(
+                request_id="constrained",
+                prompt_token_ids=[4, 5],
+                sampling=pb.WorkerSampling(
+                    max_tokens=8, structured_outputs=inference_pb2.StructuredOutputs(choice=choice)
+                ),
+            )
+            chunks = list(stub.Generate(req, timeout=30))
+            assert chunks[-1].finished, chunks
+        compilers = [
+            t for t in threading.enumerate() if t not in before and t.name.startswith("grammar")
+        ]
+        assert compilers, [t.name for t in threading.enumerate()]
+        service = server._service
+        assert service is not None
+    finally:
+        server.stop(0.0)
+    for thread in compilers:
+        thread.join(10)
+        assert not thread.is_alive(), thread.name
+    del service
