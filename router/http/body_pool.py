@@ -28,7 +28,7 @@ import logging
 import multiprocessing
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 
@@ -45,6 +45,7 @@ INLINE_BODY_BYTES = 64 * 1024
 """Bodies up to this size are parsed in the router process (module docstring)."""
 BODY_WORKERS = 2
 Kind = Literal["completion", "chat"]
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
 @dataclass(frozen=True)
@@ -68,21 +69,11 @@ def check_model(name: str, served: str) -> None:
         )
 
 
-def parse_completion(raw: bytes, served: str) -> CompletionRequest:
-    """A `/v1/completions` body, validated (400 naming the field; 404 for another model)."""
+def parse_body(raw: bytes, model: type[Body], served: str) -> Body:
+    """A `/v1/completions` or `/v1/chat/completions` body as `model`, validated (400 naming the
+    field; 404 for another model than `served`)."""
     try:
-        body = CompletionRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-    check_model(body.model, served)
-    return body
-
-
-def parse_chat(raw: bytes, served: str) -> ChatCompletionRequest:
-    """A `/v1/chat/completions` body, validated (400 naming the field; 404 for another
-    model)."""
-    try:
-        body = ChatCompletionRequest.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     check_model(body.model, served)
@@ -110,10 +101,11 @@ def translate_body(kind: Kind, raw: bytes, request_id: str) -> Translated:
     s, tok = _settings, _tokenizer
     assert s is not None and tok is not None, "helper not initialized"
     if kind == "completion":
-        return completion_request(parse_completion(raw, s.served_model_name), request_id)
-    body = parse_chat(raw, s.served_model_name)
+        body = parse_body(raw, CompletionRequest, s.served_model_name)
+        return completion_request(body, request_id)
+    chat = parse_body(raw, ChatCompletionRequest, s.served_model_name)
     return chat_request(
-        body, request_id, _template, tok, s.limits, s.model_dir, s.default_max_tokens
+        chat, request_id, _template, tok, s.limits, s.model_dir, s.default_max_tokens
     )
 
 

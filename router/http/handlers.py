@@ -37,16 +37,15 @@ from aiohttp import web
 
 from proto.pdserve.v1 import inference_pb2
 from router.errors import RouterError
-from router.http.body_pool import (
-    INLINE_BODY_BYTES,
-    BodyPool,
-    check_model,
-    parse_chat,
-    parse_completion,
-)
+from router.http.body_pool import INLINE_BODY_BYTES, BodyPool, parse_body
 from router.http.chat_template import ChatTemplate
 from router.http.errors import OpenAIError, from_router_error
-from router.http.protocol import ModelCard, ModelList
+from router.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from router.http.responses import ChatFormatter, CompletionFormatter, dump
 from router.http.translate import Translated, chat_request, completion_request, oversized_body
 from router.lifecycle import RequestLifecycle
@@ -73,10 +72,6 @@ class FrontState:
     @property
     def model_name(self) -> str:
         return self.lifecycle.config.served_model_name
-
-    def check_model(self, name: str) -> None:
-        """A 404 naming `model` unless `name` is the served model's."""
-        check_model(name, self.model_name)
 
 
 STATE = web.AppKey("pdserve_front", FrontState)
@@ -190,7 +185,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if len(raw) > INLINE_BODY_BYTES:
         t = await state.bodies.translate("completion", raw, rid)
     else:
-        t = completion_request(parse_completion(raw, state.model_name), rid)
+        t = completion_request(parse_body(raw, CompletionRequest, state.model_name), rid)
     fmt = CompletionFormatter(
         f"cmpl-{rid}", int(time.time()), state.model_name, state.lifecycle.tokenizer, t.logprobs
     )
@@ -209,7 +204,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     else:
         render = functools.partial(
             chat_request,
-            parse_chat(raw, state.model_name),
+            parse_body(raw, ChatCompletionRequest, state.model_name),
             rid,
             state.template,
             lc.tokenizer,

@@ -24,7 +24,7 @@ within `header_timeout_s` of connecting or of its previous response (aiohttp's k
 timer, which closes a connection still waiting for a request), so slow-header sockets are
 closed; a body must arrive within `FrontState.body_timeout_s` (408 otherwise). Request bodies
 are never decompressed (`auto_decompress` off): a body with a `Content-Encoding` other than
-identity is refused 415 by the handlers (`handlers.parse`), so a compressed or falsely labelled
+identity is refused 415 by the handlers (`handlers.read_body`), so a compressed or falsely labelled
 body neither reaches a decoder nor raises inside aiohttp. An ``Expect`` other than
 ``100-continue`` gets an OpenAI error object (417), as every other refusal (`expect_continue`).
 """
