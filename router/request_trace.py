@@ -14,7 +14,7 @@ each call carries (``traceparent`` in its gRPC metadata)::
       pdserve.prefill        client  ->  pdserve.worker.prefill          (prefill worker)
                                            pdserve.prefill.queue / .compute, pdserve.kv_transfer
       pdserve.decode         client  ->  pdserve.worker.decode           (decode worker)
-                                           pdserve.decode.admission / .first_step / .steps
+                                           pdserve.decode.admission / .first_step
       pdserve.generate       client  ->  pdserve.worker.generate   (colocated, or hybrid local)
       pdserve.migration                  a move off a failed worker; the new leg's calls inside
       pdserve.abort                      Abort calls to the workers still holding the request
