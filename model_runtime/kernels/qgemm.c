@@ -289,10 +289,13 @@ static inline __attribute__((always_inline)) Q_VNNI void q_micro_vnni(
             }
             for (int p = 0; p < NP; p++) {
                 const uint8_t *c = q_codes(gb, qt, p0 + p);
-                if (qt == QT_Q8_0) {
-                    for (int g = 0; g < 8; g++)
+                if (qt == QT_Q8_0) { /* two chains (ia, ih), summed below */
+                    for (int g = 0; g < 8; g += 2) {
                         ia[0][p] =
                             _mm512_dpbusd_epi32(ia[0][p], _mm512_load_si512(c + 64 * g), xb[g]);
+                        ih[0][p] = _mm512_dpbusd_epi32(
+                            ih[0][p], _mm512_load_si512(c + 64 * g + 64), xb[g + 1]);
+                    }
                 } else {
                     for (int h = 0; h < 4; h++) { /* xb[2h]: k-group 2h (low), 2h + 1 (high) */
                         const __m512i v = _mm512_load_si512(c + 64 * h);
@@ -347,6 +350,7 @@ static inline __attribute__((always_inline)) Q_VNNI void q_micro_vnni(
                 const int32_t unit = qt == QT_Q8_0 ? 1 : 16; /* the dot's multiple (above) */
                 __m512i dot = ia[m][p];
                 if (qt != QT_Q8_0) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 4), ih[m][p]);
+                else if (MR == 1) dot = _mm512_add_epi32(dot, ih[m][p]);
                 if (qt != QT_Q4_1)
                     dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(unit * z * a->isum[ib]));
                 const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(a->dx[ib] / (float)unit));
