@@ -403,12 +403,6 @@ def _structured(sp: inference_pb2.SamplingParams) -> StructuredOutput | None:
     msg = sp.structured_outputs
     _check_unknown_fields(msg, "sampling.structured_outputs")
     kind = msg.WhichOneof("constraint")
-    if kind is None:
-        if msg.lenient:
-            raise RequestValidationError(
-                "sampling.structured_outputs.lenient", "only with a json constraint"
-            )
-        return None
     field = f"sampling.structured_outputs.{kind}"
     if kind == "json_object" and not msg.json_object:
         raise RequestValidationError(field, "must be true when set")
@@ -416,6 +410,8 @@ def _structured(sp: inference_pb2.SamplingParams) -> StructuredOutput | None:
         raise RequestValidationError(
             "sampling.structured_outputs.lenient", "only with a json constraint"
         )
+    if kind is None:
+        return None
     value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
     so = StructuredOutput.of(kind, value, lenient=msg.lenient)
     try:

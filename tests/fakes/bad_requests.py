@@ -165,4 +165,21 @@ BAD_REQUESTS: list[BadRequest] = [
         "unknown field in token_ids", _len_field(3, b"\x08\x05" + UNKNOWN_FIELD_99), "token_ids"
     ),
     BadRequest("request_id with DEL", _req(**TEXT, request_id="a\x7fb"), "request_id"),
+    BadRequest(
+        "lenient without a constraint",
+        _req(**TEXT, sampling=_sp(structured_outputs=ipb.StructuredOutputs(lenient=True))),
+        "sampling.structured_outputs.lenient",
+    ),
+    BadRequest(
+        "lenient regex",
+        _req(
+            **TEXT, sampling=_sp(structured_outputs=ipb.StructuredOutputs(regex="a+", lenient=True))
+        ),
+        "sampling.structured_outputs.lenient",
+    ),
+    BadRequest(
+        "json_object false",
+        _req(**TEXT, sampling=_sp(structured_outputs=ipb.StructuredOutputs(json_object=False))),
+        "sampling.structured_outputs.json_object",
+    ),
 ]
