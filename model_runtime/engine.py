@@ -120,12 +120,12 @@ class LLMEngine:
             if proposer is not None:
                 raise ValueError("a proposer needs engine.speculative (its k)")
             return None
-        if proposer is not None:
-            pass
-        elif isinstance(spec, NgramConfig):
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        else:
-            proposer = DraftProposer.load(spec, self.config, self.model_config, self.num_kv_blocks)
+        if proposer is None:
+            proposer = (
+                NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                if isinstance(spec, NgramConfig)
+                else DraftProposer.load(spec, self.config, self.model_config, self.num_kv_blocks)
+            )
         return Speculator(proposer, spec.num_speculative_tokens, spec.max_step_rows)
 
     def _new_scheduler(self) -> Scheduler:
