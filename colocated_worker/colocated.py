@@ -21,7 +21,7 @@ from model_runtime.engine import LayerCallback
 from model_runtime.request import RequestOutput
 from model_runtime.scheduler_types import SchedulerOutput
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import logprobs_to_proto, sampling_from_proto
+from worker.convert import sampling_from_proto, token_chunk
 from worker.roles import RoleHandler, Rpc, ms
 from worker.sinks import Sink, StreamSink, WorkerError
 
@@ -78,13 +78,7 @@ class ColocatedRole(RoleHandler):
     def on_outputs(self, outputs: Sequence[RequestOutput], started: float, ended: float) -> None:
         for out in outputs:
             job = self._jobs[out.request_id]
-            chunk = worker_pb2.TokenChunk(
-                token_ids=list(out.new_token_ids),
-                finished=out.finished,
-                finish_reason=out.finish_reason or "",
-            )
-            if job.logprobs:
-                chunk.logprobs.extend(logprobs_to_proto(out.new_logprobs()))
+            chunk = token_chunk(out, job.logprobs)
             if job.sink.num_chunks == 0:
                 first = job.first_scheduled if job.first_scheduled is not None else started
                 chunk.cached_tokens = out.num_cached_tokens

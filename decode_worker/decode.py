@@ -64,7 +64,7 @@ from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler import Receive
 from proto.pdserve.v1 import worker_pb2
-from worker.convert import logprobs_to_proto, sampling_from_proto
+from worker.convert import sampling_from_proto, token_chunk
 from worker.kv_handoff import HandoffOutcome, Outcome, TransferRefused
 from worker.roles import RoleHandler, Rpc, ms
 from worker.sinks import Sink, StreamSink, UnarySink, WorkerError
@@ -286,13 +286,7 @@ class RemoteDecodeRole(RoleHandler):
         for out in outputs:
             res = self._res[out.request_id]
             assert res.decode is not None, out.request_id
-            chunk = worker_pb2.TokenChunk(
-                token_ids=list(out.new_token_ids),
-                finished=out.finished,
-                finish_reason=out.finish_reason or "",
-            )
-            if res.decode.params.logprobs is not None:
-                chunk.logprobs.extend(logprobs_to_proto(out.new_logprobs()))
+            chunk = token_chunk(out, res.decode.params.logprobs is not None)
             if res.decode.sink.num_chunks == 0:
                 chunk.admission_ms = ms(started - res.decode.arrival)
                 chunk.first_step_ms = ms(ended - started)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from kvtransfer.types import PeerEndpoint, TransferTicket
 from model_runtime.kv_cache import KVLayout
+from model_runtime.request import RequestOutput
 from model_runtime.sampling_params import SamplingParams, TopLogprobs
 from model_runtime.structured import StructuredOutput
 from proto.pdserve.v1 import inference_pb2, worker_pb2
@@ -66,6 +67,19 @@ def logprobs_to_proto(
         )
         for lp, top in pairs
     ]
+
+
+def token_chunk(out: RequestOutput, logprobs: bool) -> worker_pb2.TokenChunk:
+    """A step's output for one request as the `TokenChunk` that streams it: its new tokens,
+    whether it finished and why, and (`logprobs`: the request asked for them) their logprobs."""
+    chunk = worker_pb2.TokenChunk(
+        token_ids=list(out.new_token_ids),
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+    )
+    if logprobs:
+        chunk.logprobs.extend(logprobs_to_proto(out.new_logprobs()))
+    return chunk
 
 
 def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
