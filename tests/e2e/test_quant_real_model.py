@@ -6,14 +6,14 @@ dequantized (`smollm2_dir`, which `test_real_model` checks equals transformers' 
   the default) part from HF's only at near-ties: HF ranks our token within NEAR_TIE of its
   own (the bf16 rule of `test_real_model`); with float activations, token for token.
 - Perplexity on the project's text (`text_prompts.CORPUS`, one-token steps: the decode
-  path's numerics, `tooling.models.perplexity.score(chunk=1)`): the kept
-  GGUF within 5 % of float32 (the 4-bit bound), and `pdserve quantize --to int8` of the
-  float32 folder within 1 %; `--to q4` (Q4_1) gives the file's own blocks back, bit for bit. Measured 2026-12-07 on the whole corpus (1315
-  tokens, `bench_quant --perplexity`): kept Q4_1 +1.12 % (all of it the int8 activations:
-  +0.00 % with float ones), int8 +0.15 %, q4 +1.12 % (this model's float weights are the Q4_1
-  file's values, so Q4_1 finds the same blocks again), and q4_0 +27 % (outside the bound:
-  symmetric 4-bit on these weights; not a default anywhere); on this test's 512 tokens kept
-  +1.45 %, int8 -0.02 %.
+  path's numerics, `tooling.models.perplexity.score(chunk=1)`): the kept GGUF within 5 % of
+  float32 (the 4-bit bound), and `pdserve quantize --to int8` of the float32 folder within
+  1 %; `--to q4` (Q4_1) gives the file's own blocks back, bit for bit (this model's float
+  weights are the Q4_1 file's values). Measured 2026-12-07 on the whole corpus (1315 tokens,
+  `bench_quant --perplexity`): kept Q4_1 +1.12 % (all of it the int8 activations: +0.00 %
+  with float ones), int8 +0.15 %, q4 +1.12 %, and q4_0 +27 % (outside the bound: symmetric
+  4-bit on these weights; not a default anywhere); on this test's 512 tokens kept +1.45 %,
+  int8 -0.02 %.
 - Loading it takes no float copy: the loader's peak memory growth is under 60 % of the
   bfloat16 folder's (the packed weights are 36 % of bf16's bytes).
 - A 1P1D cluster over HTTP serves it as `make demo` does (bfloat16 activations): the model
