@@ -246,10 +246,9 @@ class Leg:
             reserved = await self._watched(reserve, [d.address])
         except WorkerFrozen as frozen:  # D may hold blocks: it stays in `holders`
             span.fail("WorkerFrozen", frozen.why)
-            raise Retryable(
-                grpc.StatusCode.UNAVAILABLE,
-                f"Reserve on decode worker {d.address}: {frozen.why}",
-                d.address,
+            raise _retry_without(
+                frozen,
+                f"Reserve on decode worker {d.address}",
                 "Reserve on a decode worker failed (UNAVAILABLE)",
             ) from frozen
         except grpc.aio.AioRpcError as exc:
@@ -285,12 +284,8 @@ class Leg:
             resp = await self._watched(prefill, [p.address, d.address])
         except WorkerFrozen as frozen:
             span.fail("WorkerFrozen", frozen.why)
-            raise Retryable(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{what}: {frozen.why}",
-                frozen.address,
-                _prefill_public(frozen.address == d.address, "UNAVAILABLE"),
-            ) from frozen
+            public = _prefill_public(frozen.address == d.address, "UNAVAILABLE")
+            raise _retry_without(frozen, what, public) from frozen
         except grpc.aio.AioRpcError as exc:
             _failed(span, exc)
             culprit = await self.blame(exc, "Prefill", p.address, d.address)
@@ -348,11 +343,9 @@ class Leg:
             with self.pool.track_prefill(w.address, len(self.spec.prompt), cached):
                 first = await anext(stream)
         except WorkerFrozen as frozen:
-            raise Retryable(
-                grpc.StatusCode.UNAVAILABLE,
-                f"Generate on {w.role} worker {w.address}: {frozen.why}",
-                w.address,
-                "Generate on a worker failed (UNAVAILABLE)",
+            what = f"Generate on {w.role} worker {w.address}"
+            raise _retry_without(
+                frozen, what, "Generate on a worker failed (UNAVAILABLE)"
             ) from frozen
         except StreamFailed as failed:
             await self.blame(failed.exc, "Generate", w.address)
@@ -452,6 +445,12 @@ class Leg:
         """A unary worker call's answer, under a `FreezeWatch` on `watched`."""
         name = f"{self.request_id}@{'+'.join(watched)}"
         return await watched_call(self.pool, call, watched, self.stall_timeout_s, name)
+
+
+def _retry_without(frozen: WorkerFrozen, what: str, public: str) -> Retryable:
+    """A call (`what`) that a frozen worker ended before the leg's first token: UNAVAILABLE,
+    retried on workers without it (`public`: what the client reads, no address)."""
+    return Retryable(grpc.StatusCode.UNAVAILABLE, f"{what}: {frozen.why}", frozen.address, public)
 
 
 def _failed(span: Span, exc: grpc.aio.AioRpcError) -> None:
