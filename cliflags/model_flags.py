@@ -14,6 +14,9 @@ Runs in the CLI of a router or worker process (and `pdserve`'s dotted overrides)
   (``--set engine.block_size=8``); VALUE is JSON when it parses as JSON, else a string.
 - `model_values(args, flags)` turns what was given into the dict the model validates;
   `apply_sets` lays the ``--set`` pairs over it (`set_dotted`).
+- ``--config FILE`` (a process's whole model as JSON, what the launchers write):
+  `load_document` reads it with the ``--set`` pairs laid over it, and `flags_beside_config`
+  names the flags a command line gave beside it that it must not have.
 
 Values are passed to the model as given (strings, JSON): pydantic converts and validates
 them, so a bad value fails naming its field, as in a config document.
@@ -27,9 +30,12 @@ import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
 
 UNSET: Any = object()
 """A dotted override value that removes the key (so its default applies)."""
@@ -176,3 +182,21 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         node.pop(last, None)
     else:
         node[last] = value
+
+
+def load_document(model: type[M], path: str | Path, sets: Iterable[str] = ()) -> M:
+    """The `model` a JSON document at `path` holds, with the ``--set`` pairs `sets` laid over
+    it. OSError for an unreadable file, ValueError (pydantic.ValidationError included) for a
+    bad document or pair."""
+    raw = Path(path).read_bytes()
+    sets = list(sets)
+    if not sets:
+        return model.model_validate_json(raw)
+    return model.model_validate(apply_sets(json.loads(raw), sets))
+
+
+def flags_beside_config(argv: Sequence[str], allowed: Iterable[str]) -> list[str]:
+    """The flags of `argv` (``--name`` or ``--name=value``) other than `allowed`: what a
+    command line with ``--config`` must not carry besides it."""
+    ok = set(allowed)
+    return [a for a in argv if a.startswith("--") and a.split("=")[0] not in ok]

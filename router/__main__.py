@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -34,7 +33,14 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from cliflags.model_flags import add_model_flags, add_set_flag, apply_sets, model_values
+from cliflags.model_flags import (
+    add_model_flags,
+    add_set_flag,
+    apply_sets,
+    flags_beside_config,
+    load_document,
+    model_values,
+)
 from router.app import start_router
 from router.config import RouterConfig
 from router.prefix_index.config import REDIS_PASSWORD_ENV, PrefixIndexConfig, RedisIndexConfig
@@ -59,12 +65,7 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> RouterConfig:
     launchers write, with ``--set`` pairs laid over it and the Redis password (never in the
     document) from ``PDSERVE_REDIS_PASSWORD``. Raises OSError for an unreadable file,
     ValueError (pydantic.ValidationError included) for a bad document or pair."""
-    if sets:
-        data = json.loads(Path(path).read_bytes())
-        config = RouterConfig.model_validate(apply_sets(data, sets))
-    else:
-        config = RouterConfig.model_validate_json(Path(path).read_bytes())
-    return _with_env_password(config)
+    return _with_env_password(load_document(RouterConfig, path, sets))
 
 
 def _with_env_password(config: RouterConfig) -> RouterConfig:
@@ -119,7 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.config:
-        extra = [a for a in argv if a.startswith("--") and a.split("=")[0] not in NOT_CONFIG_FLAGS]
+        extra = flags_beside_config(argv, NOT_CONFIG_FLAGS)
         if extra:
             p.error(f"--config takes no other config flag but --set, got {extra}")
         try:

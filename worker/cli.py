@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import json
 import logging
 import os
 import signal
@@ -40,7 +39,14 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cliflags.model_flags import add_model_flags, add_set_flag, apply_sets, model_values
+from cliflags.model_flags import (
+    add_model_flags,
+    add_set_flag,
+    apply_sets,
+    flags_beside_config,
+    load_document,
+    model_values,
+)
 from security.secret import ClusterSecret
 from worker.config import READY_PREFIX, WorkerConfig
 from worker.parent_watch import ParentWatch, parent_pid_from_env
@@ -73,10 +79,7 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> WorkerConfig:
     launchers write (`deploy.config.ClusterConfig.worker_config`), with ``--set`` pairs laid
     over it. Raises OSError for an unreadable file, ValueError (pydantic.ValidationError
     included) for a bad document or pair."""
-    if not sets:
-        return WorkerConfig.model_validate_json(Path(path).read_bytes())
-    data = json.loads(Path(path).read_bytes())
-    return WorkerConfig.model_validate(apply_sets(data, sets))
+    return load_document(WorkerConfig, path, sets)
 
 
 def parse_args(
@@ -104,7 +107,7 @@ def parse_args(
     if args.cluster_secret_file:
         secret = ClusterSecret.from_file(Path(args.cluster_secret_file), "--cluster-secret-file")
     if args.config:
-        extra = [a for a in argv if a.startswith("--") and a.split("=")[0] not in NOT_CONFIG_FLAGS]
+        extra = flags_beside_config(argv, NOT_CONFIG_FLAGS)
         if extra:
             p.error(f"--config takes no other config flag but --set, got {extra}")
         return load_config(args.config, args.model_sets), secret
