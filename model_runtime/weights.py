@@ -140,8 +140,15 @@ def load_model(
     device: torch.device | str = "cpu",
 ) -> LlamaModel:
     """Build a `LlamaModel` on `device` in `dtype` with the folder's weights, in eval mode.
-    Quantized weights (module doc) stay quantized, on the CPU."""
+    Quantized weights (module doc) stay quantized; such a folder loads on the CPU only (a
+    ValueError naming the device otherwise)."""
     model_dir = Path(model_dir)
+    if config.quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"model folder {model_dir}: weights kept quantized "
+            f"({config.quantization.label()}) are served on CPU only, got device {device!r}; "
+            "convert the GGUF with --weights dequantize for a GPU"
+        )
     w = read_checkpoint(model_dir, config)
     types = dict(config.quantization.tensor_types) if config.quantization is not None else {}
     with torch.device("meta"):

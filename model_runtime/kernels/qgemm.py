@@ -24,14 +24,31 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from model_runtime.kernels import build
-from model_runtime.quant import QuantWeight
 
 _SOURCE = Path(__file__).with_name("qgemm.c")
 DTYPES = (torch.bfloat16, torch.float32)
+
+
+class QuantWeight(Protocol):
+    """A weight in qgemm.c's quantized panel layout (made by `model_runtime.quant.pack_blocks`,
+    whose `QuantWeight` this is; typed here so the kernels import nothing above them)."""
+
+    @property
+    def panels(self) -> torch.Tensor: ...  # uint8, the layout qgemm.c draws
+
+    @property
+    def code(self) -> int: ...  # qgemm.c's QT_* of its type
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
 
 
 @functools.cache
@@ -129,7 +146,7 @@ def linear(
             rc = lib.pdserve_qlinear(*args)
     else:
         rc = lib.pdserve_qlinear(*args)
-    assert rc == 0, f"quant linear rejected rows={rows} k={k} n={n} type={w.qtype}"
+    assert rc == 0, f"quant linear rejected rows={rows} k={k} n={n} type code {w.code}"
     return out.view(*x.shape[:-1], n)
 
 
@@ -150,7 +167,7 @@ def dequantize_t(w: QuantWeight, dtype: torch.dtype, isa: str | None = None) -> 
         int(dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
-    assert rc == 0, f"dequantize rejected {w.qtype} [{w.out_features}, {w.in_features}]"
+    assert rc == 0, f"dequantize rejected type code {w.code} [{w.out_features}, {w.in_features}]"
     return out[:, : w.out_features]
 
 
