@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,34 +49,10 @@ MIDDLE = textwrap.dedent(
 )
 
 
-def test_the_watch_survives_a_signal_storm_and_sees_its_parent_die() -> None:
-    middle = subprocess.Popen(
-        [sys.executable, "-c", MIDDLE], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
-    )
-    assert middle.stdout is not None
-    child = 0
-    try:
-        words = middle.stdout.readline().split()
-        assert words[0] == "watching", words
-        child, kernel_signal = int(words[1]), words[2] == "True"
-        if kernel_signal:  # each signal runs the handler; many land while one is running
-            for _ in range(STORM):
-                os.kill(child, SIGNAL)
-        middle.kill()
-        middle.wait(10)
-        wait_until(lambda: not pid_alive(child), 30, "the child did not see its parent die")
-        assert middle.stdout.read().split() == ["gone"]  # the watch fired; no error either
-    finally:
-        middle.kill()
-        if child and pid_alive(child):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
-
-
-def test_a_stopped_child_sees_its_parent_die() -> None:
-    """The child is stopped (SIGSTOP: no handler, no thread runs) when its parent is SIGKILLed:
-    the parent-death signal continues it (SIGCONT), its watch runs and reports the parent gone
-    (issue 39: a stopped worker outlived its launcher's SIGKILL in state T indefinitely)."""
+@contextlib.contextmanager
+def _watching_child() -> Iterator[tuple[subprocess.Popen[str], int, bool]]:
+    """A middle process whose child watches it (`CHILD`): (the middle, the child's pid,
+    whether the kernel's parent-death signal is set). Both are SIGKILLed on the way out."""
     middle = subprocess.Popen(
         [sys.executable, "-c", MIDDLE], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
     )
@@ -85,19 +62,41 @@ def test_a_stopped_child_sees_its_parent_die() -> None:
         words = middle.stdout.readline().split()
         assert words[0] == "watching", words
         child = int(words[1])
-        if words[2] != "True":
-            pytest.skip("no kernel parent-death signal here (not Linux): the poll needs to run")
-        os.kill(child, signal.SIGSTOP)
-        wait_until(lambda: _state(child) == "T", 30, "the child to stop")
-        middle.kill()
-        middle.wait(10)
-        wait_until(lambda: not pid_alive(child), 30, "the stopped child to see its parent die")
-        assert middle.stdout.read().split() == ["gone"]
+        yield middle, child, words[2] == "True"
     finally:
         middle.kill()
         if child and pid_alive(child):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+def _kill_and_see_it_noticed(middle: subprocess.Popen[str], child: int, what: str) -> None:
+    """SIGKILL the middle process: the child's watch reports it gone, and the child ends."""
+    assert middle.stdout is not None
+    middle.kill()
+    middle.wait(10)
+    wait_until(lambda: not pid_alive(child), 30, what)
+    assert middle.stdout.read().split() == ["gone"]  # the watch fired; no error either
+
+
+def test_the_watch_survives_a_signal_storm_and_sees_its_parent_die() -> None:
+    with _watching_child() as (middle, child, kernel_signal):
+        if kernel_signal:  # each signal runs the handler; many land while one is running
+            for _ in range(STORM):
+                os.kill(child, SIGNAL)
+        _kill_and_see_it_noticed(middle, child, "the child did not see its parent die")
+
+
+def test_a_stopped_child_sees_its_parent_die() -> None:
+    """The child is stopped (SIGSTOP: no handler, no thread runs) when its parent is SIGKILLed:
+    the parent-death signal continues it (SIGCONT), its watch runs and reports the parent gone
+    (issue 39: a stopped worker outlived its launcher's SIGKILL in state T indefinitely)."""
+    with _watching_child() as (middle, child, kernel_signal):
+        if not kernel_signal:
+            pytest.skip("no kernel parent-death signal here (not Linux): the poll needs to run")
+        os.kill(child, signal.SIGSTOP)
+        wait_until(lambda: _state(child) == "T", 30, "the child to stop")
+        _kill_and_see_it_noticed(middle, child, "the stopped child to see its parent die")
 
 
 def _state(pid: int) -> str:
