@@ -73,13 +73,21 @@ class Span(Protocol):
         kind: SpanKind = "internal",
         start_ns: int | None = None,
         attributes: Attributes | None = None,
-    ) -> Span: ...
+    ) -> Span:
+        """A span under this one (same trace), started now or at `start_ns` (wall-clock ns);
+        the caller ends it."""
+        ...
 
-    def set(self, attributes: Attributes) -> None: ...
+    def set(self, attributes: Attributes) -> None:
+        """Add or overwrite attributes; does nothing on a span that does not record (so
+        callers build costly attributes only when `recording`)."""
+        ...
 
     def event(
         self, name: str, time_ns: int | None = None, attributes: Attributes | None = None
-    ) -> None: ...
+    ) -> None:
+        """A point in time on the span (now, or at `time_ns`)."""
+        ...
 
     def fail(self, status: str, message: str = "") -> None:
         """Mark the span failed: error status, `status` (e.g. a gRPC code name) as
@@ -108,7 +116,9 @@ class Tracer(Protocol):
     """Where a process's spans start (module docstring)."""
 
     @property
-    def enabled(self) -> bool: ...
+    def enabled(self) -> bool:
+        """False for `NO_TRACER`: nothing is traced and no header need be read."""
+        ...
 
     @property
     def capture_content(self) -> bool:
@@ -123,7 +133,10 @@ class Tracer(Protocol):
         kind: SpanKind = "server",
         start_ns: int | None = None,
         attributes: Attributes | None = None,
-    ) -> Span: ...
+    ) -> Span:
+        """A root span (module docstring): it continues `parent_headers`' W3C trace context
+        when they carry one, else starts a trace; the sampler decides whether it records."""
+        ...
 
     def counts(self) -> Mapping[str, int]:
         """Spans exported and dropped so far: ``exported``, ``queue_full``, ``export_failed``

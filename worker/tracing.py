@@ -46,9 +46,14 @@ class RpcTrace(Protocol):
         """A streaming RPC's chunk, in order."""
         ...
 
-    def failed(self, status: str, message: str) -> None: ...
+    def failed(self, status: str, message: str) -> None:
+        """The RPC ended with `status` (a gRPC code name) and `message`: the span fails."""
+        ...
 
-    def end(self) -> None: ...
+    def end(self) -> None:
+        """The RPC is over (answered, failed or cancelled): the server span ends; called once,
+        last."""
+        ...
 
 
 class _NoRpcTrace:
