@@ -72,9 +72,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._compile = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     def close(self) -> None:
-        """End the compile thread (a compile in progress finishes first; none starts after).
-        Its thread is not a daemon: left running, it would hold the worker process's exit
-        (`worker.cli.wait_for_threads`)."""
+        """End the compile thread (a compile in progress finishes first; none starts after),
+        instead of leaving it idle until the garbage collector frees this service (an
+        in-process server, a Ray actor's or a test's, outlives its stop)."""
         self._compile.shutdown(wait=False, cancel_futures=True)
 
     async def set_serving(self, serving: bool) -> None:

@@ -112,10 +112,9 @@ def test_server_lifecycle_in_process(tiny_model_dir: Path, hold_dir: Path) -> No
 
 def test_stop_ends_the_grammar_compile_thread(tiny_model_dir: Path) -> None:
     """A constrained request has its grammar compiled on the service's compile thread; the
-    stop ends that thread. It is not a daemon, so one left running would hold the worker
-    process's exit (`worker.cli.wait_for_threads` waits for it, then gives up). The test keeps
-    the service alive, as a reference cycle does until the collector happens to run (freeing
-    the service would end the thread too; the stop must not rely on that)."""
+    stop ends that thread. The test keeps the service alive, as a reference cycle does until
+    the collector happens to run (freeing the service would end the thread too; the stop must
+    not rely on that)."""
     cfg = WorkerConfig(
         worker_id="grammar-stop",
         model_dir=tiny_model_dir,
