@@ -110,7 +110,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._released.set()
         self._on_spans = on_spans
         self.exports = 0  # export calls answered
-        self._grpc = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="otlp-receiver"))
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="otlp-receiver")
+        self._grpc = grpc.server(self._pool)  # grpc never stops a pool it is given: `stop` does
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._grpc)  # type: ignore[no-untyped-call]
         self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
         receiver = self
@@ -151,8 +152,10 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return self
 
     def stop(self) -> None:
+        """Stop both servers and their threads (a held export is released first)."""
         self._released.set()
         self._grpc.stop(0).wait(5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.shutdown()
         self._http.server_close()
 

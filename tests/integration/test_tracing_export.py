@@ -9,6 +9,7 @@ Runs in the pytest process; the receiver on 127.0.0.1, a free port.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -94,3 +95,22 @@ def test_a_hanging_collector_drops_beyond_the_queue_and_never_holds_a_stop(
     assert t.counts()["queue_full"] == 10 - 4
     t.shutdown()
     receiver.release()
+
+
+def test_a_stopped_receiver_leaves_no_thread() -> None:
+    """`stop` ends the receiver's threads, its gRPC handler pool's too (grpc never stops a
+    pool it is given: a test process would keep them, idle, per receiver)."""
+    before = set(threading.enumerate())
+    r = OtlpReceiver().start()
+    t = _tracer(r.grpc_endpoint, "grpc")
+    t.start("one").end()
+    r.wait_for(lambda spans: len(spans) == 1, 30.0, "the span")
+    t.shutdown()
+    started = [
+        x for x in threading.enumerate() if x not in before and x.name.startswith("otlp-receiver")
+    ]
+    assert any(x.name.startswith("otlp-receiver_") for x in started), started  # a handler ran
+    r.stop()
+    for thread in started:
+        thread.join(10)
+        assert not thread.is_alive(), thread.name
