@@ -20,6 +20,12 @@ The engine is llguidance (chosen by measurement: `docs/structured-output.md`).
 
 Every compile and mask runs under `structured.limits()`; a grammar that exceeds them puts its
 matcher in an error state (`Matcher.error`), which ends that request, never the worker.
+
+A matcher whose output is JSON (`StructuredOutput.json_output`) also keeps the length bound on
+numbers (`model_runtime.json_numbers`): its masks lose the tokens that would run a number past
+the bound (in the rare step that is near it), and `consume` / `allows` refuse them, so the
+grammar a request follows is the llguidance grammar and the bound together, on every path
+(batch masks, speculative verification, the hand-off's check, a rebuild from tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from pathlib import Path
 import llguidance
 import numpy as np
 
+from model_runtime import json_numbers
+from model_runtime.json_numbers import NumberBound
 from model_runtime.structured import StructuredOutput, limits
 
 DEFAULT_CACHE_SIZE = 256
@@ -42,15 +50,26 @@ class GrammarError(ValueError):
 
 
 class Matcher:
-    """One request's grammar state (module docstring)."""
+    """One request's grammar state (module docstring): the llguidance matcher, and with
+    `bound` the JSON number bound's state after each consumed token (for `rollback`)."""
 
-    def __init__(self, inner: llguidance.LLMatcher) -> None:
+    def __init__(self, inner: llguidance.LLMatcher, bound: NumberBound | None = None) -> None:
         self._m = inner
+        self._bound = bound
+        self._states = [json_numbers.START]
+        self._refused = ""  # why the number bound refused a token ("" while it has not)
 
     def consume(self, token: int) -> bool:
-        """Advance past `token`; False (and the matcher in its error state) if the grammar
-        does not allow it."""
-        return bool(self._m.consume_token(token))
+        """Advance past `token`; False (the matcher broken: `error` says why) if the grammar
+        or the number bound does not allow it."""
+        if self._bound_refuses(token):
+            self._refused = f"token {token} runs a JSON number past its length bound"
+            return False
+        if not self._m.consume_token(token):
+            return False
+        if self._bound is not None:
+            self._states.append(json_numbers.advance(self._states[-1], self._bound.text[token]))
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` `consume`s (speculative decoding walks a request's
@@ -58,9 +77,13 @@ class Matcher:
         tokens it keeps are consumed again as they are appended)."""
         if num_tokens:
             self._m.rollback(num_tokens)
+            if self._bound is not None:
+                del self._states[-num_tokens:]
 
     def allows(self, token: int) -> bool:
         """Whether `token` may come next (nothing is consumed)."""
+        if self._bound_refuses(token):
+            return False
         return bool(self._m.validate_tokens([token]) == 1)
 
     @property
@@ -71,11 +94,28 @@ class Matcher:
     @property
     def error(self) -> str:
         """Why the matcher broke (a resource limit, a token it refused); "" while healthy."""
+        if self._refused:
+            return self._refused
         return str(self._m.get_error()) if self._m.is_error() else ""
 
     def fill_mask(self, mask: np.ndarray, row: int) -> None:
         v = mask[row]
         self._m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+        self.bound_mask(v)
+
+    def bound_mask(self, row: np.ndarray) -> None:
+        """Apply the number bound to `row`, the grammar's mask for the next token."""
+        if self._bound is not None and self._bound.near(self._states[-1]):
+            self._bound.restrict(self._states[-1], row)
+
+    def _bound_refuses(self, token: int) -> bool:
+        """Whether the number bound refuses `token` now: it would exceed the bound, and some
+        token the grammar allows keeps within it (otherwise the bound gives way)."""
+        if self._bound is None or not self._bound.exceeds(self._states[-1], token):
+            return False
+        row = np.empty(self._bound.over.shape[1], dtype=np.int32)
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return self._bound.binds(self._states[-1], row)
 
 
 class Grammars:
@@ -101,6 +141,7 @@ class Grammars:
         self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llguidance.LLExecutor(num_threads=2)
+        self.number_bound = NumberBound(_token_texts(self.tokenizer, vocab_size), self.mask_words)
         self.compiles = 0  # compiles run (cache misses), for tests and metrics
 
     @classmethod
@@ -142,7 +183,8 @@ class Grammars:
         """A fresh matcher for `so` that has consumed `tokens` (a request's output so far).
         GrammarError naming the first token the grammar refuses: the tokens and the grammar
         disagree (a worker continuing a request checks the hand-off this way)."""
-        m = Matcher(self.compile(so).deep_copy())
+        bound = self.number_bound if so.json_output else None
+        m = Matcher(self.compile(so).deep_copy(), bound)
         for i, tok in enumerate(tokens):
             if not m.consume(tok):
                 raise GrammarError(
@@ -171,3 +213,14 @@ class Grammars:
             self.mask_words * 4,
             masks.shape[0],
         )
+        for i, m in enumerate(matchers):
+            m.bound_mask(masks[i])
+
+
+def _token_texts(tokenizer: llguidance.LLTokenizer, vocab_size: int) -> list[bytes]:
+    """Each token id's text; b"" for special tokens and ids past the tokenizer's entries."""
+    n = tokenizer.vocab_size
+    return [
+        b"" if t >= n or tokenizer.is_special_token(t) else tokenizer.decode_bytes([t])
+        for t in range(vocab_size)
+    ]

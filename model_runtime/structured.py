@@ -21,8 +21,12 @@ lexer states, grammar size) bound what a compile and each next-token mask may co
 pathological schema (deep nesting, a huge enum, an exponential regex) is refused or bounded,
 never a stall.
 
-JSON is generated compact with ``", "`` and ``": "`` separators (no free whitespace): a small
-model left free to emit whitespace can emit it forever.
+Generated JSON ends (docs/structured-output.md, "Termination"): it is compact, with ``", "``
+and ``": "`` separators and no free whitespace (a small model left free to emit whitespace can
+emit it forever; xgrammar's ``any_whitespace=False``); a ``json`` schema's objects and tuples
+are closed where it leaves them open (`model_runtime.closed_schema`, xgrammar's strict mode);
+and the numbers of every constraint whose output is JSON (`StructuredOutput.json_output`) are
+bounded in length on the worker (`model_runtime.json_numbers`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any, Literal
+
+from model_runtime.closed_schema import closed
 
 if TYPE_CHECKING:
     import llguidance
@@ -44,6 +50,7 @@ MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of a JSON schema document (objects and arrays inside each other)."""
 MAX_CHOICES = 1024
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON options for every generated JSON value: compact, no free whitespace."""
 
 
 @cache
@@ -88,14 +95,29 @@ class StructuredOutput:
         assert isinstance(value, str), (kind, type(value))
         return cls(kind, value, strict=not lenient)
 
+    @property
+    def json_output(self) -> bool:
+        """Whether the output is JSON text, whose numbers are bounded (`json_numbers`):
+        ``json``, ``json_object``, and a Lark grammar that embeds JSON (``%json``, as the
+        router's tool-call grammars do)."""
+        return self.kind in ("json", "json_object") or (
+            self.kind == "grammar" and "%json" in self.spec
+        )
+
     def grammar(self) -> str:
-        """The constraint as llguidance's grammar text (no tokenizer needed)."""
+        """The constraint as llguidance's grammar text (no tokenizer needed); a ``json``
+        schema closed first (`closed_schema.closed`). ValueError for a schema that is not
+        JSON."""
         import llguidance
 
         matcher = llguidance.LLMatcher
         if self.kind == "json":
+            try:
+                schema = closed(json.loads(self.spec))
+            except RecursionError:
+                raise ValueError(f"nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
             overrides: dict[str, Any] = dict(JSON_OPTIONS, lenient=not self.strict)
-            return matcher.grammar_from_json_schema(self.spec, overrides=overrides)  # type: ignore[arg-type]
+            return matcher.grammar_from_json_schema(json.dumps(schema), overrides=overrides)  # type: ignore[arg-type]
         if self.kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
         if self.kind == "regex":

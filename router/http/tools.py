@@ -16,7 +16,8 @@ a JSON list of calls inside tags,
 - **Choice**: ``none`` offers no tools and parses nothing; ``auto`` (the default) offers them
   and parses the output; ``required`` and a named function also constrain decoding with
   `call_grammar`, so the output *is* a call whose arguments validate against the function's
-  `parameters` (`strict` false drops schema keywords the engine cannot enforce): one call to
+  `parameters` (`strict` false drops schema keywords the engine cannot enforce; properties
+  and items the parameters leave open are closed, `model_runtime.closed_schema`): one call to
   the named function, or up to `MAX_PARALLEL_CALLS` for ``required`` (one with
   ``parallel_tool_calls: false``).
 - **Parsing** (`ToolCallParser`): text before the first ``<tool_call>`` is content; each
@@ -34,6 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from model_runtime.closed_schema import closed
+from model_runtime.structured import JSON_OPTIONS
 from proto.pdserve.v1 import inference_pb2
 from router.http.errors import OpenAIError
 from router.http.protocol import (
@@ -49,7 +52,6 @@ from router.http.protocol import (
 from router.http.structured import Structured
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 SYSTEM_PROMPT = (
     "You are an expert in composing functions. You are given a question and a set of possible "
@@ -138,9 +140,11 @@ def _rewrite_refs(node: Any, prefix: str) -> Any:
 
 
 def _call_schema(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
-    """The schema of one call to `tool`; its parameters' definitions move into `defs`."""
+    """The schema of one call to `tool`; its parameters (closed: `closed_schema`, as a
+    ``json`` constraint's schema is) and their definitions move into `defs`."""
     name = tool.function.name
-    params = _rewrite_refs(tool.function.parameters or {"type": "object", "properties": {}}, name)
+    parameters = tool.function.parameters or {"type": "object", "properties": {}}
+    params = _rewrite_refs(closed(parameters), name)
     for key in ("$defs", "definitions"):
         for sub, schema in (params.pop(key, None) or {}).items():
             defs[f"{name}.{sub}"] = schema
@@ -167,7 +171,7 @@ def call_grammar(tools: list[Tool], parallel: bool) -> str:
         "items": items,
         "minItems": 1,
         "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
-        "x-guidance": dict(JSON_STYLE, lenient=lenient),
+        "x-guidance": dict(JSON_OPTIONS, lenient=lenient),
     }
     return f"start: {json.dumps(OPEN)} calls {json.dumps(CLOSE)}\ncalls: %json {json.dumps(schema)}"
 

@@ -1,12 +1,13 @@
 """Structured output on the real model: SmolLM2-135M-Instruct (float32), every schema of
 `tooling.json_schemas.SCHEMAS` (33 shapes: nested objects, arrays, enums, bounded numbers,
-optional and nullable fields, `$defs`, `anyOf`, patterns), greedy and at temperature 0.8:
-every output that ends 'stop' is JSON that validates against its schema. A few may still be
-running at `MAX_TOKENS` (SmolLM2-135M can loop on digits of an unbounded number or on a
-free-form object's string): those end 'length', are never passed off as complete, and may
-be at most `MAX_UNFINISHED` of the 66.
-Tool calls forced by `tool_choice` (required and named) parse and validate against the
-function's parameters.
+optional and nullable fields, `$defs`, `anyOf`, patterns), greedy and at temperature 0.8
+(seeded): every output ends 'stop' and is JSON that validates against its schema. Finishing is
+not luck: every schema of the corpus bounds its answer once the grammar has done its part
+(docs/structured-output.md, "Termination": strings have a maxLength, a pattern or an enum,
+arrays a maxItems, open objects are closed, numbers are bounded in length), so each answer
+ends, and `MAX_TOKENS` is twice the longest one measured (195 tokens, seeds 1, 2, 3, 7).
+Tool calls forced by `tool_choice` (required and named; bounded arguments, at most
+`MAX_PARALLEL_CALLS` calls) parse and validate against the function's parameters.
 
 In-process engine, all requests in one batch (the engine's continuous batching), so the
 whole set costs about as many steps as its longest answer.
@@ -32,8 +33,7 @@ from tooling.json_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 400  # far above the longest finished answer (most strings are bounded)
-MAX_UNFINISHED = 3  # measured: 3 of 66 loop (a float's digits, two free-form objects)
+MAX_TOKENS = 400  # twice the longest answer measured (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +71,10 @@ def test_every_schema_validates_greedy_and_sampled(engine: LLMEngine, smollm2_di
             )
             names.append((s.name, temperature))
     outs = engine.generate(prompts, params)
-    failures, unfinished = [], []
+    failures = []
     schemas = [s.schema for s in SCHEMAS for _ in (0, 1)]
     for (name, temperature), out, schema in zip(names, outs, schemas, strict=True):
         text = tok.decode(list(out.output_token_ids))
-        if out.finish_reason == "length":
-            unfinished.append(f"{name} T={temperature}: {text[:120]!r}")
-            continue
         try:
             assert out.finish_reason == "stop", out.finish_reason
             jsonschema.validate(json.loads(text), schema)
@@ -85,7 +82,6 @@ def test_every_schema_validates_greedy_and_sampled(engine: LLMEngine, smollm2_di
             failures.append(f"{name} T={temperature}: {exc!s:.200} -- {text[:200]!r}")
     assert len(outs) >= 60
     assert not failures, "\n".join(failures)
-    assert len(unfinished) <= MAX_UNFINISHED, "\n".join(unfinished)
     engine.check_integrity()
 
 

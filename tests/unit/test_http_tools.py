@@ -5,7 +5,9 @@ content)."""
 
 from __future__ import annotations
 
+import copy
 import json
+from typing import Any
 
 import llguidance
 import pytest
@@ -16,7 +18,7 @@ from router.http.protocol import ChatCompletionRequest, ChatDelta, ToolCallDelta
 from router.http.structured import structured_of
 from router.http.tools import CLOSE, OPEN, ToolCallParser, call_deltas, render_messages, tool_use
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -70,22 +72,28 @@ def test_tool_choice() -> None:
 
 
 def test_call_grammar_accepts_valid_calls_only(smollm2_tokenizer: Tokenizer) -> None:
-    forced = tool_use(chat(tools=[WEATHER], tool_choice="required")).forced
-    assert forced is not None and forced.message is not None
     tok = llguidance.LLTokenizer(smollm2_tokenizer.to_str(), eos_token=2)
-    grammar = llguidance.LLMatcher.grammar_from_lark(forced.message.grammar)
 
-    def accepts(s: str) -> bool:
+    def accepts(tool: dict[str, Any], s: str) -> bool:
+        forced = tool_use(chat(tools=[tool], tool_choice="required")).forced
+        assert forced is not None and forced.message is not None
+        grammar = llguidance.LLMatcher.grammar_from_lark(forced.message.grammar)
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         ids = smollm2_tokenizer.encode(s, add_special_tokens=False).ids
         return bool(m.consume_tokens(ids)) and m.is_accepting()
 
     good = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
-    assert accepts(f"{OPEN}[{good}]{CLOSE}")
-    assert accepts(f"{OPEN}[{good}, {good}]{CLOSE}")  # parallel_tool_calls defaults on
-    assert not accepts(f"{OPEN}[{good.replace('c', 'k', 1)}]{CLOSE}")  # unit not in the enum
-    assert not accepts(f'{OPEN}[{{"name": "other", "arguments": {{}}}}]{CLOSE}')
-    assert not accepts("Sure! " + OPEN)
+    assert accepts(WEATHER, f"{OPEN}[{good}]{CLOSE}")
+    assert accepts(WEATHER, f"{OPEN}[{good}, {good}]{CLOSE}")  # parallel_tool_calls defaults on
+    assert not accepts(WEATHER, f"{OPEN}[{good.replace('c', 'k', 1)}]{CLOSE}")  # not in the enum
+    assert not accepts(WEATHER, f'{OPEN}[{{"name": "other", "arguments": {{}}}}]{CLOSE}')
+    assert not accepts(WEATHER, "Sure! " + OPEN)
+    # parameters that leave other properties open are closed (model_runtime.closed_schema)
+    open_tool: dict[str, Any] = copy.deepcopy(WEATHER)
+    del open_tool["function"]["parameters"]["additionalProperties"]
+    extra = good.replace('"c"}', '"c", "note": "hi"}')
+    assert accepts(open_tool, f"{OPEN}[{good}]{CLOSE}")
+    assert not accepts(open_tool, f"{OPEN}[{extra}]{CLOSE}")
 
 
 @pytest.fixture(scope="module")
