@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=6, help="request pairs")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--out", help="JSON file (default: runs/spec-overhead-YYYYmmdd-HHMMSS.json)")
+    ap.add_argument(
+        "--out",
+        default=f"runs/spec-overhead-{time.strftime('%Y%m%d-%H%M%S')}.json",
+        help="JSON file (default: runs/spec-overhead-YYYYmmdd-HHMMSS.json)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.k}
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_tokens": stats.num_draft_tokens,
         "accepted_tokens": stats.num_accepted_tokens,
     }
-    out = Path(args.out or f"runs/spec-overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

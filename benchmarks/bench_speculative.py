@@ -311,12 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda s: s.split(","),
         help="llama-server --spec-type values to try (none: no speculation)",
     )
-    ap.add_argument("--out", help="run folder (default: runs/spec-YYYYmmdd-HHMMSS)")
+    ap.add_argument(
+        "--out",
+        default=f"runs/spec-{time.strftime('%Y%m%d-%H%M%S')}",
+        help="run folder (default: runs/spec-YYYYmmdd-HHMMSS)",
+    )
     args = ap.parse_args(argv)
     if args.method == "draft" and not args.draft:
         ap.error("--method draft needs --draft DIR")
     model = Path(args.model).resolve()
-    out = Path(args.out or f"runs/spec-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "benchmark": "speculative",

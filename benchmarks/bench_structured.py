@@ -150,7 +150,7 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("runs/structured"))
+    ap.add_argument("--out", type=Path, default="runs/structured")
     args = ap.parse_args()
     res = run(args.model_dir, args.steps, args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -242,7 +242,7 @@ def summarize(run: RunResult, slo: SLO) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="models/small", help="model folder (made if absent)")
-    p.add_argument("--out", type=Path, default=Path("runs/tracing"))
+    p.add_argument("--out", type=Path, default="runs/tracing")
     p.add_argument("--rate", type=float, default=2.0, help="offered load, requests/s")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument("--repeats", type=int, default=3)
