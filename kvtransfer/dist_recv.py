@@ -8,9 +8,11 @@ Threads (the per-pair and per-transfer ones are jobs on reused helper threads,
   headers, checked against the live tickets (`header_verdict`);
 - one **transfer thread** per announced transfer. Accepted: it posts a receive per layer
   (`kvtransfer.recv_stream`: straight into the destination blocks when they are consecutive,
-  else into staging buffers it then writes into the blocks), then acknowledges: OK as soon as
-  every layer is in (before the deadline, not cancelled) — without waiting for the engine
-  thread, which may be in the middle of a step — else the engine's verdict once it has one.
+  else into staging buffers it then writes into the blocks; direct receives land by
+  themselves, so it sleeps once, until the trailer), then acknowledges: OK as soon as every
+  layer is in (before the deadline, not cancelled) — posted before the event that wakes the
+  engine thread, and without waiting for that thread, which may be in the middle of a step —
+  else the engine's verdict once it has one.
   Rejected (unknown ticket, stale epoch, ...): it drains the stream and acknowledges with the
   reject code.
 
@@ -41,6 +43,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Work
 
 from kvtransfer import rendezvous as rdv
 from kvtransfer.recv_state import RecvPair, RecvTransfer
@@ -380,25 +383,45 @@ class Receiver:
         if broken:
             self.drop_pair(pair)  # closes the connection: nothing more lands
         settle(tr, posted, tr.exchange_until)  # no direct receive can land after this
-        self._events.put(event)
         if broken:
+            self._events.put(event)
             return  # no acknowledgement gets through a broken pair
         with tr.lock:
             complete = tr.undecided and tr.layers_written == tr.ticket.layout.num_layers
+        ack: Work | None = None
         if complete:
             # Every layer is in the blocks, before the deadline: that is what OK means, so the
-            # sender hears it now, not after this worker's engine finishes its current step.
-            # (Should the engine still cancel, the request's fate is decided on this side.)
-            code = Code.OK
-        else:  # the engine decided (deadline, cancel); tell the sender why
+            # sender hears it now — posted before the event wakes this worker's engine thread
+            # (which would hold the interpreter while it polls), and without waiting for that
+            # thread, which may be in the middle of a step. (Should the engine still cancel,
+            # the request's fate is decided on this side.)
+            ack = self._acknowledge(group, pair, tag, tid, Code.OK)
+        self._events.put(event)
+        if not complete:  # the engine decides (deadline, cancel); tell the sender why
             decided = tr.decided.wait(remaining(tr.deadline) + ACK_TIMEOUT_S)
             code = tr.final_code if decided else Code.RECEIVER_FAILED
+            ack = self._acknowledge(group, pair, tag, tid, code)
+        if ack is None:
+            return
+        try:
+            ack.wait(td(ACK_TIMEOUT_S))
+        except RuntimeError as exc:  # the sender broke or froze (the connection is closed)
+            self._ack_failed(pair, tid, exc)
+
+    def _acknowledge(
+        self, group: rdv.PairGroup, pair: RecvPair, tag: int, tid: str, code: Code
+    ) -> Work | None:
+        """Post the acknowledgement `code`; None when posting failed (the pair is dropped)."""
         try:
             ctl = control_device(self._device, pair.peer_cache is not None)
-            group.send([control_tensor(code, ctl)], 1, tag).wait(td(ACK_TIMEOUT_S))
-        except RuntimeError as exc:  # the sender broke or froze (the connection is closed)
-            log.warning("kvtransfer: acknowledging %s to %s failed: %s", tid, pair.sender, exc)
-            self.drop_pair(pair)
+            return group.send([control_tensor(code, ctl)], 1, tag)
+        except RuntimeError as exc:
+            self._ack_failed(pair, tid, exc)
+            return None
+
+    def _ack_failed(self, pair: RecvPair, tid: str, exc: RuntimeError) -> None:
+        log.warning("kvtransfer: acknowledging %s to %s failed: %s", tid, pair.sender, exc)
+        self.drop_pair(pair)
 
     def _receive_layers(self, tr: RecvTransfer, pair: RecvPair, posted: Posted) -> Event:
         """Take every layer and the trailer off the wire, putting each layer in the blocks
@@ -411,6 +434,8 @@ class Receiver:
         layers, dst = t.layout.num_layers, list(t.dst_block_ids[: t.num_blocks])
         shape = self._cache.message_shape(t.num_blocks)
         late: str | None = None  # why the layers stopped counting: past the deadline
+        if posted.mode == "direct":  # the layers land by themselves: one wait, not one each
+            posted.wait_trailer(tr.exchange_until)
         for i in range(layers):
             posted.wait_next(tr.exchange_until)
             if i == layers - 1:  # the trailer says whether the layers are real
@@ -427,7 +452,7 @@ class Receiver:
                 if time.monotonic() >= tr.deadline:
                     # Never complete with bytes that arrived late: past the sender's own
                     # deadline (later than ours) it may have reused the blocks it sends from.
-                    late = f"layer {i} arrived after the transfer's deadline"
+                    late = f"layer {i} was in only after the transfer's deadline"
                     continue
                 if posted.mode == "notified":  # one copy, from the sender's cache
                     assert pair.peer_cache is not None and tr.src_ids is not None

@@ -31,6 +31,11 @@ still read them). A send in flight may therefore read the source blocks until it
 transport holds a cancelled transfer's result (so its blocks) until then
 (`kvtransfer.torch_dist`).
 
+On a gloo pair the thread posts its receive for the acknowledgement before it waits for its
+sends: gloo moves a message only once its receive is posted, so the receiver's ack then goes
+out at once instead of announcing itself and waiting for the receive (NCCL, which matches each
+side's operations in the order they are issued, receives it after the sends).
+
 The transfer's lifecycle is the state machine of `kvtransfer.send_state` (JOINING, STREAMING,
 GIVEN_UP, FILLING, POST_FAILED, SENT, DONE); `SendTransfer.cond` guards it and the fields the
 two threads share. With NCCL (no message tags) a pair carries one transfer at a time
@@ -65,6 +70,7 @@ from kvtransfer.wire import (
     remaining,
     td,
     tear_down,
+    wait_until,
 )
 from model_runtime.kv_cache import KVCache
 from security.kvseal import RecordSeal
@@ -136,7 +142,9 @@ class Sender:
                 torch.cuda.current_stream(self._device).synchronize()
             return control_tensor(layer, self._ctl(True))
         if tr.run_start is not None:  # zero-copy: a view of the cache
-            return self._cache.layer_slice(layer, tr.run_start, len(tr.src))
+            if not tr.views:  # every layer's, made once
+                tr.views = self._cache.layer_slices(tr.run_start, len(tr.src))
+            return tr.views[layer]
         shape = self._cache.message_shape(len(tr.src))
         buf = self.staging.take(math.prod(shape), self._dtype, self._device)
         tr.pooled.append(buf)
@@ -240,7 +248,7 @@ class Sender:
             if serial and not pair.serial.acquire(timeout=remaining(tr.deadline)):
                 raise TransferError("another transfer held the pair until the deadline")
             try:
-                if self._exchange(tr, pair, verify=not fresh):
+                if self._exchange(tr, pair, verify=not fresh, serial=serial):
                     return
             finally:
                 if serial:
@@ -309,8 +317,9 @@ class Sender:
         finally:
             pair.lock.release()
 
-    def _exchange(self, tr: SendTransfer, pair: SendPair, verify: bool) -> bool:
-        """Announce, stream the layers, wait for the acknowledgement (see `kvtransfer.wire`).
+    def _exchange(self, tr: SendTransfer, pair: SendPair, verify: bool, serial: bool) -> bool:
+        """Announce, stream the layers, wait for the acknowledgement (see `kvtransfer.wire`);
+        `serial`: an NCCL pair (one transfer at a time, operations matched in order).
 
         With `verify` (a pair connected earlier), first check that the receiver still serves
         its generation — after announcing, so the check overlaps the receiver's set-up — and
@@ -343,18 +352,19 @@ class Sender:
             for layer in tr.pending:
                 self._post_layer(tr, layer, "helper")
             tr.pending.clear()
+        ack = empty_control(self._ctl(pair.shm))
+        acked = None if serial else group.recv([ack], 0, tag)  # gloo: ahead (module docstring)
         for i in range(t.layout.num_layers):
-            self._wait_layer(tr, i).wait(td(remaining(bound)))
+            wait_until(self._wait_layer(tr, i), bound)
         with tr.cond:  # the trailer went out with the last layer (or the last filler)
             if tr.state is SendState.POST_FAILED:
                 raise RuntimeError(tr.post_error)
             trailer = tr.works[t.layout.num_layers]
-        trailer.wait(td(remaining(bound)))
+        wait_until(trailer, bound)
         # The sends are done reading the cache (a shared-memory receiver is not: see
         # `SendTransfer.source_released`).
         tr.move(SendState.SENT, by="helper")
-        ack = empty_control(self._ctl(pair.shm))
-        group.recv([ack], 0, tag).wait(td(remaining(bound)))
+        wait_until(acked or group.recv([ack], 0, tag), bound)
         code = read_code(ack)
         if code is not Code.OK:
             raise TransferError(code.describe() if code else f"bad ack code {int(ack[0])}")

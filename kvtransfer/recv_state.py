@@ -64,6 +64,8 @@ class RecvState(Enum):
     DECIDED = "decided"  # the engine decided; nothing can land: the result is out (final)
     LANDING = "landing"  # decided; receives into the blocks may land: the result waits
 
+    __hash__ = object.__hash__  # by identity, as `kvtransfer.send_state.SendState`
+
 
 _R = RecvState
 
@@ -128,7 +130,7 @@ class RecvTransfer:
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the three below
     state: RecvState = RecvState.OPEN
     path: list[RecvState] = field(default_factory=lambda: [RecvState.OPEN])  # states so far
-    layers_written: int = 0
+    layers_written: int = 0  # direct receives: counted once the trailer is in
     nbytes: int = 0
     src_ids: list[int] | None = None  # shared-memory pair: the sender's blocks (from the header)
     final_code: Code = Code.RECEIVER_FAILED

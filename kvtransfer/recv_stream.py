@@ -5,7 +5,9 @@ in the receiving threads of `kvtransfer.dist_recv`.
 Three ways, chosen once per transfer (`post_receives`):
 
 - **direct** (gloo, destination blocks consecutive): each layer is received straight into
-  the destination blocks (`KVCache.layer_slice`, a view): no staging buffer, no copy. gloo
+  the destination blocks (`KVCache.layer_slices`, views): no staging buffer, no copy, and
+  nothing for the thread to do per layer, so it waits for the trailer first
+  (`Posted.wait_trailer`: one sleep per transfer, not one per layer). gloo
   writes those bytes whenever they arrive, so the transfer's result waits until no receive can
   write any more (the transfer is RECEIVING from `_claim_blocks` until `settle`, see
   `kvtransfer.recv_state`): each posted receive has completed — a live sender completes the
@@ -38,7 +40,7 @@ from kvtransfer.recv_state import RecvState, RecvTransfer
 from kvtransfer.same_host import control_device
 from kvtransfer.staging import StagingPool
 from kvtransfer.types import Code
-from kvtransfer.wire import control_tensor, empty_control, remaining, td
+from kvtransfer.wire import control_tensor, empty_control, td, wait_until
 from model_runtime.kv_cache import KVCache
 
 Mode = Literal["direct", "staged", "notified"]
@@ -48,14 +50,16 @@ ACK_TIMEOUT_S = 5.0  # bound on sending a verdict or acknowledgement to a live p
 @dataclass
 class Posted:
     """A transfer's posted receives: one per layer (into `bufs`, or the blocks themselves when
-    `mode` is "direct"), then the trailer's. Waited in that order, each once (`wait_next`):
-    a gloo receive's wait consumes its completion, so a second wait would block."""
+    `mode` is "direct"), then the trailer's. Waited in that order, each once (`wait_next`;
+    the trailer's may come first, `wait_trailer`): a gloo receive's wait consumes its
+    completion, so a second wait would block."""
 
     mode: Mode
     bufs: list[torch.Tensor]  # staging buffers or notifications; empty when direct
     works: list[Work]  # the layers' receives, then the trailer's
     trailer: torch.Tensor
-    waited: int = 0  # how many of `works` were waited (returned or raised)
+    waited: int = 0  # how many of `works` were waited (returned or raised), in order
+    trailer_waited: bool = False  # the trailer's was waited ahead of the layers'
 
     def wait_next(self, bound: float) -> None:
         """Wait for the next receive in order, at most until `bound` (the transfer's exchange
@@ -63,7 +67,18 @@ class Posted:
         or times out — the peer broke or froze, and the pair's connection is closed now."""
         work = self.works[self.waited]
         self.waited += 1
-        work.wait(td(remaining(bound)))
+        if self.trailer_waited and self.waited == len(self.works):
+            return  # waited already (`wait_trailer`)
+        wait_until(work, bound)
+
+    def wait_trailer(self, bound: float) -> None:
+        """Wait for the trailer ahead of the layers (as `wait_next` does, once). A pair
+        delivers its messages in order, so every layer is in once the trailer is: the layers'
+        waits then return at once, and a thread that has nothing to do per layer (direct
+        receives land by themselves) sleeps once per transfer, not once per layer."""
+        assert not self.trailer_waited and self.waited < len(self.works), "trailer waited twice"
+        self.trailer_waited = True
+        wait_until(self.works[-1], bound)
 
     def recycle(self, staging: StagingPool) -> None:
         """Staging buffers back to the pool, once every receive completed (none writes now)."""
@@ -101,7 +116,7 @@ def post_receives(
     first = KVCache.run_start(dst) if direct_ok else None
     if first is not None and _claim_blocks(tr):
         try:
-            views = [cache.layer_slice(i, first, len(dst)) for i in range(layers)]
+            views = cache.layer_slices(first, len(dst))
             works = [group.recv([v], 1, tag) for v in [*views, trailer]]
             return Posted("direct", [], works, trailer)
         except RuntimeError:
@@ -159,6 +174,6 @@ def drain_and_answer(
         else torch.empty(cache.message_shape(n_blocks), dtype=cache.dtype, device=cache.device)
     )
     for _ in range(cache.num_layers):
-        group.recv([scratch], 1, tag).wait(td(remaining(bound)))
-    group.recv([empty_control(ctl)], 1, tag).wait(td(remaining(bound)))
+        wait_until(group.recv([scratch], 1, tag), bound)
+    wait_until(group.recv([empty_control(ctl)], 1, tag), bound)
     group.send([control_tensor(code, ctl)], 1, tag).wait(td(ACK_TIMEOUT_S))

@@ -68,6 +68,10 @@ class SendState(Enum):
     SENT = "sent"  # every send and the trailer completed: buffers reusable; awaiting the ack
     DONE = "done"  # the thread is past its sends: none can read the source blocks (final)
 
+    # Members are singletons compared by identity: hash them by identity too (a C slot; Enum's
+    # own hash runs Python code, and every move and check looks states up in tables).
+    __hash__ = object.__hash__
+
 
 _S = SendState
 
@@ -147,6 +151,7 @@ class SendTransfer:
     cancelled: bool = False  # the engine cancelled (see the module docstring)
     pair: SendPair | None = None
     run_start: int | None = None  # source blocks are one run from here: sent zero-copy
+    views: tuple[torch.Tensor, ...] = ()  # zero-copy: each layer's view, made at the first post
     next_layer: int = 0  # engine thread only
     nbytes: int = 0  # engine thread only
 

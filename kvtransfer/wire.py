@@ -33,6 +33,7 @@ other transfer on it then shares: that is a peer failure, not one request's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -43,6 +44,7 @@ from datetime import timedelta
 from typing import Literal
 
 import torch
+from torch._C._distributed_c10d import Work
 
 from kvtransfer.rendezvous import PairGroup
 from kvtransfer.types import Code
@@ -96,8 +98,16 @@ class EventQueue:
 
 
 def control_tensor(code: Code | int, device: torch.device) -> torch.Tensor:
-    """A 4 x int64 control message (only element 0, the code, is used today)."""
-    return torch.tensor([int(code), 0, 0, 0], dtype=torch.int64, device=device)
+    """A 4 x int64 control message (only element 0, the code, is used today), to send.
+
+    One shared tensor per (code, device), made once: sends only read it, so never write
+    into it (`empty_control` gives a buffer to receive into)."""
+    return _control(int(code), device)
+
+
+@functools.cache
+def _control(code: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([code, 0, 0, 0], dtype=torch.int64, device=device)
 
 
 def empty_control(device: torch.device) -> torch.Tensor:
@@ -106,7 +116,7 @@ def empty_control(device: torch.device) -> torch.Tensor:
 
 def read_code(message: torch.Tensor) -> Code | None:
     """The code in a received control message, or None when it is not a known code."""
-    value = int(message[0].item())
+    value = int(message.tolist()[0])
     try:
         return Code(value)
     except ValueError:
@@ -120,6 +130,12 @@ def remaining(deadline: float) -> float:
 
 def td(seconds: float) -> timedelta:
     return timedelta(seconds=max(seconds, 0.001))
+
+
+def wait_until(work: Work, bound: float) -> None:
+    """Wait for `work` until `bound` at the latest (a `time.monotonic()` deadline, and at
+    least 1 ms); raises `RuntimeError` as `Work.wait` does when it fails or times out."""
+    work.wait(timedelta(seconds=max(bound - time.monotonic(), 0.001)))
 
 
 def exchange_bound(sender_deadline: float) -> float:

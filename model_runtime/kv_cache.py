@@ -210,6 +210,11 @@ class KVCache:
         shaped `message_shape(count)`."""
         return self.kv[layer_idx, first : first + count]
 
+    def layer_slices(self, first: int, count: int) -> tuple[torch.Tensor, ...]:
+        """`layer_slice(l, first, count)` for every layer l, in one call (one view operation
+        instead of one per layer: a KV transfer takes every layer's)."""
+        return self.kv[:, first : first + count].unbind(0)
+
     def gather_layer(
         self, layer_idx: int, block_ids: Sequence[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -59,9 +59,9 @@ def _cache(seed: int | None, head_dim: int = HEAD_DIM, device: str = "cpu") -> K
     return cache
 
 
-def _digest(cache: KVCache, blocks: list[int]) -> str:
+def _digest(cache: KVCache, blocks: list[int], layers: range = range(LAYERS)) -> str:
     h = hashlib.sha256()
-    for layer in range(LAYERS):
+    for layer in layers:
         h.update(cache.gather_layer(layer, blocks).cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -99,9 +99,9 @@ def _worker_main(
                 conn.send(("status", {"free": BLOCKS - len(+held), "in_flight": len(blocks)}))
             elif cmd == "handed":  # prefill: how many layers of `tid` went to the transport
                 conn.send(("handed", {"layers": handed[arg["tid"]]}))
-            elif cmd == "received":  # decode: how many layers of `tid` are in its blocks
-                rcv = tr._recvs.get(arg["tid"])
-                conn.send(("received", {"layers": rcv.layers_written if rcv else None}))
+            elif cmd == "layer_digest":  # either side: one layer of the blocks held for `tid`
+                layer = range(arg["layer"], arg["layer"] + 1)
+                conn.send(("layer_digest", {"digest": _digest(cache, blocks[arg["tid"]], layer)}))
             elif cmd == "release":  # prefill: hand over the layers of `tid` held by `hold_at`
                 hold_at.pop(arg["tid"], None)
                 conn.send(("released", {}))
@@ -290,11 +290,13 @@ def wait_handed(p: Peer, tid: str, layers: int, timeout_s: float = LONG) -> None
         time.sleep(0.005)
 
 
-def wait_received(d: Peer, tid: str, layers: int, timeout_s: float = LONG) -> None:
-    """Poll the decode peer until `layers` layers of `tid` are written into its blocks."""
+def wait_landed(d: Peer, p: Peer, tid: str, layer: int, timeout_s: float = LONG) -> None:
+    """Poll until layer `layer` of `tid` is in the decode peer's blocks, byte for byte as in
+    the prefill peer's (whether or not the receiving thread has counted it yet)."""
     deadline = time.monotonic() + timeout_s
-    while (d.call("received", "received", tid=tid)["layers"] or 0) < layers:
-        assert time.monotonic() < deadline, f"{tid}: fewer than {layers} layers received"
+    sent = p.call("layer_digest", "layer_digest", tid=tid, layer=layer)["digest"]
+    while d.call("layer_digest", "layer_digest", tid=tid, layer=layer)["digest"] != sent:
+        assert time.monotonic() < deadline, f"{tid}: layer {layer} did not land"
         time.sleep(0.005)
 
 

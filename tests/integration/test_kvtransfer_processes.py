@@ -22,7 +22,7 @@ from tests.fakes.kv_workers import (
     check_exact,
     start_transfer,
     wait_handed,
-    wait_received,
+    wait_landed,
 )
 
 pytestmark = pytest.mark.slow
@@ -189,7 +189,7 @@ def test_a_cancelled_direct_receive_reports_only_once_its_receives_are_done():
         # The cancel lands once layer 0 is in the blocks; the sender holds layers 1 and 2 until
         # the test has seen that no result comes out while they are still to land.
         tid, _ = start_transfer(d, p, 4 * BLOCK, [4, 5, 6, 7], ascending=True, hold_at=1)
-        wait_received(d, tid, 1)
+        wait_landed(d, p, tid, 0)
         assert not d.call("cancel", "cancelled", tid=tid)["late"]
         with pytest.raises(TimeoutError):
             d.result(tid, 0.5)  # reported before the stream was done
