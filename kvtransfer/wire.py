@@ -18,7 +18,12 @@ each layer message is an int64 x4 notification (the layer index): the receiver c
 layer out of the sender's cache itself, and the sender keeps its blocks until the ack.
 
 Each side issues its operations in exactly this order, so the same sequence is valid for NCCL
-(which matches point-to-point messages by order, not by tag).
+(which matches point-to-point messages by order, not by tag) — but for one receive: on gloo the
+sender posts the ack's receive before it waits for its sends. gloo moves a message only once
+its receive is posted (the receive sends a "ready" note the other way; a send posted first
+announces itself and waits for it), so posted early the ack goes out the moment the receiver
+has it. For the same reason the receiver posts every layer's receive as the header arrives,
+and the sender's layers go out after its pair check, by which time they mostly have been.
 
 **A transfer ends alone.** Many transfers share one pair's connection, and a gloo wait that
 times out closes that connection (and fails every operation on it, on both sides). So no wait is
