@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 		echo "warning: could not install redis-server; Redis tests will skip"; }
 	@touch $@
 
-demo: setup  ## SmolLM2-135M-Instruct: one chat over the 1P1D cluster, then disagg vs colocated goodput on 3 seeds (~15 min)
+demo: setup  ## SmolLM2-135M-Instruct: one chat over the 1P1D cluster, then disagg vs colocated goodput on 3 seeds (~20 min)
 	$(PY) -m deploy.cli demo --model $(REAL_MODEL_DIR) --out $(RUN_DIR)
 
 up: setup  ## start a local 1 prefill + 1 decode cluster serving SmolLM2-135M-Instruct, Q4_1 kept quantized (Ctrl-C stops it)
