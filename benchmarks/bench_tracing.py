@@ -347,8 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for mine, off in zip(runs[cond], runs["off"], strict=True):
             a, b = mine[key], off[key]
-            if a and b:
-                out.append(b / a if invert else a / b)
+            if a is None or b is None:
+                continue
+            num, den = (b, a) if invert else (a, b)
+            if den:  # a round with zero goodput beside a live 'off' counts as 0, not skipped
+                out.append(num / den)
         return out
 
     table = {}
