@@ -57,10 +57,13 @@ def _string_end(raw: bytes, pos: int, budget: list[int]) -> int | None:
             return None
 
 
-def oversized_content(raw: bytes, max_bytes: int, budget: int = 20_000) -> int | None:
+def oversized_content(
+    raw: bytes, max_bytes: int, budget: int = 20_000, prefix: bool = False
+) -> int | None:
     """The index ``i`` of the first message at which the JSON bytes of ``messages[0..i]``'s
     ``content`` values (quotes and escapes included) exceed `max_bytes`; None when no such
-    message was found within `budget` steps (module docstring)."""
+    message was found within `budget` steps (module docstring). `prefix`: `raw` is the body's
+    first bytes only, so a string still open at its end runs at least that far."""
     frames: list[_Frame] = []
     left = [budget]
     total = 0
@@ -96,7 +99,9 @@ def oversized_content(raw: bytes, max_bytes: int, budget: int = 20_000) -> int |
         elif c == 0x22:  # '"'
             string_end = _string_end(raw, pos, left)
             if string_end is None:
-                return None
+                if not prefix or left[0] <= 0:
+                    return None
+                string_end = n  # open past the prefix: it runs at least to its end
             end = string_end
             if top is not None and top.is_object and top.expect_key:
                 top.key, top.expect_key = raw[pos + 1 : end - 1], False

@@ -81,7 +81,8 @@ REQUEST_ID = web.RequestKey("pdserve_request_id", str)
 
 async def read_body(request: web.Request, limits: ModelLimits, chat: bool) -> bytes:
     """The request body's bytes. A body beyond `limits.max_json_body_bytes` is refused before
-    it is parsed (`oversized_body`): no request the model can serve is that large. A body
+    it is parsed (`oversized_body`, from its first bound + 1 bytes, the rest never read into
+    memory): no request the model can serve is that large. A body
     sent compressed (any `Content-Encoding` but identity) is refused 415 unread: the front
     never decompresses (`server`), so a gzip bomb or a mislabelled body costs nothing."""
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
@@ -92,14 +93,22 @@ async def read_body(request: web.Request, limits: ModelLimits, chat: bool) -> by
             None,
             "unsupported_media_type",
         )
+    bound = limits.max_json_body_bytes
     try:
         async with asyncio.timeout(request.app[STATE].body_timeout_s):
-            raw = await request.read()
+            declared, most = request.content_length, request.client_max_size
+            if not bound or (declared is not None and most and declared > most):
+                return await request.read()  # aiohttp refuses past client_max_size: 413
+            # At most the bound + 1 bytes are ever held: what lies beyond is never buffered
+            # or copied on the loop (aiohttp discards it after the answer), so refusing a body
+            # costs the same at 20 MB as at the bound.
+            try:
+                raw = await request.content.readexactly(bound + 1)
+            except asyncio.IncompleteReadError as short:  # the whole body, within the bound
+                return short.partial
     except TimeoutError:
         raise OpenAIError(408, "request body not received in time", None, "timeout") from None
-    if limits.max_json_body_bytes and len(raw) > limits.max_json_body_bytes:
-        raise oversized_body(raw, limits, chat)
-    return raw
+    raise oversized_body(raw, limits, chat)
 
 
 class SSEWriter:

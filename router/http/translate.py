@@ -137,12 +137,13 @@ def completion_request(req: CompletionRequest, request_id: str) -> Translated:
 
 
 def oversized_body(raw: bytes, limits: ModelLimits, chat: bool) -> OpenAIError:
-    """The 400 for a request body beyond `limits.max_json_body_bytes`, decided unparsed: for a
-    chat body, naming ``messages[i].content`` where the content outgrows what the context can
-    hold (`body_scan`), else naming the prompt field."""
+    """The 400 for a request body beyond `limits.max_json_body_bytes`, decided unparsed from
+    `raw`, its first bytes (the bound + 1 of them, or all): for a chat body, naming
+    ``messages[i].content`` where the content outgrows what the context can hold
+    (`body_scan`), else naming the prompt field."""
     ctx, chars = limits.context_length, limits.max_prompt_chars
     if chat:
-        i = oversized_content(raw, 12 * chars + 2)
+        i = oversized_content(raw, 12 * chars + 2, prefix=True)
         if i is not None:
             return OpenAIError.invalid(
                 f"messages[{i}].content",
@@ -151,8 +152,8 @@ def oversized_body(raw: bytes, limits: ModelLimits, chat: bool) -> OpenAIError:
             )
     return OpenAIError.invalid(
         "messages" if chat else "prompt",
-        f"too long: the request body is {len(raw)} bytes; a request that fits the context "
-        f"length {ctx} is at most {limits.max_json_body_bytes} bytes",
+        f"too long: the request body is over {limits.max_json_body_bytes} bytes, the most a "
+        f"request that fits the context length {ctx} can take",
     )
 
 

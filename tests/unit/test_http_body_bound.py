@@ -39,6 +39,9 @@ def test_scan_counts_parts_lists_escapes_and_skips_other_fields() -> None:
 def test_scan_gives_up_on_garbage_and_budget() -> None:
     assert oversized_content(b"[[[[", 1) is None
     assert oversized_content(b'{"messages": [{"content": "never ends', 1) is None
+    # the body's first bytes only: a content still open at the cut runs at least that far
+    assert oversized_content(b'{"messages": [{"content": "never ends', 5, prefix=True) == 0
+    assert oversized_content(b'{"messages": [{"content": "never ends', 50, prefix=True) is None
     assert oversized_content(b'{"mess\\u0061ges": [{"content": "xxxx"}]}', 1) is None
     many = body(*(["x"] * 5000), "y" * 1000)
     assert oversized_content(many, 15_500) is None  # 20,000 steps cover ~1,600 messages
